@@ -1,0 +1,28 @@
+"""fsdp_mpi: fully sharded data parallel (ZeRO-3) for PyTorch over mpi4py collectives.
+
+    model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
+
+Read in this order: comm -> flat_param -> fully_sharded -> wrap -> state_dict.
+"""
+
+from fsdp_mpi.abort import abort_job_on_uncaught_exception
+from fsdp_mpi.comm import Communicator
+from fsdp_mpi.fully_sharded import FSDP, FullyShardedDataParallel, TrainingState
+from fsdp_mpi.state_dict import full_state_dict, load_full_state_dict, summon_full_params
+from fsdp_mpi.strategy import ShardingStrategy
+from fsdp_mpi.wrap import ModuleWrapPolicy, SizeBasedWrapPolicy
+
+__all__ = [
+    "FSDP",
+    "Communicator",
+    "FullyShardedDataParallel",
+    "ModuleWrapPolicy",
+    "ShardingStrategy",
+    "SizeBasedWrapPolicy",
+    "TrainingState",
+    "abort_job_on_uncaught_exception",
+    "full_state_dict",
+    "load_full_state_dict",
+    "summon_full_params",
+]

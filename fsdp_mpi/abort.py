@@ -1,0 +1,45 @@
+"""One failing rank must end the whole job, not leave the others waiting in a collective.
+
+MPI has no notion of a Python exception: a rank that dies from one simply
+stops calling collectives, and every other rank blocks forever in its next one.
+We print the traceback as Python would and then call ``MPI_Abort``, which tells
+the launcher (mpiexec, srun) to kill every rank of the job.
+"""
+
+import sys
+import threading
+
+from mpi4py import MPI
+
+_installed = False
+
+
+def abort_job_on_uncaught_exception(mpi_comm=None) -> None:
+    """Makes an uncaught exception on any thread of this rank abort the whole MPI job.
+
+    Idempotent. Called by ``FullyShardedDataParallel`` when the job has more than
+    one rank; scripts may call it earlier to cover their own set-up code.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    print_exception = sys.excepthook
+    print_thread_exception = threading.excepthook
+
+    def end_job(exc_type) -> None:
+        sys.stderr.write(f"fsdp_mpi: rank {comm.Get_rank()} raised {exc_type.__name__}; aborting the MPI job\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    def abort(exc_type, exc_value, exc_traceback):
+        print_exception(exc_type, exc_value, exc_traceback)
+        end_job(exc_type)
+
+    def abort_from_thread(args):
+        print_thread_exception(args)
+        end_job(args.exc_type)
+
+    sys.excepthook = abort
+    threading.excepthook = abort_from_thread

@@ -1,0 +1,181 @@
+"""The one place that talks to MPI: every collective the sharding layer uses.
+
+Tensors go to mpi4py as they are (through DLPack: no ``.numpy()`` copies),
+detached and contiguous. Device tensors go straight to a CUDA-aware MPI after
+the producing stream is synchronised; otherwise they are staged through
+reusable pinned host buffers (see ``gpu_support``). Staging can be forced for
+CPU tensors too, so that tests exercise that path without a GPU.
+
+Callers that hand in tensors autograd saved for backward pass ``tensor.data``
+aliases: MPI writes do not bump version counters, but staging's copy-back would.
+"""
+
+import time
+from contextlib import contextmanager
+
+import torch
+from mpi4py import MPI
+
+from fsdp_mpi.gpu_support import FORCE_STAGING_ENV, HostStagingBuffers, env_flag, mpi_is_cuda_aware
+
+# MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
+MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1
+
+# Moving data needs only the bits: every dtype travels as unsigned integers of its width.
+_BIT_TYPES = {
+    1: (torch.uint8, MPI.UINT8_T),
+    2: (torch.int16, MPI.INT16_T),
+    4: (torch.int32, MPI.INT32_T),
+    8: (torch.int64, MPI.INT64_T),
+}
+# Arithmetic needs the real type; 16-bit floats are summed in fp32 (MPI has no bf16).
+_SUM_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
+_SUM_IN_FP32 = (torch.float16, torch.bfloat16)
+
+
+def _bits(tensor: torch.Tensor) -> list:
+    """An mpi4py buffer spec that moves `tensor`'s bytes unchanged."""
+    if tensor.element_size() not in _BIT_TYPES:
+        raise TypeError(f"cannot communicate tensors of dtype {tensor.dtype}")
+    view_dtype, mpi_type = _BIT_TYPES[tensor.element_size()]
+    return [tensor.detach().view(view_dtype), mpi_type]
+
+
+def _numbers(tensor: torch.Tensor) -> list:
+    """An mpi4py buffer spec for reductions over `tensor`'s values."""
+    return [tensor.detach(), _SUM_TYPES[tensor.dtype]]
+
+
+class Communicator:
+    """Collectives on torch tensors over one MPI communicator (``MPI.COMM_WORLD`` by default).
+
+    Args:
+        mpi_comm: the mpi4py communicator whose ranks share the model.
+        force_staging: copy every buffer through host staging buffers even when
+            MPI could read it in place. Defaults to ``FSDP_MPI_FORCE_STAGING``.
+        cuda_aware: whether MPI accepts device buffers. Defaults to asking the
+            library (``FSDP_MPI_CUDA_AWARE`` overrides).
+    """
+
+    def __init__(self, mpi_comm=None, *, force_staging: bool | None = None, cuda_aware: bool | None = None):
+        self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.rank = self.mpi_comm.Get_rank()
+        self.world_size = self.mpi_comm.Get_size()
+        self.cuda_aware = mpi_is_cuda_aware() if cuda_aware is None else cuda_aware
+        self.force_staging = bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None else force_staging
+        self.max_elements_per_message = MAX_ELEMENTS_PER_MESSAGE
+        self.seconds_in_mpi = 0.0  # wall time blocked inside MPI calls, for profiling
+        self._staging = HostStagingBuffers()
+
+    # ----------------------------------------------------------------- collectives
+
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """full (world_size * S,) <- every rank's shard (S,), in rank order."""
+        shard_numel = shard.numel()
+        self._check_pair(full, shard, "all_gather_into")
+        chunk = self.max_elements_per_message
+        if shard_numel <= chunk:
+            self._allgather(full, shard)
+            return
+        full_by_rank = full.view(self.world_size, shard_numel)
+        for start in range(0, shard_numel, chunk):
+            stop = min(start + chunk, shard_numel)
+            gathered = torch.empty(self.world_size, stop - start, dtype=full.dtype, device=full.device)
+            self._allgather(gathered, shard[start:stop])
+            full_by_rank[:, start:stop].copy_(gathered)
+
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """shard (S,) <- mean over ranks of their full[rank * S:(rank + 1) * S]."""
+        self._check_pair(full, shard, "reduce_scatter_mean")
+        if shard.dtype in _SUM_IN_FP32:
+            shard_fp32 = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
+            self.reduce_scatter_mean(shard_fp32, full.float())
+            shard.copy_(shard_fp32)
+            return
+        shard_numel = shard.numel()
+        chunk = self.max_elements_per_message
+        if shard_numel <= chunk:
+            self._reduce_scatter(shard, full)
+        else:
+            full_by_rank = full.view(self.world_size, shard_numel)
+            for start in range(0, shard_numel, chunk):
+                stop = min(start + chunk, shard_numel)
+                self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous())
+        shard.div_(self.world_size)
+
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
+        """Overwrites `tensor` on every rank with root's."""
+        if not tensor.is_contiguous():
+            raise ValueError("broadcast_ needs a contiguous tensor")
+        flat = tensor.view(-1)
+        for start in range(0, max(flat.numel(), 1), self.max_elements_per_message):
+            part = flat[start:start + self.max_elements_per_message]
+            host = self._host_copy(part, "broadcast", load=self.rank == root)
+            with self._in_mpi(part):
+                self.mpi_comm.Bcast(_bits(host), root=root)
+            if host is not part:
+                part.copy_(host)
+
+    def allgather_object(self, obj) -> list:
+        """Every rank's small picklable `obj`, in rank order (for checks, not tensors)."""
+        with self._in_mpi(None):
+            return self.mpi_comm.allgather(obj)
+
+    def allreduce_sum_float(self, value: float) -> float:
+        """Sum of a Python float over ranks (losses, counters)."""
+        with self._in_mpi(None):
+            return self.mpi_comm.allreduce(float(value), op=MPI.SUM)
+
+    def barrier(self) -> None:
+        with self._in_mpi(None):
+            self.mpi_comm.Barrier()
+
+    # ----------------------------------------------------------------- internals
+
+    def _allgather(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+        send_host = self._host_copy(send, "allgather_send", load=True)
+        recv_host = self._host_copy(recv, "allgather_recv", load=False)
+        with self._in_mpi(send):
+            self.mpi_comm.Allgather(_bits(send_host), _bits(recv_host))
+        if recv_host is not recv:
+            recv.copy_(recv_host)
+
+    def _reduce_scatter(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+        send_host = self._host_copy(send, "reduce_scatter_send", load=True)
+        recv_host = self._host_copy(recv, "reduce_scatter_recv", load=False)
+        with self._in_mpi(send):
+            self.mpi_comm.Reduce_scatter_block(_numbers(send_host), _numbers(recv_host), op=MPI.SUM)
+        if recv_host is not recv:
+            recv.copy_(recv_host)
+
+    def _needs_staging(self, tensor: torch.Tensor) -> bool:
+        return self.force_staging or (tensor.is_cuda and not self.cuda_aware)
+
+    def _host_copy(self, tensor: torch.Tensor, slot: str, *, load: bool) -> torch.Tensor:
+        """`tensor` itself when MPI may touch it in place, else a staging buffer (filled from it if `load`)."""
+        if not self._needs_staging(tensor):
+            return tensor
+        host = self._staging.get(slot, tensor.numel(), tensor.dtype)
+        if load:
+            host.copy_(tensor.reshape(-1))
+        return host.view_as(tensor)
+
+    @contextmanager
+    def _in_mpi(self, tensor: torch.Tensor | None):
+        """Times an MPI call; first lets the GPU finish writing a device buffer MPI will read."""
+        if tensor is not None and tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds_in_mpi += time.perf_counter() - start
+
+    def _check_pair(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> None:
+        if full.numel() != shard.numel() * self.world_size:
+            raise ValueError(
+                f"{what}: full buffer has {full.numel()} elements, expected "
+                f"{self.world_size} x {shard.numel()}"
+            )
+        if full.dtype != shard.dtype or not (full.is_contiguous() and shard.is_contiguous()):
+            raise ValueError(f"{what}: buffers must be contiguous and of one dtype")

@@ -1,0 +1,150 @@
+"""Seeing and saving the full model: gathered parameters under their original names.
+
+The state dicts here contain exactly the keys and shapes of the unwrapped
+model's ``state_dict()``, so a trained model can be saved, loaded into the plain
+module and used without fsdp_mpi.
+"""
+
+from collections import namedtuple
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from fsdp_mpi.fully_sharded import WRAPPED_MODULE, FullyShardedDataParallel, TrainingState
+
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+def original_name(name: str) -> str:
+    """``_fsdp_wrapped_module.h.0._fsdp_wrapped_module.attn.weight`` -> ``h.0.attn.weight``."""
+    return ".".join(part for part in name.split(".") if part and part != WRAPPED_MODULE)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _units_by_prefix(module: nn.Module) -> list[tuple[str, FullyShardedDataParallel]]:
+    units = [(original_name(n), m) for n, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    if not units:
+        raise ValueError("the module contains no FullyShardedDataParallel unit")
+    return units
+
+
+def _persistent_buffers(module: nn.Module):
+    """Yields (original name, buffer) for every buffer that belongs in a state dict."""
+    for module_name, submodule in module.named_modules():
+        for buffer_name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer_name not in submodule._non_persistent_buffers_set:
+                yield original_name(_join(module_name, buffer_name)), buffer
+
+
+@contextmanager
+def summon_full_params(module: nn.Module, writeback: bool = True):
+    """Gathers every unit's full parameters for the duration of the block.
+
+    Inside it, the wrapped modules' parameter attributes (``model.module.fc.weight``)
+    are the full tensors. With `writeback`, edits to them are kept: each rank
+    copies its own part back into its shard. Every rank must enter it together,
+    outside forward and backward; it holds the whole model on every rank.
+    """
+    units = [unit for _, unit in _units_by_prefix(module)]
+    if any(unit.training_state is not TrainingState.IDLE for unit in units):
+        raise RuntimeError("summon_full_params cannot be entered during forward or backward")
+    already_gathered = {id(h) for unit in units for h in unit.handles if h.is_unsharded}
+    for unit in units:
+        unit._unshard()
+        for handle in unit.handles:
+            handle.point_attributes_at_full_flat(detached=True)
+    try:
+        yield module
+    finally:
+        for unit in units:
+            for handle in unit.handles:
+                if writeback:
+                    handle.write_back_shard()
+                if id(handle) not in already_gathered:
+                    handle.reshard()
+
+
+def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on CPU, gathered one unit at a time to bound memory.
+
+    Every rank must call it. With `rank0_only`, ranks other than 0 get ``{}``
+    and keep no copy. Tied parameters appear under each of their names, as in
+    ``nn.Module.state_dict()``.
+    """
+    units = _units_by_prefix(module)
+    keep = not rank0_only or units[0][1]._comm.rank == 0
+    state: dict[str, torch.Tensor] = {}
+    for prefix, unit in units:
+        already_gathered = [handle.is_unsharded for handle in unit.handles]
+        unit._unshard()
+        for handle, was_gathered in zip(unit.handles, already_gathered):
+            if keep:
+                for slot, full in handle.full_tensors():
+                    saved = full.detach().to("cpu", copy=True)
+                    for use in slot.uses:
+                        state[_join(prefix, use.name)] = saved
+            if not was_gathered:
+                handle.reshard()
+    if keep:
+        for name, buffer in _persistent_buffers(module):
+            state[name] = buffer.detach().to("cpu", copy=True)
+    return state
+
+
+def load_full_state_dict(module: nn.Module, state_dict: dict, strict: bool = True) -> IncompatibleKeys:
+    """Loads a full state dict (original names) that every rank holds; each rank keeps its shard.
+
+    Raises RuntimeError naming missing, unexpected or mis-shaped entries before
+    changing anything (missing and unexpected ones only when `strict`).
+    """
+    targets = {}  # original name -> (handle, slot) or buffer
+    for prefix, unit in _units_by_prefix(module):
+        for handle in unit.handles:
+            for slot in handle.slots:
+                for use in slot.uses:
+                    targets[_join(prefix, use.name)] = (handle, slot)
+    for name, buffer in _persistent_buffers(module):
+        targets[name] = buffer
+    missing = sorted(set(targets) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(targets))
+    mis_shaped = [
+        f"{name}: checkpoint {tuple(state_dict[name].shape)}, model {tuple(_shape_of(targets[name]))}"
+        for name in targets
+        if name in state_dict and tuple(state_dict[name].shape) != tuple(_shape_of(targets[name]))
+    ]
+    problems = []
+    if strict and missing:
+        problems.append("missing keys: " + ", ".join(missing))
+    if strict and unexpected:
+        problems.append("unexpected keys: " + ", ".join(unexpected))
+    if mis_shaped:
+        problems.append("shape mismatches: " + "; ".join(mis_shaped))
+    if problems:
+        raise RuntimeError("cannot load state dict: " + " | ".join(problems))
+
+    with torch.no_grad():
+        for name, target in targets.items():
+            if name not in state_dict:
+                continue
+            if isinstance(target, torch.Tensor):
+                target.copy_(state_dict[name])
+            else:
+                _copy_into_shard(*target, state_dict[name])
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _shape_of(target) -> torch.Size:
+    return target.shape if isinstance(target, torch.Tensor) else target[1].shape
+
+
+def _copy_into_shard(handle, slot, full_value: torch.Tensor) -> None:
+    """Copies the part of one parameter that falls inside this rank's shard."""
+    shard_start, shard_stop = handle.shard_offset, handle.shard_offset + handle.shard_numel
+    start, stop = max(slot.offset, shard_start), min(slot.offset + slot.numel, shard_stop)
+    if start < stop:
+        values = full_value.reshape(-1)[start - slot.offset:stop - slot.offset]
+        handle.flat_param[start - shard_start:stop - shard_start].copy_(values)

@@ -1,0 +1,30 @@
+"""Launching test workers under mpiexec from pytest, with a timeout so that a hang fails."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+REPO_ROOT = Path(__file__).parent.parent
+
+
+def mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel's) or else the first on PATH."""
+    beside_python = Path(sys.executable).parent / "mpiexec"
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("no mpiexec found: pip install mpich, or load your site's MPI module")
+    return found
+
+
+def run_mpi(worker: str, nprocs: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Runs tests/workers/<worker> on `nprocs` ranks; returns the finished process (never raises on failure)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+    command = [mpiexec(), "-n", str(nprocs), sys.executable, str(WORKERS / worker), *map(str, args)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"

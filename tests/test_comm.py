@@ -1,0 +1,60 @@
+"""Communicator behaviour that needs one rank only: CUDA-awareness detection, staging, device buffers."""
+
+import pytest
+import torch
+
+from fsdp_mpi import Communicator
+from fsdp_mpi.gpu_support import HostStagingBuffers, env_flag, mpi_is_cuda_aware
+
+
+def test_cuda_awareness_can_be_overridden(monkeypatch):
+    monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "1")
+    assert mpi_is_cuda_aware() is True
+    monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "no")
+    assert mpi_is_cuda_aware() is False
+    monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "maybe")
+    with pytest.raises(ValueError, match="FSDP_MPI_CUDA_AWARE='maybe'"):
+        env_flag("FSDP_MPI_CUDA_AWARE")
+
+
+def test_library_is_asked_when_not_overridden(monkeypatch):
+    monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
+    assert isinstance(mpi_is_cuda_aware(), bool)  # the pip MPICH build answers through MPIX_GPU_query_support
+
+
+def test_staging_buffers_are_reused_and_grown():
+    buffers = HostStagingBuffers()
+    small = buffers.get("a", 4, torch.float32)
+    again = buffers.get("a", 2, torch.float32)
+    assert small.data_ptr() == again.data_ptr() and again.numel() == 2
+    bigger = buffers.get("a", 100, torch.bfloat16)
+    assert bigger.numel() == 100 and bigger.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("force_staging", [False, True])
+def test_single_rank_collectives(dtype, force_staging):
+    comm = Communicator(force_staging=force_staging)
+    shard = torch.arange(5, dtype=dtype)
+    full = torch.empty(5, dtype=dtype)
+    comm.all_gather_into(full, shard)
+    assert torch.equal(full, shard)
+    reduced = torch.empty(5, dtype=dtype)
+    comm.reduce_scatter_mean(reduced, shard * 2)
+    assert torch.equal(reduced, shard * 2)
+
+
+def test_mismatched_buffers_are_refused():
+    comm = Communicator()
+    with pytest.raises(ValueError, match="full buffer has 3 elements, expected 1 x 2"):
+        comm.all_gather_into(torch.empty(3), torch.empty(2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("force_staging", [False, True])
+def test_device_buffers_direct_and_staged(force_staging):
+    comm = Communicator(force_staging=force_staging)
+    shard = torch.arange(6, dtype=torch.float32, device="cuda")
+    full = torch.empty(6, device="cuda")
+    comm.all_gather_into(full, shard)
+    assert torch.equal(full.cpu(), shard.cpu())

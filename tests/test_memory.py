@@ -1,0 +1,39 @@
+"""Each rank keeps exactly 1/N of every unit's padded parameters; gathered memory lives only while used."""
+
+import json
+
+import pytest
+from mpi_launch import check_ok, run_mpi
+
+
+def run_memory(nprocs, tmp_path) -> dict:
+    out = tmp_path / f"memory{nprocs}.json"
+    check_ok(run_mpi("memory.py", nprocs, out))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_persistent_parameters_are_one_shard_per_rank(nprocs, tmp_path):
+    report = run_memory(nprocs, tmp_path)
+    for handle in report["persistent"]:
+        assert handle["padded_numel"] % nprocs == 0
+        assert handle["flat_param_bytes"] == handle["padded_numel"] // nprocs * 4
+        assert handle["gathered_bytes"] == 0
+    total = sum(h["flat_param_bytes"] for h in report["persistent"])
+    assert report["parameter_bytes"] == total
+    padding_bytes = sum(h["padded_numel"] * 4 for h in report["persistent"]) - report["unwrapped_bytes"]
+    assert 0 <= padding_bytes < 4 * nprocs * len(report["persistent"])
+    assert total == (report["unwrapped_bytes"] + padding_bytes) // nprocs
+
+
+def test_only_the_computing_unit_holds_gathered_parameters(tmp_path):
+    report = run_memory(2, tmp_path)
+    blocks = len(report["persistent"]) - 1
+    # While block i computes, only the root (which encloses it) and block i are gathered,
+    # in the training forward and in the no-grad forward that follows it.
+    one_forward = [[0, i] for i in range(1, blocks + 1)]
+    assert report["seen_during_blocks"] == one_forward + one_forward
+    assert report["after_forward"] == [0]  # the root stays gathered: backward starts with it
+    assert report["after_backward"] == []
+    assert report["after_no_grad_forward"] == []
+    assert report["grad_numels"] == report["shard_numels"]

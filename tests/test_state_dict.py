@@ -1,0 +1,73 @@
+"""Full state dicts carry the original names and values; loading one back sets every shard."""
+
+import copy
+
+import pytest
+import torch
+
+from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy, summon_full_params
+from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+
+@pytest.fixture
+def plain_and_wrapped():
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
+    wrapped = FullyShardedDataParallel(copy.deepcopy(plain), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+    return plain, wrapped
+
+
+def test_state_dict_has_original_names_and_values(plain_and_wrapped):
+    plain, wrapped = plain_and_wrapped
+    expected = plain.state_dict()
+    state = wrapped.state_dict()
+    assert set(state) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    assert state["lm_head.weight"] is state["transformer.wte.weight"]  # still tied
+
+
+def test_saved_state_loads_into_a_plain_model(plain_and_wrapped):
+    plain, wrapped = plain_and_wrapped
+    fresh = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
+    fresh.load_state_dict(wrapped.state_dict())
+    tokens = torch.randint(0, 128, (2, 8))
+    assert torch.equal(fresh(tokens)[0], plain(tokens)[0])
+
+
+def test_load_state_dict_round_trip(plain_and_wrapped):
+    plain, wrapped = plain_and_wrapped
+    other = GPT2LMHeadModel(gpt2_config("gpt2-tiny")).state_dict()
+    result = wrapped.load_state_dict(other)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    tokens = torch.randint(0, 128, (2, 8))
+    reference = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
+    reference.load_state_dict(other)
+    assert torch.equal(wrapped(tokens)[0], reference(tokens)[0])
+
+
+def test_load_state_dict_names_bad_entries_and_changes_nothing(plain_and_wrapped):
+    _, wrapped = plain_and_wrapped
+    before = wrapped.state_dict()
+    bad = dict(before)
+    bad["transformer.ln_f.weight"] = torch.zeros(5)
+    del bad["transformer.h.0.attn.c_attn.bias"]
+    bad["extra.weight"] = torch.zeros(1)
+    with pytest.raises(RuntimeError) as error:
+        wrapped.load_state_dict(bad)
+    message = str(error.value)
+    assert "missing keys: transformer.h.0.attn.c_attn.bias" in message
+    assert "unexpected keys: extra.weight" in message
+    assert "transformer.ln_f.weight: checkpoint (5,), model (64,)" in message
+    after = wrapped.state_dict()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_summon_full_params_exposes_and_writes_back(plain_and_wrapped):
+    plain, wrapped = plain_and_wrapped
+    with summon_full_params(wrapped):
+        ln_f = wrapped.module.transformer.ln_f
+        assert torch.equal(ln_f.weight, plain.transformer.ln_f.weight)
+        ln_f.weight.fill_(2.0)
+    assert torch.equal(wrapped.state_dict()["transformer.ln_f.weight"], torch.full((64,), 2.0))
+    assert not any(h.is_unsharded for m in wrapped.modules() if isinstance(m, FullyShardedDataParallel) for h in m.handles)

@@ -1,0 +1,78 @@
+"""Small models and helpers shared by the test workers (run under mpiexec)."""
+
+import json
+import sys
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+torch.set_num_threads(1)
+torch.use_deterministic_algorithms(True)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class NestedMLP(nn.Module):
+    """An MLP with nested units, a frozen layer, a block run twice and a parameter that gets no gradient."""
+
+    def __init__(self, width: int = 16, n_inputs: int = 8, n_classes: int = 3):
+        super().__init__()
+        self.embed = nn.Linear(n_inputs, width)
+        self.frozen = nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(3))
+        self.unused = nn.Linear(width, width)
+        self.head = nn.Linear(width, n_classes)
+
+    def forward(self, x, targets):
+        x = self.frozen(torch.relu(self.embed(x)))
+        x = self.blocks[0](x)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits, nn.functional.cross_entropy(logits, targets)
+
+
+def mlp_batch(step: int, global_batch: int = 12):
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(global_batch, 8, generator=generator), torch.randint(0, 3, (global_batch,), generator=generator)
+
+
+def gpt_batch(step: int, vocab: int, global_batch: int = 12, seq: int = 16):
+    generator = torch.Generator().manual_seed(2000 + step)
+    tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def local_part(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous share of a global batch."""
+    per_rank = tensor.shape[0] // world_size
+    return tensor[rank * per_rank:(rank + 1) * per_rank]
+
+
+def relative_differences(ours: dict, reference: dict) -> dict:
+    """Per tensor: ||ours - reference|| / ||reference|| (L2 norms over all elements)."""
+    differences = {}
+    for name, expected in reference.items():
+        scale = expected.float().norm().item() or 1.0
+        differences[name] = (ours[name] - expected).float().norm().item() / scale
+    return differences
+
+
+def write_json(path: str, payload) -> None:
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
+def output_path() -> str:
+    return sys.argv[1]

@@ -1,0 +1,54 @@
+"""Checks where parameter memory is held: shards only at rest, one unit (plus its ancestors) while computing."""
+
+import torch
+from common import gpt_batch, local_part, output_path, write_json
+
+from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
+from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+
+def gathered_units(units) -> list[int]:
+    return [index for index, unit in enumerate(units) if any(h.is_unsharded for h in unit.handles)]
+
+
+if __name__ == "__main__":
+    comm = Communicator()
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
+    unwrapped_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    model = FullyShardedDataParallel(plain, comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    persistent = [
+        {"padded_numel": h.padded_numel, "flat_param_bytes": h.flat_param.numel() * h.flat_param.element_size(),
+         "gathered_bytes": h.full_flat.untyped_storage().nbytes()}
+        for unit in units for h in unit.handles
+    ]
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    # Which units hold gathered storage while each block computes (0 is the root).
+    seen_during_blocks = []
+    for unit in units[1:]:
+        unit.module.register_forward_pre_hook(lambda module, args: seen_during_blocks.append(gathered_units(units)))
+    inputs, targets = gpt_batch(0, 128)
+    _, loss = model(local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))
+    after_forward = gathered_units(units)
+    loss.backward()
+    after_backward = gathered_units(units)
+    grad_numels = [p.grad.numel() for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        model(inputs[:2])
+    after_no_grad_forward = gathered_units(units)
+
+    write_json(output_path(), {
+        "world_size": comm.world_size,
+        "unwrapped_bytes": unwrapped_bytes,
+        "parameter_bytes": parameter_bytes,
+        "persistent": persistent,
+        "seen_during_blocks": seen_during_blocks,
+        "after_forward": after_forward,
+        "after_backward": after_backward,
+        "after_no_grad_forward": after_no_grad_forward,
+        "grad_numels": grad_numels,
+        "shard_numels": [p.numel() for p in model.parameters() if p.requires_grad],
+    })

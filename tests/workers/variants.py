@@ -1,0 +1,54 @@
+"""Trains the same tied GPT-2 under several ways of running the same algorithm.
+
+Each variant must give bit-identical parameters to plain FULL_SHARD with direct
+MPI buffers: forced host staging, messages split into tiny chunks, SHARD_GRAD_OP,
+and activation checkpointing inside each block.
+"""
+
+import copy
+
+import torch
+from common import gpt_batch, local_part, output_path, write_json
+
+from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
+from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+
+def train(model, comm: Communicator, strategy=ShardingStrategy.FULL_SHARD) -> dict:
+    sharded = FullyShardedDataParallel(
+        model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), sharding_strategy=strategy
+    )
+    optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    for step in range(3):
+        inputs, targets = gpt_batch(step, model.config.vocab_size)
+        _, loss = sharded(local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return sharded.state_dict()
+
+
+def with_checkpointing(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
+    for block in model.transformer.h:
+        block.gradient_checkpointing = True
+    return model
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    initial = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
+    comm = Communicator(force_staging=False)
+    chunked = Communicator()
+    chunked.max_elements_per_message = 7
+    runs = {
+        "staged": train(copy.deepcopy(initial), Communicator(force_staging=True)),
+        "chunked": train(copy.deepcopy(initial), chunked),
+        "shard_grad_op": train(copy.deepcopy(initial), comm, ShardingStrategy.SHARD_GRAD_OP),
+        "checkpointed": train(with_checkpointing(copy.deepcopy(initial)), comm),
+    }
+    direct = train(copy.deepcopy(initial), comm)
+    if comm.rank == 0:
+        write_json(output_path(), {
+            variant: [name for name, value in state.items() if not torch.equal(value, direct[name])]
+            for variant, state in runs.items()
+        })
