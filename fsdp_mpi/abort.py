@@ -8,8 +8,13 @@ the launcher (mpiexec, srun) to kill every rank of the job.
 
 import sys
 import threading
+import time
 
 from mpi4py import MPI
+
+# MPI_Abort kills every rank at once and launchers drop output still in flight, so a
+# rank waits this long after printing its traceback; ranks failing together all get heard.
+SECONDS_TO_FLUSH_BEFORE_ABORT = 1.0
 
 _installed = False
 
@@ -31,6 +36,7 @@ def abort_job_on_uncaught_exception(mpi_comm=None) -> None:
     def end_job(exc_type) -> None:
         sys.stderr.write(f"fsdp_mpi: rank {comm.Get_rank()} raised {exc_type.__name__}; aborting the MPI job\n")
         sys.stderr.flush()
+        time.sleep(SECONDS_TO_FLUSH_BEFORE_ABORT)
         comm.Abort(1)
 
     def abort(exc_type, exc_value, exc_traceback):
