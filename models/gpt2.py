@@ -7,12 +7,16 @@ embedding (weight tying), as in the published model.
 """
 
 import math
+import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from models.checkpoint import load_into, read_checkpoint, save
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,51 @@ def gpt2_config(name: str, **overrides) -> GPT2Config:
     if name not in GPT2_CONFIGS:
         raise ValueError(f"unknown GPT-2 config {name!r}; choose one of {', '.join(GPT2_CONFIGS)}")
     return replace(GPT2_CONFIGS[name], **overrides)
+
+
+_SHARED_HF_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")
+
+
+def config_from_hf(hf: dict) -> GPT2Config:
+    """Our config from a Hugging Face GPT-2 ``config.json``."""
+    values = {name: hf[name] for name in _SHARED_HF_FIELDS if name in hf}
+    return GPT2Config(**values, dropout=hf.get("resid_pdrop", GPT2Config.dropout))
+
+
+def config_to_hf(config: GPT2Config) -> dict:
+    """A Hugging Face GPT-2 ``config.json`` for our config, so that transformers loads our checkpoints."""
+    hf = {name: getattr(config, name) for name in _SHARED_HF_FIELDS}
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        **hf,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "tie_word_embeddings": True,
+    }
+
+
+def _config_from_tensors(tensors: dict) -> GPT2Config:
+    """Infers a config from checkpoint shapes when there is no config.json (heads of 64 dims, as in GPT-2)."""
+    def find(suffix):
+        return next(t for k, t in tensors.items() if k.endswith(suffix))
+
+    vocab_size, n_embd = find("wte.weight").shape
+    layers = {match.group(1) for k in tensors if (match := re.match(r"(?:transformer\.)?h\.(\d+)\.", k))}
+    return GPT2Config(vocab_size=vocab_size, n_positions=find("wpe.weight").shape[0], n_embd=n_embd,
+                      n_layer=len(layers), n_head=max(n_embd // 64, 1))
+
+
+def _normalize_checkpoint_key(key: str) -> str | None:
+    """Maps a published checkpoint's key to ours; None for the causal-mask buffers older files carry."""
+    if key.endswith((".attn.bias", ".attn.masked_bias")):
+        return None
+    if not key.startswith(("transformer.", "lm_head.")):
+        key = "transformer." + key  # checkpoints saved from GPT2Model lack the prefix
+    return key
 
 
 class Conv1D(nn.Module):
@@ -152,6 +201,36 @@ class GPT2LMHeadModel(nn.Module):
         if isinstance(module, (nn.Linear, Conv1D)) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **overrides) -> "GPT2LMHeadModel":
+        """Loads a Hugging Face GPT-2 checkpoint (a directory with config.json, or a weights file).
+
+        `overrides` change config fields that do not affect weights (dropout, gradient_checkpointing).
+        """
+        tensors, hf_config = read_checkpoint(path)
+        config = config_from_hf(hf_config) if hf_config else _config_from_tensors(tensors)
+        model = cls(replace(config, **overrides))
+        load_into(model, tensors, _normalize_checkpoint_key)
+        return model
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Writes model.safetensors and config.json that both this class and transformers can load."""
+        return save(self, directory, config_to_hf(self.config))
+
+    def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
+        """Parameter count, each tied weight once (as published: gpt2 has 124,439,808)."""
+        count = sum(p.numel() for p in self.parameters())
+        return count - self.transformer.wpe.weight.numel() if exclude_position_embeddings else count
+
+    def training_flops_per_token(self, seq_len: int) -> float:
+        """Forward plus backward FLOPs per token: 6N for the weights plus 12 L C T for attention scores."""
+        config = self.config
+        return 6 * self.num_parameters(exclude_position_embeddings=True) + 12 * config.n_layer * config.n_embd * seq_len
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        return generate(self, input_ids, max_new_tokens, temperature, top_k, generator)
+
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
         """Returns (logits (B, T, vocab), mean cross-entropy against `targets` (B, T) or None)."""
         if input_ids.shape[1] > self.config.n_positions:
@@ -161,3 +240,29 @@ class GPT2LMHeadModel(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Samples `max_new_tokens` tokens after `input_ids` (B, T); returns (B, T + max_new_tokens).
+
+    `model` is a GPT2LMHeadModel or a wrapper around one (fsdp_mpi's FullyShardedDataParallel):
+    calling the wrapper lets it gather weights. Under mpiexec every rank must call this with
+    the same arguments; seed `generator` alike on every rank to draw the same tokens.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    context = getattr(model, "module", model).config.n_positions
+    was_training = model.training
+    model.eval()
+    for _ in range(max_new_tokens):
+        logits, _ = model(input_ids[:, -context:])
+        logits = logits[:, -1, :] / temperature  # (B, vocab)
+        if top_k is not None:
+            kth_largest = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+            logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+        next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
+        input_ids = torch.cat([input_ids, next_token], dim=1)
+    model.train(was_training)
+    return input_ids

@@ -12,7 +12,7 @@ def test_sharded_training_matches_single_process(nprocs, tmp_path):
     out = tmp_path / "equivalence.json"
     check_ok(run_mpi("equivalence.py", nprocs, out))
     results = json.loads(out.read_text())
-    assert set(results) == {"mlp/sgd", "mlp/adamw", "gpt2/sgd", "gpt2/adamw"}
+    assert set(results) == {f"{model}/{optimizer}" for model in ("mlp", "gpt2", "bert") for optimizer in ("sgd", "adamw")}
     for run, result in results.items():
         assert max(result["loss_differences"]) <= 1e-5, run
         # Adam divides by the root of tiny second moments, magnifying rounding noise in gradients
@@ -42,3 +42,9 @@ def test_linear_regression_recovers_known_weights_for_any_rank_count(tmp_path):
         assert fitted[nprocs] == pytest.approx(TRUE_WEIGHTS, abs=1e-2)
     assert fitted[2] == pytest.approx(fitted[1], abs=1e-6)
     assert fitted[3] == pytest.approx(fitted[1], abs=1e-6)
+
+
+def test_generation_from_a_sharded_model_matches_the_plain_model(tmp_path):
+    out = tmp_path / "generate.json"
+    check_ok(run_mpi("generate.py", 2, out))
+    assert json.loads(out.read_text()) == {"matches_plain": True, "same_on_all_ranks": True, "length": 15}

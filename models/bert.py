@@ -1,0 +1,376 @@
+"""BERT, laid out like Hugging Face's ``BertForPreTraining`` so published checkpoints load unchanged.
+
+Bottom-up: embeddings, self-attention, the feed-forward part, ``BertLayer`` (the
+unit to name in ``fsdp_mpi.ModuleWrapPolicy``), the encoder, and two heads:
+pre-training (masked-LM and next-sentence prediction) and sequence classification.
+The masked-LM decoder shares its weight with the word embedding.
+"""
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.checkpoint import load_into, read_checkpoint, save
+
+IGNORE_INDEX = -100  # masked-LM labels of positions that are not predicted
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    layer_norm_eps: float = 1e-12
+    num_labels: int = 2  # for sequence classification
+    gradient_checkpointing: bool = False
+
+
+BERT_CONFIGS = {
+    "bert-tiny": BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    # The size the original study trained from scratch, 46.7M parameters with the pre-training heads
+    # (the study gives the count, not the shape): 4 layers of width 704, 11 heads of 64.
+    "bert-seed": BertConfig(hidden_size=704, num_hidden_layers=4, num_attention_heads=11, intermediate_size=2816),
+    "bert-base": BertConfig(),
+    "bert-large": BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+def bert_config(name: str, **overrides) -> BertConfig:
+    """A named configuration, with fields overridden."""
+    if name not in BERT_CONFIGS:
+        raise ValueError(f"unknown BERT config {name!r}; choose one of {', '.join(BERT_CONFIGS)}")
+    return replace(BERT_CONFIGS[name], **overrides)
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.LayerNorm(x))  # (B, T, H)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({config.hidden_size}) must be divisible by num_attention_heads ({config.num_attention_heads})"
+            )
+        self.num_heads = config.num_attention_heads
+        self.dropout = config.attention_probs_dropout_prob
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = (
+            layer(x).view(batch, seq, self.num_heads, hidden // self.num_heads).transpose(1, 2)
+            for layer in (self.query, self.key, self.value)
+        )  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=self.dropout if self.training else 0.0)
+        return y.transpose(1, 2).reshape(batch, seq, hidden)
+
+
+class BertSelfOutput(nn.Module):
+    """Projection, dropout, residual and LayerNorm after attention (post-LayerNorm, as in BERT)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor | None) -> torch.Tensor:
+        return self.output(self.self(x, attend), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.dense(x))
+
+
+class BertOutput(BertSelfOutput):
+    """Feed-forward down-projection, dropout, residual and LayerNorm."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+
+
+class BertLayer(nn.Module):
+    """One transformer encoder layer: the natural sharding unit."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.gradient_checkpointing = config.gradient_checkpointing
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor | None) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._layer, x, attend, use_reentrant=False)
+        return self._layer(x, attend)
+
+    def _layer(self, x: torch.Tensor, attend: torch.Tensor | None) -> torch.Tensor:
+        attended = self.attention(x, attend)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.layer:
+            x = layer(x, attend)
+        return x
+
+
+class BertPooler(nn.Module):
+    """tanh(dense(hidden state of the first token, [CLS]))."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+class BertModel(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config)
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None):
+        """Returns (hidden states (B, T, H), pooled [CLS] state (B, H)).
+
+        `attention_mask` (B, T) is 1 for real tokens and 0 for padding.
+        """
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        attend = None if attention_mask is None else attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+        hidden = self.encoder(self.embeddings(input_ids, token_type_ids), attend)
+        return hidden, self.pooler(hidden)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(F.gelu(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Masked-LM logits; the decoder's weight is the word embedding, its bias is ``self.bias``."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(x))
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, hidden: torch.Tensor, pooled: torch.Tensor):
+        return self.predictions(hidden), self.seq_relationship(pooled)
+
+
+class _BertPreTrainedModel(nn.Module):
+    """Initialisation, checkpoints, counts and FLOPs shared by the BERT heads."""
+
+    config: BertConfig
+    bert: BertModel
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **overrides):
+        """Loads a Hugging Face BERT checkpoint (a directory with config.json, or a weights file).
+
+        A sequence classifier may load a pre-training checkpoint: its classifier starts fresh.
+        """
+        tensors, hf_config = read_checkpoint(path)
+        config = config_from_hf(hf_config) if hf_config else _config_from_tensors(tensors)
+        model = cls(replace(config, **overrides))
+        load_into(model, tensors, model._normalize_checkpoint_key, may_be_missing=model._fresh_heads)
+        return model
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Writes model.safetensors and config.json that both this class and transformers can load."""
+        return save(self, directory, config_to_hf(self.config, type(self).__name__))
+
+    _fresh_heads: tuple[str, ...] = ()
+
+    def _normalize_checkpoint_key(self, key: str) -> str | None:
+        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if key.endswith(("position_ids", "token_type_ids")):
+            return None  # index buffers older checkpoints saved
+        if not key.startswith(("bert.", "cls.", "classifier.")):
+            key = "bert." + key  # checkpoints saved from BertModel lack the prefix
+        return key
+
+    def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
+        """Parameter count, each tied weight once."""
+        count = sum(p.numel() for p in self.parameters())
+        if exclude_position_embeddings:
+            count -= self.bert.embeddings.position_embeddings.weight.numel()
+        return count
+
+    def training_flops_per_token(self, seq_len: int) -> float:
+        """Forward plus backward FLOPs per token: 6N for the weights plus 12 L H T for attention scores."""
+        config = self.config
+        attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
+        return 6 * self.num_parameters(exclude_position_embeddings=True) + attention
+
+
+class BertForPreTraining(_BertPreTrainedModel):
+    """BERT with the masked-LM and next-sentence-prediction heads."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, mlm_labels=None, nsp_labels=None):
+        """Returns (masked-LM logits (B, T, vocab), NSP logits (B, 2), loss or None).
+
+        The loss is masked-LM cross-entropy over positions whose label is not -100,
+        plus NSP cross-entropy, when both label tensors are given.
+        """
+        hidden, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+        mlm_logits, nsp_logits = self.cls(hidden, pooled)
+        loss = None
+        if mlm_labels is not None and nsp_labels is not None:
+            mlm_loss = F.cross_entropy(mlm_logits.view(-1, mlm_logits.shape[-1]), mlm_labels.reshape(-1),
+                                       ignore_index=IGNORE_INDEX)
+            loss = mlm_loss + F.cross_entropy(nsp_logits, nsp_labels)
+        return mlm_logits, nsp_logits, loss
+
+
+class BertForSequenceClassification(_BertPreTrainedModel):
+    """BERT with a linear classifier on the pooled [CLS] state."""
+
+    _fresh_heads = ("classifier.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.apply(self._init_weights)
+
+    def _normalize_checkpoint_key(self, key: str) -> str | None:
+        if key.startswith("cls."):
+            return None  # pre-training heads are not part of a classifier
+        return super()._normalize_checkpoint_key(key)
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
+        """Returns (logits (B, num_labels), cross-entropy against `labels` (B,) or None)."""
+        _, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+        logits = self.classifier(self.dropout(pooled))
+        loss = None if labels is None else F.cross_entropy(logits, labels)
+        return logits, loss
+
+
+_SHARED_HF_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "max_position_embeddings", "type_vocab_size", "hidden_dropout_prob", "attention_probs_dropout_prob",
+    "layer_norm_eps",
+)
+
+
+def config_from_hf(hf: dict) -> BertConfig:
+    """Our config from a Hugging Face BERT ``config.json``."""
+    values = {name: hf[name] for name in _SHARED_HF_FIELDS if name in hf}
+    if "id2label" in hf:
+        values["num_labels"] = len(hf["id2label"])
+    return BertConfig(**values)
+
+
+def config_to_hf(config: BertConfig, architecture: str) -> dict:
+    """A Hugging Face BERT ``config.json`` for our config."""
+    return {
+        "model_type": "bert",
+        "architectures": [architecture],
+        **{name: getattr(config, name) for name in _SHARED_HF_FIELDS},
+        "hidden_act": "gelu",
+        "id2label": {str(i): f"LABEL_{i}" for i in range(config.num_labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(config.num_labels)},
+        "tie_word_embeddings": True,
+    }
+
+
+def _config_from_tensors(tensors: dict) -> BertConfig:
+    """Infers a config from checkpoint shapes when there is no config.json (heads of 64 dims, as in BERT)."""
+    def find(suffix):
+        return next(t for k, t in tensors.items() if k.endswith(suffix))
+
+    vocab_size, hidden = find("word_embeddings.weight").shape
+    layers = {k.split("encoder.layer.")[1].split(".")[0] for k in tensors if "encoder.layer." in k}
+    return BertConfig(
+        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=len(layers),
+        num_attention_heads=max(hidden // 64, 1), intermediate_size=find("intermediate.dense.weight").shape[0],
+        max_position_embeddings=find("position_embeddings.weight").shape[0],
+        type_vocab_size=find("token_type_embeddings.weight").shape[0],
+    )
