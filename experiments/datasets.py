@@ -1,0 +1,134 @@
+"""Training samples for the two experiments, built from the corpora in ``data``.
+
+GPT-2: Tiny Shakespeare, split 90/10 by position, cut into non-overlapping
+windows of seq_len + 1 tokens (inputs and next-token targets).
+
+BERT: sentence pairs from consecutive utterances of each Cornell conversation,
+with next-sentence labels (half the second sentences replaced by a random
+utterance) and BERT's masking (15% of tokens: 80% [MASK], 10% random, 10% kept),
+drawn afresh each epoch from (seed, epoch, sample) so that runs are reproducible.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from data import DataError, data_file, read_cornell, read_text
+
+IGNORE_INDEX = -100
+IS_NEXT, NOT_NEXT = 0, 1  # Hugging Face's next-sentence label convention
+MASK_FRACTION = 0.15
+
+
+@dataclass
+class TokenWindows:
+    """Non-overlapping windows (num_samples, seq_len + 1) of a token stream."""
+
+    windows: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.windows.shape[0]
+
+    def batch(self, indices: torch.Tensor, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.windows[indices]
+        return rows[:, :-1], rows[:, 1:]
+
+
+def shakespeare_windows(data_dir, tokenizer_factory, seq_len: int, download: bool = True):
+    """(tokenizer, train windows, validation windows) for Tiny Shakespeare."""
+    text = read_text(data_file(data_dir, "tinyshakespeare/input.txt", download))
+    tokenizer = tokenizer_factory(text)
+    split = int(len(text) * 0.9)
+    parts = []
+    for part in (text[:split], text[split:]):
+        tokens = torch.tensor(tokenizer.encode(part), dtype=torch.long)
+        count = (len(tokens) - 1) // seq_len
+        if count < 1:
+            raise DataError(f"the text is too short for one window of {seq_len + 1} tokens")
+        parts.append(TokenWindows(tokens[: count * seq_len + 1].unfold(0, seq_len + 1, seq_len)))
+    return tokenizer, parts[0], parts[1]
+
+
+@dataclass
+class SentencePairs:
+    """Tokenized (first, second) utterance pairs of one split, masked and labelled at batch time."""
+
+    firsts: list[list[int]]
+    seconds: list[list[int]]
+    pool: list[list[int]]  # every utterance of the split, for random second sentences
+    seq_len: int
+    seed: int
+    vocab_size: int
+    pad_id: int
+    cls_id: int
+    sep_id: int
+    mask_id: int
+
+    def __len__(self) -> int:
+        return len(self.firsts)
+
+    def batch(self, indices: torch.Tensor, epoch: int):
+        """(input_ids, token_type_ids, attention_mask, mlm_labels, nsp_labels) for `indices`."""
+        rows = [self._sample(int(i), epoch) for i in indices]
+        return tuple(torch.stack(column) for column in zip(*rows))
+
+    def _sample(self, index: int, epoch: int):
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
+        first = self.firsts[index]
+        nsp_label = IS_NEXT
+        second = self.seconds[index]
+        if torch.rand((), generator=generator) < 0.5:
+            nsp_label = NOT_NEXT
+            second = self.pool[int(torch.randint(len(self.pool), (), generator=generator))]
+        first, second = _truncate_pair(first, second, self.seq_len - 3)
+        ids = [self.cls_id, *first, self.sep_id, *second, self.sep_id]
+        types = [0] * (len(first) + 2) + [1] * (len(second) + 1)
+        input_ids = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
+        input_ids[: len(ids)] = torch.tensor(ids)
+        token_type_ids = torch.zeros(self.seq_len, dtype=torch.long)
+        token_type_ids[: len(types)] = torch.tensor(types)
+        attention_mask = (torch.arange(self.seq_len) < len(ids)).long()
+        input_ids, mlm_labels = self._mask(input_ids, attention_mask, generator)
+        return input_ids, token_type_ids, attention_mask, mlm_labels, torch.tensor(nsp_label)
+
+    def _mask(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator):
+        """BERT's masking: 15% of real, non-special tokens are predicted; of those 80/10/10."""
+        candidates = attention_mask.bool() & (input_ids != self.cls_id) & (input_ids != self.sep_id)
+        chosen = candidates & (torch.rand(input_ids.shape, generator=generator) < MASK_FRACTION)
+        labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        roll = torch.rand(input_ids.shape, generator=generator)
+        masked = input_ids.clone()
+        masked[chosen & (roll < 0.8)] = self.mask_id
+        random_tokens = torch.randint(self.vocab_size, input_ids.shape, generator=generator)
+        replace = chosen & (roll >= 0.8) & (roll < 0.9)
+        masked[replace] = random_tokens[replace]
+        return masked, labels
+
+
+def _truncate_pair(first: list[int], second: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """Drops tokens from the end of the longer sentence until both fit in `budget`."""
+    first, second = list(first), list(second)
+    while len(first) + len(second) > budget:
+        (first if len(first) >= len(second) else second).pop()
+    return first, second
+
+
+def cornell_pairs(data_dir, tokenizer, seq_len: int, seed: int, download: bool = True):
+    """(train pairs, validation pairs, Conversations) from the Cornell corpus, split 90/10 by conversation."""
+    corpus = read_cornell(data_dir, download)
+    split = max(1, int(len(corpus.dialogues) * 0.9))
+    parts = []
+    for dialogues in (corpus.dialogues[:split], corpus.dialogues[split:] or corpus.dialogues[-1:]):
+        utterances = [u for dialogue in dialogues for u in dialogue]
+        tokens = tokenizer.encode_words(utterances)
+        firsts, seconds, position = [], [], 0
+        for dialogue in dialogues:
+            for offset in range(len(dialogue) - 1):
+                firsts.append(tokens[position + offset])
+                seconds.append(tokens[position + offset + 1])
+            position += len(dialogue)
+        if not firsts:
+            raise DataError("the conversations available contain no pair of consecutive utterances")
+        parts.append(SentencePairs(firsts, seconds, tokens, seq_len, seed, tokenizer.vocab_size,
+                                   tokenizer.pad_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id))
+    return parts[0], parts[1], corpus

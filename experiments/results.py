@@ -1,0 +1,88 @@
+"""The CSV every experiment writes: one row per epoch, one schema for all strategies."""
+
+import csv
+import os
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+COLUMNS = [
+    "run_id", "experiment", "strategy", "model", "parameters", "world_size", "threads_per_rank", "device", "dtype",
+    "global_batch", "seq_len", "epoch", "steps", "epoch_time_s", "samples_per_s", "tokens_per_s", "tflops",
+    "mfu", "train_loss", "val_loss", "val_perplexity", "val_mlm_accuracy", "val_nsp_accuracy",
+    "peak_memory_mb", "peak_rss_mb", "model_state_mb", "comm_time_s", "compute_time_s", "git_commit", "timestamp",
+]
+
+
+def git_commit() -> str:
+    try:
+        output = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10)
+        return output.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+    def local(tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    total = 0
+    for param in model.parameters():
+        total += local(param).numel() * param.element_size()
+        if param.grad is not None:
+            total += local(param.grad).numel() * param.element_size()
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                total += local(value).numel() * value.element_size()
+    return total
+
+
+def measured_peak_flops(device: torch.device, seconds: float = 0.3) -> float:
+    """FLOP/s of fp32 matrix multiplication on this rank, measured now (the MFU denominator)."""
+    size = 4096 if device.type == "cuda" else 512
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    a @ b  # warm up
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return 2 * size**3 * count / (time.perf_counter() - start)
+
+
+class CsvWriter:
+    """Writes rows to `<path>.partial` and renames it to `path` only when the run completes.
+
+    A run that fails leaves no .csv behind, so nothing partial is ever read as a result.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.partial = path.with_name(path.name + ".partial")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.partial, "w", newline="") as f:
+            csv.DictWriter(f, fieldnames=COLUMNS).writeheader()
+
+    def add(self, row: dict) -> None:
+        unknown = set(row) - set(COLUMNS)
+        if unknown:
+            raise KeyError(f"not in the CSV schema: {sorted(unknown)}")
+        with open(self.partial, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=COLUMNS).writerow(row)
+
+    def finish(self) -> Path:
+        os.replace(self.partial, self.path)
+        return self.path

@@ -1,0 +1,91 @@
+"""Pre-train BERT (masked-LM + next sentence) on Cornell movie dialogues; write one CSV row per epoch.
+
+    mpiexec -n 2 python experiments/run_bert.py                 # bert-tiny, ~1 minute
+    mpiexec -n 2 python experiments/run_bert.py --model bert-seed --strategy torch-fsdp
+"""
+
+import sys
+
+import torch.nn.functional as F
+from data import default_data_dir
+from datasets import IGNORE_INDEX, cornell_pairs
+from tokenization import BertTokenizer
+from training import UsageError, argument_parser, main
+
+from models.bert import BERT_CONFIGS, BertForPreTraining, BertLayer, bert_config
+
+
+class BertTask:
+    """BERT pre-training on sentence pairs; validation reports masked-LM and NSP accuracy."""
+
+    block_class = BertLayer
+
+    def __init__(self, args, comm):
+        data_dir = default_data_dir(args.data_dir)
+        self.config = bert_config(args.model, gradient_checkpointing=args.gradient_checkpointing)
+        if args.seq_len > self.config.max_position_embeddings:
+            raise UsageError(f"--seq-len {args.seq_len} exceeds {args.model}'s {self.config.max_position_embeddings} positions")
+        if args.seq_len < 8:
+            raise UsageError("--seq-len must be at least 8 for sentence pairs")
+        self.tokenizer = BertTokenizer(data_dir, not args.no_download)
+        if self.tokenizer.vocab_size != self.config.vocab_size:
+            raise UsageError(f"the vocabulary has {self.tokenizer.vocab_size} tokens, {args.model} expects {self.config.vocab_size}")
+        self.train, self.val, corpus = cornell_pairs(data_dir, self.tokenizer, args.seq_len, args.seed, not args.no_download)
+        if comm.Get_rank() == 0:
+            print(f"Cornell: {len(corpus.dialogues):,} of {corpus.total:,} conversations used "
+                  f"({corpus.skipped:,} skipped: lines missing from movie_lines); "
+                  f"{len(self.train):,} training and {len(self.val):,} validation sentence pairs", flush=True)
+        self.seq_len = args.seq_len
+        self.model_name = args.model
+
+    def build_model(self) -> BertForPreTraining:
+        return BertForPreTraining(self.config)
+
+    def _forward(self, model, batch):
+        input_ids, token_type_ids, attention_mask, mlm_labels, nsp_labels = batch
+        mlm_logits, nsp_logits, _ = model(input_ids, token_type_ids, attention_mask)
+        return mlm_logits, nsp_logits, mlm_labels, nsp_labels
+
+    def sample_losses(self, model, batch):
+        """Per sample: mean masked-LM loss over its predicted tokens plus its NSP loss."""
+        mlm_logits, nsp_logits, mlm_labels, nsp_labels = self._forward(model, batch)
+        token_losses = F.cross_entropy(mlm_logits.flatten(0, 1), mlm_labels.flatten(), reduction="none",
+                                       ignore_index=IGNORE_INDEX).view(mlm_labels.shape)
+        predicted = (mlm_labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+        return token_losses.sum(dim=1) / predicted + F.cross_entropy(nsp_logits, nsp_labels, reduction="none")
+
+    def eval_sums(self, model, batch) -> dict:
+        mlm_logits, nsp_logits, mlm_labels, nsp_labels = self._forward(model, batch)
+        losses = self.sample_losses(model, batch)
+        predicted = mlm_labels != IGNORE_INDEX
+        return {
+            "loss_sum": losses.sum().item(), "count": float(len(losses)),
+            "mlm_correct": (mlm_logits.argmax(-1)[predicted] == mlm_labels[predicted]).sum().item(),
+            "mlm_total": predicted.sum().item(),
+            "nsp_correct": (nsp_logits.argmax(-1) == nsp_labels).sum().item(),
+        }
+
+    def val_columns(self, sums: dict) -> dict:
+        return {
+            "val_loss": round(sums["loss_sum"] / sums["count"], 5),
+            "val_mlm_accuracy": round(sums["mlm_correct"] / max(sums["mlm_total"], 1), 5),
+            "val_nsp_accuracy": round(sums["nsp_correct"] / sums["count"], 5),
+        }
+
+    def save(self, state: dict | None, directory) -> None:
+        if state is None:
+            return
+        model = BertForPreTraining(self.config)
+        model.load_state_dict(state)
+        model.save_pretrained(directory)
+
+
+def parser():
+    result = argument_parser(__doc__.splitlines()[0], list(BERT_CONFIGS), {
+        "model": "bert-tiny", "steps_per_epoch": 40, "batch_size": 16, "seq_len": 64, "lr": 1e-3})
+    result.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main(BertTask, parser(), "bert"))

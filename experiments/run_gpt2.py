@@ -1,0 +1,76 @@
+"""Train GPT-2 on Tiny Shakespeare under fsdp_mpi or a baseline; write one CSV row per epoch.
+
+    mpiexec -n 2 python experiments/run_gpt2.py                 # gpt2-tiny, characters, ~1 minute
+    mpiexec -n 2 python experiments/run_gpt2.py --model gpt2-seed --seq-len 256 --strategy lightning-ddp
+"""
+
+import math
+import sys
+
+import torch.nn.functional as F
+from data import default_data_dir
+from datasets import shakespeare_windows
+from tokenization import CharTokenizer, GPT2Tokenizer, save_description
+from training import UsageError, argument_parser, main
+
+from models.gpt2 import GPT2_CONFIGS, GPT2Block, GPT2LMHeadModel, gpt2_config
+
+
+class GPT2Task:
+    """Next-token prediction on Tiny Shakespeare; validation reports loss and perplexity."""
+
+    block_class = GPT2Block
+
+    def __init__(self, args, comm):
+        data_dir = default_data_dir(args.data_dir)
+        download = not args.no_download
+        if args.tokenizer == "char":
+            make_tokenizer = CharTokenizer.from_text
+        else:
+            make_tokenizer = lambda _text: GPT2Tokenizer(data_dir, download)  # noqa: E731
+        self.config = gpt2_config(args.model, gradient_checkpointing=args.gradient_checkpointing)
+        if args.seq_len > self.config.n_positions:
+            raise UsageError(f"--seq-len {args.seq_len} exceeds {args.model}'s context of {self.config.n_positions}")
+        self.tokenizer, self.train, self.val = shakespeare_windows(data_dir, make_tokenizer, args.seq_len, download)
+        self.config = gpt2_config(args.model, vocab_size=self.tokenizer.vocab_size,
+                                  gradient_checkpointing=args.gradient_checkpointing)
+        self.seq_len = args.seq_len
+        self.model_name = args.model
+
+    def build_model(self) -> GPT2LMHeadModel:
+        return GPT2LMHeadModel(self.config)
+
+    def sample_losses(self, model, batch):
+        inputs, targets = batch
+        logits, _ = model(inputs)  # (B, T, vocab)
+        token_losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return token_losses.view(targets.shape).mean(dim=1)  # (B,)
+
+    def eval_sums(self, model, batch) -> dict:
+        losses = self.sample_losses(model, batch)
+        return {"loss_sum": losses.sum().item(), "count": float(len(losses))}
+
+    def val_columns(self, sums: dict) -> dict:
+        loss = sums["loss_sum"] / sums["count"]
+        return {"val_loss": round(loss, 5), "val_perplexity": round(math.exp(min(loss, 50)), 4)}
+
+    def save(self, state: dict | None, directory) -> None:
+        if state is None:
+            return
+        model = GPT2LMHeadModel(self.config)
+        model.load_state_dict(state)
+        model.save_pretrained(directory)
+        save_description(self.tokenizer, directory)
+
+
+def parser():
+    result = argument_parser(__doc__.splitlines()[0], list(GPT2_CONFIGS), {
+        "model": "gpt2-tiny", "steps_per_epoch": 40, "batch_size": 16, "seq_len": 64, "lr": 3e-3})
+    result.add_argument("--tokenizer", default="char", choices=("char", "gpt2"),
+                        help="characters (65 tokens) or GPT-2's BPE (50,257)")
+    result.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main(GPT2Task, parser(), "gpt2"))

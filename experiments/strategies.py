@@ -1,0 +1,89 @@
+"""The ways of training one model on N ranks that the experiments compare.
+
+``fsdp-mpi`` is ours. ``ddp`` and ``torch-fsdp`` (torch FSDP2's ``fully_shard``)
+use torch.distributed, initialised from the MPI ranks that mpiexec started:
+gloo on CPU, nccl on GPU. The Lightning strategies live in ``lightning_runner``.
+"""
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
+
+STRATEGIES = ("fsdp-mpi", "ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
+TORCH_DISTRIBUTED = ("ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
+
+
+@dataclass
+class Prepared:
+    """A model ready to train under one strategy."""
+
+    model: nn.Module  # call this for forward passes
+    comm_seconds: Callable[[], float]  # time blocked in communication so far (NaN if unknown)
+
+
+def local_rank(comm: MPI.Comm) -> int:
+    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+
+
+def init_torch_distributed(comm: MPI.Comm, device: torch.device) -> None:
+    """Starts torch.distributed with the MPI ranks and world size; rank 0 hosts the rendezvous."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    hostnames = comm.allgather(socket.gethostname())
+    address = "127.0.0.1" if len(set(hostnames)) == 1 else hostnames[0]
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(comm.Get_rank()),
+                      WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(local_rank(comm)))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=comm.Get_rank(), world_size=comm.Get_size())
+
+
+def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: MPI.Comm) -> Prepared:
+    """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones)."""
+    model.to(device)
+    if strategy == "fsdp-mpi":
+        communicator = Communicator(comm)
+        sharded = FullyShardedDataParallel(model, comm=communicator, auto_wrap_policy=ModuleWrapPolicy({block_class}))
+        return Prepared(sharded, lambda: communicator.seconds_in_mpi)
+    init_torch_distributed(comm, device)
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [device.index] if device.type == "cuda" else None
+        return Prepared(DistributedDataParallel(model, device_ids=device_ids), lambda: float("nan"))
+    if strategy == "torch-fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if isinstance(module, block_class):
+                fully_shard(module)
+        fully_shard(model)
+        return Prepared(model, lambda: float("nan"))
+    raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def full_state_dict_on_rank0(strategy: str, model: nn.Module, comm: MPI.Comm) -> dict | None:
+    """The trained model's full state dict (original names, on CPU) on rank 0; None elsewhere."""
+    if strategy == "fsdp-mpi":
+        state = model.state_dict()
+    elif strategy == "torch-fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = getattr(model, "module", model).state_dict()
+    return {name: tensor.cpu() for name, tensor in state.items()} if comm.Get_rank() == 0 else None
