@@ -14,7 +14,7 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader, Dataset
 
 from results import model_state_bytes
-from training import RunRecorder, epoch_steps, evaluate
+from training import RunRecorder, build_model, epoch_steps, evaluate
 
 
 class _EpochSteps(Dataset):
@@ -82,8 +82,7 @@ class _EpochRecorder(L.Callback):
 
 def train_with_lightning(task, args, comm: MPI.Comm, device: torch.device, experiment: str):
     """Trains with ``lightning-ddp`` or ``lightning-fsdp`` (GPU only); returns the CSV path on rank 0."""
-    torch.manual_seed(args.seed)
-    model = task.build_model()
+    model = build_model(task, args, comm)
     recorder = RunRecorder(task, args, comm, device, experiment, model)
     processes_per_node = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
     environment = MPIEnvironment()

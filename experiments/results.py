@@ -32,15 +32,17 @@ def peak_rss_mb() -> float:
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only).
+
+    Every trainable parameter counts one gradient of its size, whether or not it
+    is allocated at the moment of measuring (strategies free them at different times).
+    """
     def local(tensor):
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
     total = 0
     for param in model.parameters():
-        total += local(param).numel() * param.element_size()
-        if param.grad is not None:
-            total += local(param.grad).numel() * param.element_size()
+        total += local(param).numel() * param.element_size() * (2 if param.requires_grad else 1)
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:

@@ -1,6 +1,6 @@
 """Pre-train BERT (masked-LM + next sentence) on Cornell movie dialogues; write one CSV row per epoch.
 
-    mpiexec -n 2 python experiments/run_bert.py                 # bert-tiny, ~1 minute
+    mpiexec -n 2 python experiments/run_bert.py                 # bert-tiny, about 2 minutes
     mpiexec -n 2 python experiments/run_bert.py --model bert-seed --strategy torch-fsdp
 """
 
@@ -82,7 +82,7 @@ class BertTask:
 
 def parser():
     result = argument_parser(__doc__.splitlines()[0], list(BERT_CONFIGS), {
-        "model": "bert-tiny", "steps_per_epoch": 40, "batch_size": 16, "seq_len": 64, "lr": 1e-3})
+        "model": "bert-tiny", "epochs": 2, "steps_per_epoch": 40, "batch_size": 16, "seq_len": 64, "lr": 1e-3})
     result.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     return result
 

@@ -1,6 +1,6 @@
 """Train GPT-2 on Tiny Shakespeare under fsdp_mpi or a baseline; write one CSV row per epoch.
 
-    mpiexec -n 2 python experiments/run_gpt2.py                 # gpt2-tiny, characters, ~1 minute
+    mpiexec -n 2 python experiments/run_gpt2.py                 # gpt2-tiny, characters, under a minute
     mpiexec -n 2 python experiments/run_gpt2.py --model gpt2-seed --seq-len 256 --strategy lightning-ddp
 """
 
@@ -65,7 +65,7 @@ class GPT2Task:
 
 def parser():
     result = argument_parser(__doc__.splitlines()[0], list(GPT2_CONFIGS), {
-        "model": "gpt2-tiny", "steps_per_epoch": 40, "batch_size": 16, "seq_len": 64, "lr": 3e-3})
+        "model": "gpt2-tiny", "epochs": 3, "steps_per_epoch": 150, "batch_size": 16, "seq_len": 64, "lr": 3e-3})
     result.add_argument("--tokenizer", default="char", choices=("char", "gpt2"),
                         help="characters (65 tokens) or GPT-2's BPE (50,257)")
     result.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")

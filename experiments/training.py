@@ -36,7 +36,7 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add = parser.add_argument
     add("--model", default=defaults["model"], choices=model_choices, help="named model configuration")
     add("--strategy", default="fsdp-mpi", choices=STRATEGIES, help="who trains (default: %(default)s)")
-    add("--epochs", type=int, default=2)
+    add("--epochs", type=int, default=defaults["epochs"])
     add("--steps-per-epoch", type=int, default=defaults["steps_per_epoch"], help="0: the whole epoch")
     add("--batch-size", type=int, default=defaults["batch_size"], help="samples per rank per step")
     add("--seq-len", type=int, default=defaults["seq_len"])
@@ -160,6 +160,14 @@ class RunRecorder:
         return self.writer.finish() if self.writer else None
 
 
+def build_model(task, args, comm: MPI.Comm):
+    """The same initial weights on every rank, then a different random stream per rank (dropout)."""
+    torch.manual_seed(args.seed)
+    model = task.build_model()
+    torch.manual_seed(args.seed * 1000 + 1 + comm.Get_rank())
+    return model
+
+
 def to_device(batch, device: torch.device):
     return tuple(t.to(device) for t in batch)
 
@@ -197,8 +205,7 @@ def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str) -> 
     """The training loop for fsdp-mpi, ddp and torch-fsdp."""
     from tqdm import tqdm
 
-    torch.manual_seed(args.seed)
-    model = task.build_model()
+    model = build_model(task, args, comm)
     recorder = RunRecorder(task, args, comm, device, experiment, model)
     prepared = prepare(args.strategy, model, task.block_class, device, comm)
     optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=args.lr)

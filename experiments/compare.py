@@ -1,0 +1,147 @@
+"""Tables and plots from experiment CSVs: one line per experiment, model, strategy and world size.
+
+    python experiments/compare.py results/*.csv [--out-dir results/report]
+
+Writes summary.md and summary.csv (mean epoch time, throughput speed-up over the
+same strategy on 1 rank, peak memory per rank, model-state memory, final losses
+and metrics) and epoch_time.png, peak_memory.png and loss_curves.png.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from results import COLUMNS
+
+GROUP = ["experiment", "model", "strategy", "world_size"]
+
+
+class CompareError(Exception):
+    pass
+
+
+def load(paths: list[str]) -> pd.DataFrame:
+    frames = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise CompareError(f"{path}: no such file")
+        try:
+            frame = pd.read_csv(path)
+        except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as error:
+            raise CompareError(f"{path}: not a results CSV ({error})") from error
+        missing = [c for c in COLUMNS if c not in frame.columns]
+        if missing:
+            raise CompareError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
+        frames.append(frame)
+    rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+    if rows.empty:
+        raise CompareError("no result rows in the given files")
+    return rows
+
+
+def summarize(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per group; epoch time is the mean over epochs after the first when there are several."""
+    def timed(group):
+        later = group[group["epoch"] > 0]
+        return later if len(later) else group
+
+    lines = []
+    for key, group in rows.groupby(GROUP, sort=True):
+        last = group.sort_values(["run_id", "epoch"]).groupby("run_id").tail(1)
+        steady = group.groupby("run_id", group_keys=False).apply(timed)
+        lines.append({
+            **dict(zip(GROUP, key)), "runs": group["run_id"].nunique(), "parameters": int(group["parameters"].iloc[0]),
+            "epoch_time_s": steady["epoch_time_s"].mean(), "samples_per_s": steady["samples_per_s"].mean(),
+            "tflops": steady["tflops"].mean(), "mfu": steady["mfu"].mean(),
+            "peak_memory_mb": group["peak_memory_mb"].max(), "model_state_mb": group["model_state_mb"].max(),
+            "final_train_loss": last["train_loss"].mean(), "final_val_loss": last["val_loss"].mean(),
+            "val_perplexity": last["val_perplexity"].mean(), "val_mlm_accuracy": last["val_mlm_accuracy"].mean(),
+            "val_nsp_accuracy": last["val_nsp_accuracy"].mean(),
+        })
+    table = pd.DataFrame(lines)
+    one_rank = table[table["world_size"] == 1].set_index(["experiment", "model", "strategy"])["samples_per_s"]
+    table["speedup_vs_1_rank"] = [
+        row.samples_per_s / one_rank.get((row.experiment, row.model, row.strategy), float("nan"))
+        for row in table.itertuples()
+    ]
+    return table.dropna(axis=1, how="all")
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """A GitHub-flavoured markdown table (numbers rounded for reading)."""
+    def cell(value):
+        if isinstance(value, float):
+            return "" if pd.isna(value) else f"{value:.4g}"
+        return str(value)
+
+    header = "| " + " | ".join(table.columns) + " |"
+    rule = "| " + " | ".join("---" for _ in table.columns) + " |"
+    body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join([header, rule, *body]) + "\n"
+
+
+def plot(rows: pd.DataFrame, table: pd.DataFrame, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    written = []
+    labels = [f"{r.experiment}/{r.model}\n{r.strategy} n={r.world_size}" for r in table.itertuples()]
+    for column, title, file_name in (("epoch_time_s", "Mean epoch time (s)", "epoch_time.png"),
+                                     ("peak_memory_mb", "Peak memory per rank (MB)", "peak_memory.png")):
+        figure, axis = plt.subplots(figsize=(max(6, 1.1 * len(table)), 4.5))
+        axis.bar(range(len(table)), table[column], color="tab:blue")
+        axis.set_xticks(range(len(table)), labels, rotation=45, ha="right", fontsize=8)
+        axis.set_title(title)
+        figure.tight_layout()
+        figure.savefig(out_dir / file_name, dpi=120)
+        plt.close(figure)
+        written.append(out_dir / file_name)
+    experiments = sorted(rows["experiment"].unique())
+    figure, axes = plt.subplots(1, len(experiments), figsize=(6 * len(experiments), 4.5), squeeze=False)
+    for axis, experiment in zip(axes[0], experiments):
+        for run_id, run in rows[rows["experiment"] == experiment].groupby("run_id"):
+            run = run.sort_values("epoch")
+            label = f"{run['strategy'].iloc[0]} n={run['world_size'].iloc[0]}"
+            line, = axis.plot(run["epoch"], run["train_loss"], marker="o", label=f"{label} train")
+            axis.plot(run["epoch"], run["val_loss"], marker="x", linestyle="--", color=line.get_color(),
+                      label=f"{label} val")
+        axis.set_title(f"{experiment}: loss per epoch")
+        axis.set_xlabel("epoch")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out_dir / "loss_curves.png", dpi=120)
+    plt.close(figure)
+    written.append(out_dir / "loss_curves.png")
+    return written
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("csv", nargs="+", help="CSV files written by run_gpt2.py / run_bert.py")
+    parser.add_argument("--out-dir", default="results/report")
+    args = parser.parse_args()
+    try:
+        rows = load(args.csv)
+    except CompareError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    table = summarize(rows)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(table)
+    (out_dir / "summary.md").write_text(text)
+    table.to_csv(out_dir / "summary.csv", index=False)
+    plots = plot(rows, table, out_dir)
+    print(text)
+    print("wrote " + ", ".join(str(p) for p in [out_dir / "summary.md", out_dir / "summary.csv", *plots]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

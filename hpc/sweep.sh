@@ -1,0 +1,21 @@
+#!/bin/bash
+# Runs each experiment with each strategy at 1, 2 and 4 ranks, then compare.py over all CSVs.
+# Inside an allocation (salloc, or as the body of an sbatch job) with at least 4 tasks:
+#   bash hpc/sweep.sh [cpu|gpu] [extra run_*.py arguments...]
+set -uo pipefail
+kind="${1:-cpu}"; shift || true
+launcher="${LAUNCHER:-srun}"                    # srun -n N, or LAUNCHER=mpiexec for mpiexec -n N
+out="results/sweep-$(date +%Y%m%d-%H%M%S)"
+strategies="fsdp-mpi ddp torch-fsdp lightning-ddp"
+device="cpu"
+if [ "$kind" = gpu ]; then strategies="$strategies lightning-fsdp"; device="cuda"; fi
+for experiment in run_gpt2 run_bert; do
+  for ranks in 1 2 4; do
+    for strategy in $strategies; do
+      echo "== $experiment $strategy on $ranks ranks"
+      "$launcher" -n "$ranks" python "experiments/$experiment.py" --strategy "$strategy" --device "$device" \
+        --no-progress --out-dir "$out" "$@" || echo "!! $experiment $strategy on $ranks ranks failed"
+    done
+  done
+done
+python experiments/compare.py "$out"/*.csv --out-dir "$out/report"

@@ -1,0 +1,109 @@
+"""Data for the experiments: where files come from, per-rank slices, masking, labels, tokenizers."""
+
+import io
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+from data import DataError, data_file, read_cornell, read_text
+from datasets import IGNORE_INDEX, NOT_NEXT, cornell_pairs, shakespeare_windows
+from sampling import global_batch_size, rank_batches, steps_per_epoch
+from tokenization import BertTokenizer, CharTokenizer, GPT2Tokenizer
+
+SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", Path(__file__).parents[2] / "shared" / "data"))
+needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(),
+                                       reason=f"no shared data at {SHARED_DATA}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("num_samples,batch_size", [(23, 4), (24, 4), (5, 8)])
+def test_every_sample_is_used_exactly_once_per_epoch(world_size, num_samples, batch_size):
+    for epoch in range(3):
+        per_rank = [rank_batches(num_samples, batch_size, r, world_size, seed=1, epoch=epoch) for r in range(world_size)]
+        used = torch.cat([b for batches in per_rank for b in batches]).tolist()
+        assert sorted(used) == list(range(num_samples))
+        assert {len(batches) for batches in per_rank} == {steps_per_epoch(num_samples, batch_size, world_size)}
+        for step in range(len(per_rank[0])):
+            assert sum(len(b[step]) for b in per_rank) == global_batch_size(num_samples, batch_size, world_size, step)
+    first = rank_batches(23, 4, 0, 2, seed=1, epoch=0)
+    assert not torch.equal(torch.cat(first), torch.cat(rank_batches(23, 4, 0, 2, seed=1, epoch=1)))  # reshuffled
+    assert torch.equal(torch.cat(first), torch.cat(rank_batches(23, 4, 0, 2, seed=1, epoch=0)))  # deterministic
+
+
+@needs_shared_data
+def test_tokenizers_give_the_reference_ids():
+    assert GPT2Tokenizer(SHARED_DATA, download=False).encode("Hello world") == [15496, 995]
+    assert BertTokenizer(SHARED_DATA, download=False).encode("hello world") == [101, 7592, 2088, 102]
+    chars = CharTokenizer.from_text("hello")
+    assert chars.decode(chars.encode("hole")) == "hole" and chars.vocab_size == 4
+
+
+@needs_shared_data
+def test_shakespeare_windows_are_shifted_next_token_pairs():
+    tokenizer, train, val = shakespeare_windows(SHARED_DATA, CharTokenizer.from_text, 32, download=False)
+    assert tokenizer.vocab_size == 65
+    inputs, targets = train.batch(torch.tensor([0, 5]), epoch=0)
+    assert inputs.shape == targets.shape == (2, 32)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert tokenizer.decode(inputs[0].tolist()).startswith("First Citizen")
+    assert 8.5 < len(train) / len(val) < 9.5  # 90/10 split
+
+
+@needs_shared_data
+def test_partial_cornell_copy_keeps_only_complete_conversations():
+    corpus = read_cornell(SHARED_DATA, download=False)
+    assert corpus.total == 83_097
+    assert len(corpus.dialogues) == 544 and corpus.skipped == 83_097 - 544
+
+
+@needs_shared_data
+def test_masking_ratios_and_next_sentence_balance():
+    tokenizer = BertTokenizer(SHARED_DATA, download=False)
+    train, _, _ = cornell_pairs(SHARED_DATA, tokenizer, seq_len=64, seed=0, download=False)
+    input_ids, token_types, attention, labels, nsp = train.batch(torch.arange(len(train)), epoch=0)
+    predicted = labels != IGNORE_INDEX
+    special = (input_ids == tokenizer.cls_id) | (input_ids == tokenizer.sep_id)
+    candidates = attention.bool() & (~special | predicted)  # real tokens other than [CLS] and [SEP]
+    assert predicted.sum() / candidates.sum() == pytest.approx(0.15, abs=0.015)
+    replaced_by_mask = (input_ids[predicted] == tokenizer.mask_id).float().mean()
+    kept = (input_ids[predicted] == labels[predicted]).float().mean()
+    assert replaced_by_mask == pytest.approx(0.8, abs=0.03)
+    assert kept == pytest.approx(0.1 + 0.1 / tokenizer.vocab_size, abs=0.03)
+    assert (nsp == NOT_NEXT).float().mean() == pytest.approx(0.5, abs=0.05)
+    assert (input_ids[:, 0] == tokenizer.cls_id).all() and token_types.max() == 1
+    again = train.batch(torch.arange(4), epoch=0)[0]
+    assert torch.equal(again, input_ids[:4])  # reproducible
+    assert not torch.equal(train.batch(torch.arange(4), epoch=1)[0], again)  # fresh masks each epoch
+
+
+def test_missing_file_without_download_says_where_to_put_it(tmp_path):
+    with pytest.raises(DataError) as error:
+        data_file(tmp_path, "tinyshakespeare/input.txt", download=False)
+    message = str(error.value)
+    assert str(tmp_path / "tinyshakespeare/input.txt") in message
+    assert "raw.githubusercontent.com/karpathy/char-rnn" in message and "--data-dir" in message
+
+
+def test_download_extracts_cornell_files_from_the_zip(tmp_path, monkeypatch):
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("cornell movie-dialogs corpus/movie_conversations.txt", "u0 +++$+++ u1 +++$+++ m0 +++$+++ ['L1', 'L2']\n")
+        z.writestr("cornell movie-dialogs corpus/movie_lines.txt", "L1 +++$+++ u0 +++$+++ m0 +++$+++ A +++$+++ Hi.\n"
+                   "L2 +++$+++ u1 +++$+++ m0 +++$+++ B +++$+++ Hello.\n")
+    monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(archive.getvalue()))
+    corpus = read_cornell(tmp_path)
+    assert corpus.dialogues == [["Hi.", "Hello."]] and corpus.skipped == 0
+    assert (tmp_path / "cornell_movie_dialogs/movie_lines.txt").is_file()
+
+
+def test_unreadable_text_is_reported(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match="is empty"):
+        read_text(tmp_path / "empty.txt")
+    with pytest.raises(DataError, match="is not UTF-8 text"):
+        read_text(tmp_path / "latin1.txt")
