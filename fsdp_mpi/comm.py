@@ -33,6 +33,22 @@ _SUM_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
 _SUM_IN_FP32 = (torch.float16, torch.bfloat16)
 
 
+class Pending:
+    """A collective started without waiting; ``wait()`` completes it (once; later calls do nothing)."""
+
+    def __init__(self, comm: "Communicator", request=None, then=None):
+        self._comm, self._request, self._then = comm, request, then
+
+    def wait(self) -> None:
+        if self._request is not None:
+            with self._comm._in_mpi(None):
+                self._request.Wait()
+            self._request = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
 def _bits(tensor: torch.Tensor) -> list:
     """An mpi4py buffer spec that moves `tensor`'s bytes unchanged."""
     if tensor.element_size() not in _BIT_TYPES:
@@ -102,6 +118,35 @@ class Communicator:
                 stop = min(start + chunk, shard_numel)
                 self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous())
         shard.div_(self.world_size)
+
+    def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
+        """Like ``all_gather_into``, returning before the data has arrived: ``wait()`` before reading `full`.
+
+        Only a direct (unstaged, unchunked) transfer is left running; the others complete here.
+        MPI moves the data when its progress engine runs: inside later MPI calls, or in
+        the background where the library has a progress thread or offloads to hardware.
+        """
+        self._check_pair(full, shard, "start_all_gather_into")
+        if self._needs_staging(full) or shard.numel() > self.max_elements_per_message:
+            self.all_gather_into(full, shard)
+            return Pending(self)
+        with self._in_mpi(shard):
+            request = self.mpi_comm.Iallgather(_bits(shard), _bits(full))
+        return Pending(self, request)
+
+    def start_reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> Pending:
+        """Like ``reduce_scatter_mean``, returning at once: `shard` holds the mean after ``wait()``.
+
+        `full` must not be changed or freed before then.
+        """
+        self._check_pair(full, shard, "start_reduce_scatter_mean")
+        direct = not self._needs_staging(full) and shard.numel() <= self.max_elements_per_message
+        if not direct or shard.dtype in _SUM_IN_FP32:
+            self.reduce_scatter_mean(shard, full)
+            return Pending(self)
+        with self._in_mpi(full):
+            request = self.mpi_comm.Ireduce_scatter_block(_numbers(full), _numbers(shard), op=MPI.SUM)
+        return Pending(self, request, then=lambda: shard.div_(self.world_size))
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Overwrites `tensor` on every rank with root's."""

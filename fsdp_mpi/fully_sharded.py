@@ -10,7 +10,12 @@ unit. Its lifecycle in one training step::
 
 so at any moment a rank holds its shards plus the full parameters of the units
 that are computing. The outermost unit is the root; it owns the end-of-backward
-step for the whole tree.
+step and the recorded execution order for the whole tree.
+
+Optional overlap (each off by default, see docs/design.md): ``forward_prefetch``
+starts gathering the next unit when a unit's forward starts, ``backward_prefetch``
+does the same in backward, and ``async_reduce_scatter`` lets a unit's gradient
+reduction run on while the earlier units' backward goes on (one in flight).
 """
 
 from enum import Enum, auto
@@ -21,7 +26,9 @@ from torch.autograd import Variable
 
 from fsdp_mpi.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.comm import Communicator
+from fsdp_mpi.execution_order import ExecutionOrder
 from fsdp_mpi.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
+from fsdp_mpi.host_memory import keep_freed_host_memory_for_reuse
 from fsdp_mpi.strategy import ShardingStrategy
 from fsdp_mpi.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
 from fsdp_mpi.wrap import apply_wrap_policy
@@ -45,6 +52,9 @@ class FullyShardedDataParallel(nn.Module):
         sharding_strategy: ``FULL_SHARD`` (default) or ``SHARD_GRAD_OP``.
         device: where the unit computes; the module is moved there. Defaults to the parameters' device.
         sync_module_states: broadcast rank 0's parameters and buffers first, so every rank starts identical.
+        forward_prefetch: start the next unit's all-gather when a unit's forward starts.
+        backward_prefetch: start the all-gather of the unit whose backward comes next.
+        async_reduce_scatter: let a unit's gradient reduce-scatter complete while earlier units' backward runs.
     """
 
     def __init__(
@@ -56,6 +66,9 @@ class FullyShardedDataParallel(nn.Module):
         sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
         device: torch.device | str | int | None = None,
         sync_module_states: bool = True,
+        forward_prefetch: bool = False,
+        backward_prefetch: bool = False,
+        async_reduce_scatter: bool = False,
         _nested_in_wrap: bool = False,
     ):
         super().__init__()
@@ -67,12 +80,16 @@ class FullyShardedDataParallel(nn.Module):
         check_module_can_be_sharded(module, device)
         self._comm = comm if isinstance(comm, Communicator) else Communicator(comm)
         self._sharding_strategy = sharding_strategy
+        self._overlap = {"forward_prefetch": forward_prefetch, "backward_prefetch": backward_prefetch,
+                         "async_reduce_scatter": async_reduce_scatter}
         if device is not None:
             module.to(device)
 
         if not _nested_in_wrap:
             if self._comm.world_size > 1:
                 abort_job_on_uncaught_exception(self._comm.mpi_comm)
+                if next(module.parameters()).device.type == "cpu":
+                    keep_freed_host_memory_for_reuse()
             check_same_model_on_all_ranks(module, self._comm)
             if sync_module_states:
                 _broadcast_module_states(module, self._comm)
@@ -96,6 +113,8 @@ class FullyShardedDataParallel(nn.Module):
             # object.__setattr__: a Module attribute set normally would register the root as a child.
             object.__setattr__(unit, "_root", self)
         self._end_of_backward_queued = False
+        self._execution_order = ExecutionOrder()
+        self._reduction_in_flight: FlatParamHandle | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -117,7 +136,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _wrap_nested(self, child: nn.Module) -> "FullyShardedDataParallel":
         return FullyShardedDataParallel(
-            child, comm=self._comm, sharding_strategy=self._sharding_strategy, _nested_in_wrap=True
+            child, comm=self._comm, sharding_strategy=self._sharding_strategy, **self._overlap, _nested_in_wrap=True
         )
 
     # ----------------------------------------------------------------- forward
@@ -128,7 +147,11 @@ class FullyShardedDataParallel(nn.Module):
             return self.module(*args, **kwargs)
         if self.is_root:
             self._root_pre_forward()
+        order = self._root._execution_order
+        order.record(self)
         self._unshard()
+        if self._overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:
+            upcoming._start_unshard()
         for handle in self._handles:
             handle.point_attributes_at_full_flat()
         self._state = TrainingState.FORWARD
@@ -136,6 +159,8 @@ class FullyShardedDataParallel(nn.Module):
             output = self.module(*args, **kwargs)
         finally:
             self._state = TrainingState.IDLE
+        if self.is_root:
+            order.stop_recording()
         backward_follows = torch.is_grad_enabled()
         if backward_follows:
             for handle in self._handles:
@@ -149,6 +174,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _root_pre_forward(self) -> None:
         """Clears what an abandoned step (a forward with no backward) may have left."""
+        self._finish_reduction_in_flight()
         for unit in self._units:
             if unit._state is not TrainingState.IDLE:
                 unit._reshard()
@@ -164,10 +190,15 @@ class FullyShardedDataParallel(nn.Module):
         if self._state is not TrainingState.BACKWARD:
             self._unshard()
             self._state = TrainingState.BACKWARD
+            if self._overlap["backward_prefetch"] and (upcoming := self._root._execution_order.before(self)):
+                upcoming._start_unshard()
 
     def _post_backward(self, handle: FlatParamHandle) -> None:
         """Runs when autograd has summed every use's gradient into ``handle.full_flat.grad``."""
-        handle.reduce_gradient()
+        root = self._root
+        root._finish_reduction_in_flight()  # at most one in flight bounds the gradient memory held
+        handle.reduce_gradient(asynchronous=self._overlap["async_reduce_scatter"])
+        root._reduction_in_flight = handle
         if not any(h.awaiting_gradient for h in self._handles):
             self._reshard()
             self._state = TrainingState.IDLE
@@ -183,6 +214,7 @@ class FullyShardedDataParallel(nn.Module):
         Runs in the same unit order on every rank, so ranks stay in step even when
         some unit's parameters took no part in this backward.
         """
+        self._finish_reduction_in_flight()
         for unit in self._units:
             for handle in unit._handles:
                 if handle.awaiting_gradient:
@@ -191,11 +223,20 @@ class FullyShardedDataParallel(nn.Module):
             unit._state = TrainingState.IDLE
         self._end_of_backward_queued = False
 
+    def _finish_reduction_in_flight(self) -> None:
+        if self._reduction_in_flight is not None:
+            self._reduction_in_flight.finish_gradient_reduction()
+            self._reduction_in_flight = None
+
     # ----------------------------------------------------------------- gather / free
 
     def _unshard(self) -> None:
         for handle in self._handles:
             handle.unshard()
+
+    def _start_unshard(self) -> None:
+        for handle in self._handles:
+            handle.start_unshard()
 
     def _reshard(self) -> None:
         for handle in self._handles:

@@ -22,11 +22,11 @@ def test_sharded_training_matches_single_process(nprocs, tmp_path):
         assert worst[1] <= bound, f"{run}: {worst}"
 
 
-def test_staging_chunking_strategy_and_checkpointing_change_nothing(tmp_path):
+def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing(tmp_path):
     out = tmp_path / "variants.json"
     check_ok(run_mpi("variants.py", 3, out))
     differing_tensors = json.loads(out.read_text())
-    assert set(differing_tensors) == {"staged", "chunked", "shard_grad_op", "checkpointed"}
+    assert set(differing_tensors) == {"staged", "chunked", "shard_grad_op", "checkpointed", "overlapped"}
     assert differing_tensors == {variant: [] for variant in differing_tensors}
 
 

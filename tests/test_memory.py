@@ -37,3 +37,10 @@ def test_only_the_computing_unit_holds_gathered_parameters(tmp_path):
     assert report["after_backward"] == []
     assert report["after_no_grad_forward"] == []
     assert report["grad_numels"] == report["shard_numels"]
+
+
+def test_forward_prefetch_gathers_the_next_unit_while_one_computes(tmp_path):
+    report = run_memory(2, tmp_path)
+    first_step, second_step = report["seen_with_prefetch"][:2], report["seen_with_prefetch"][2:]
+    assert first_step == [[0, 1], [0, 2]]  # the first forward records the order
+    assert second_step == [[0, 1, 2], [0, 2]]

@@ -70,4 +70,4 @@ def test_summon_full_params_exposes_and_writes_back(plain_and_wrapped):
         assert torch.equal(ln_f.weight, plain.transformer.ln_f.weight)
         ln_f.weight.fill_(2.0)
     assert torch.equal(wrapped.state_dict()["transformer.ln_f.weight"], torch.full((64,), 2.0))
-    assert not any(h.is_unsharded for m in wrapped.modules() if isinstance(m, FullyShardedDataParallel) for h in m.handles)
+    assert not any(h.gathered_bytes for m in wrapped.modules() if isinstance(m, FullyShardedDataParallel) for h in m.handles)

@@ -8,7 +8,7 @@ from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def gathered_units(units) -> list[int]:
-    return [index for index, unit in enumerate(units) if any(h.is_unsharded for h in unit.handles)]
+    return [index for index, unit in enumerate(units) if any(h.gathered_bytes for h in unit.handles)]
 
 
 if __name__ == "__main__":
@@ -21,7 +21,7 @@ if __name__ == "__main__":
 
     persistent = [
         {"padded_numel": h.padded_numel, "flat_param_bytes": h.flat_param.numel() * h.flat_param.element_size(),
-         "gathered_bytes": h.full_flat.untyped_storage().nbytes()}
+         "gathered_bytes": h.gathered_bytes}
         for unit in units for h in unit.handles
     ]
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -40,7 +40,21 @@ if __name__ == "__main__":
         model(inputs[:2])
     after_no_grad_forward = gathered_units(units)
 
+    # With forward prefetch, block i+1 is being gathered while block i computes (from the second step on).
+    torch.manual_seed(0)
+    prefetching = FullyShardedDataParallel(GPT2LMHeadModel(gpt2_config("gpt2-tiny")), comm=comm,
+                                           auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), forward_prefetch=True)
+    prefetch_units = [m for m in prefetching.modules() if isinstance(m, FullyShardedDataParallel)]
+    seen_with_prefetch = []
+    for unit in prefetch_units[1:]:
+        unit.module.register_forward_pre_hook(
+            lambda module, args: seen_with_prefetch.append(gathered_units(prefetch_units)))
+    for _ in range(2):
+        with torch.no_grad():
+            prefetching(inputs[:2])
+
     write_json(output_path(), {
+        "seen_with_prefetch": seen_with_prefetch,
         "world_size": comm.world_size,
         "unwrapped_bytes": unwrapped_bytes,
         "parameter_bytes": parameter_bytes,

@@ -2,7 +2,8 @@
 
 Each variant must give bit-identical parameters to plain FULL_SHARD with direct
 MPI buffers: forced host staging, messages split into tiny chunks, SHARD_GRAD_OP,
-and activation checkpointing inside each block.
+activation checkpointing inside each block, and prefetching with asynchronous
+reduce-scatter.
 """
 
 import copy
@@ -14,9 +15,9 @@ from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, S
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
-def train(model, comm: Communicator, strategy=ShardingStrategy.FULL_SHARD) -> dict:
+def train(model, comm: Communicator, strategy=ShardingStrategy.FULL_SHARD, **overlap) -> dict:
     sharded = FullyShardedDataParallel(
-        model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), sharding_strategy=strategy
+        model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), sharding_strategy=strategy, **overlap
     )
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     for step in range(3):
@@ -45,6 +46,8 @@ if __name__ == "__main__":
         "chunked": train(copy.deepcopy(initial), chunked),
         "shard_grad_op": train(copy.deepcopy(initial), comm, ShardingStrategy.SHARD_GRAD_OP),
         "checkpointed": train(with_checkpointing(copy.deepcopy(initial)), comm),
+        "overlapped": train(copy.deepcopy(initial), comm, forward_prefetch=True, backward_prefetch=True,
+                            async_reduce_scatter=True),
     }
     direct = train(copy.deepcopy(initial), comm)
     if comm.rank == 0:
