@@ -1,0 +1,136 @@
+"""Side-by-side step times and memory of fsdp-mpi, plain torch, torch FSDP2, DDP and Lightning DDP.
+
+    python experiments/bench.py --model gpt2-seed --ranks 2 --batch-size 8 --seq-len 256
+
+Runs, one after another on this machine, the same GPT-2 on the same synthetic
+tokens with the same per-rank batch and threads: plain single-process torch,
+fsdp-mpi on 1 and on N ranks, then torch FSDP2, torch DDP and Lightning DDP on N
+ranks. Warm-up steps are excluded; step times are medians of the slowest rank.
+Prints a table with each strategy's step time divided by fsdp-mpi's and writes it
+as CSV. A strategy whose model state would not fit in this machine's memory is
+not started; its row gives the computed requirement instead.
+"""
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
+
+REPLICATED = ("plain", "ddp", "lightning-ddp")
+BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
+FIELDS = ["strategy", "ranks", "step_s", "vs_fsdp_mpi", "tokens_per_s", "tflops", "mfu", "model_state_mb",
+          "peak_rss_mb", "mpi_blocked_s", "compute_s", "overhead_s", "note"]
+
+
+def available_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def run_one(strategy: str, ranks: int, args) -> dict:
+    """Launches bench_worker.py for one strategy; its JSON, or a row explaining why there is none."""
+    parameters = parameter_count(args)
+    needed = ranks * BYTES_PER_PARAMETER * parameters if strategy in REPLICATED else 0
+    if needed > available_memory_bytes():
+        return {"strategy": strategy, "ranks": ranks,
+                "note": f"not run: model state needs {needed / 2**30:.1f} GiB "
+                        f"({ranks} x 16 B x {parameters:,}), {available_memory_bytes() / 2**30:.1f} GiB available"}
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "result.json"
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        command = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks), sys.executable,
+                   str(Path(__file__).parent / "bench_worker.py"), "--strategy", strategy, "--json", str(output),
+                   "--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
+                   "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--threads", str(args.threads)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        print(f"-- {strategy} on {ranks} rank(s)", flush=True)
+        finished = subprocess.run(command, env=env, capture_output=True, text=True)
+        if finished.returncode != 0 or not output.exists():
+            last_line = (finished.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"strategy": strategy, "ranks": ranks, "note": f"failed (exit {finished.returncode}): {last_line}"}
+        return json.loads(output.read_text())
+
+
+def parameter_count(args) -> int:
+    """The model's parameter count, built on the meta device (no memory used)."""
+    import torch
+
+    with torch.device("meta"):
+        return GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size)).num_parameters()
+
+
+def table(rows: list[dict]) -> list[dict]:
+    """Adds the ratios to fsdp-mpi on N ranks and splits its step into compute, MPI and overhead."""
+    by_key = {(r["strategy"], r["ranks"]): r for r in rows}
+    ours = max((r for r in rows if r["strategy"] == "fsdp-mpi" and "step_s" in r), key=lambda r: r["ranks"], default=None)
+    plain = by_key.get(("plain", 1), {})
+    for row in rows:
+        if ours and "step_s" in row:
+            row["vs_fsdp_mpi"] = row["step_s"] / ours["step_s"]
+        if row["strategy"] == "fsdp-mpi" and "step_s" in row and "step_s" in plain:
+            row["compute_s"] = plain["step_s"]  # the same per-rank work, without sharding
+            row["overhead_s"] = row["step_s"] - plain["step_s"] - row["mpi_blocked_s"]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    def cell(value):
+        return f"{value:.4g}" if isinstance(value, float) else ("" if value is None else str(value))
+
+    print("| " + " | ".join(FIELDS) + " |")
+    print("| " + " | ".join("---" for _ in FIELDS) + " |")
+    for row in rows:
+        print("| " + " | ".join(cell(row.get(field)) for field in FIELDS) + " |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-seed", choices=list(GPT2_CONFIGS))
+    parser.add_argument("--vocab-size", type=int, default=50257, help="default: GPT-2's BPE")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--strategies", default="plain,fsdp-mpi@1,fsdp-mpi,torch-fsdp,ddp,lightning-ddp",
+                        help="comma-separated; NAME@K runs NAME on K ranks instead of --ranks")
+    parser.add_argument("--out", default="results/bench.csv")
+    args = parser.parse_args()
+    if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads) < 1 or args.warmup < 0:
+        parser.error("--ranks, --batch-size, --seq-len, --steps and --threads must be positive")
+    if args.seq_len > gpt2_config(args.model).n_positions:
+        parser.error(f"--seq-len exceeds {args.model}'s context of {gpt2_config(args.model).n_positions}")
+    plan = []
+    for item in args.strategies.split(","):
+        name, _, ranks = item.strip().partition("@")
+        if name not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp"):
+            parser.error(f"unknown strategy {name!r}")
+        plan.append((name, 1 if name == "plain" else int(ranks or args.ranks)))
+    rows = table([run_one(name, ranks, args) for name, ranks in plan])
+    print(f"\n{args.model}, vocabulary {args.vocab_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "
+          f"{args.threads} thread(s) per rank, median of {args.steps} steps after {args.warmup} warm-up\n")
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["model", "batch_size", "seq_len", "threads", *FIELDS],
+                                extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                             "threads": args.threads, **row})
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

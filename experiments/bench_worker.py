@@ -1,0 +1,145 @@
+"""One strategy's share of ``bench.py``: time training steps of GPT-2 on synthetic tokens.
+
+Launched by bench.py as ``mpiexec -n N python experiments/bench_worker.py --strategy S ...``;
+rank 0 writes the measurements as JSON.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from mpi4py import MPI
+from torch.utils.data import DataLoader, Dataset
+
+from results import measured_peak_flops, model_state_bytes, peak_rss_mb
+from strategies import prepare
+
+from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+
+def arguments():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", required=True, choices=("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp"))
+    parser.add_argument("--model", default="gpt2-seed")
+    parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", required=True)
+    return parser.parse_args()
+
+
+def synthetic_batch(args, rank: int):
+    generator = torch.Generator().manual_seed(1234 + rank)
+    tokens = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def timed_steps(model, optimizer, batch, args, comm, comm_seconds):
+    """Per step: (slowest rank's step time, this rank's time blocked in MPI)."""
+    times, blocked = [], []
+    inputs, targets = batch
+    for _ in range(args.warmup + args.steps):
+        comm.Barrier()
+        mpi_before, start = comm_seconds(), time.perf_counter()
+        _, loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        times.append(max(comm.allgather(seconds)))
+        blocked.append(comm_seconds() - mpi_before)
+    return times[args.warmup:], blocked[args.warmup:]
+
+
+def lightning_steps(model, batch, args, comm):
+    """The same steps through a Lightning Trainer with DDP (gloo), timed by a callback."""
+    import lightning as L
+    from lightning.pytorch.plugins.environments import MPIEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class Steps(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, item, _index):
+            return self.model(*item)[1]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self):
+            return DataLoader(RepeatedBatch(), batch_size=None)
+
+    class RepeatedBatch(Dataset):
+        def __len__(self):
+            return args.warmup + args.steps
+
+        def __getitem__(self, _index):
+            return batch
+
+    class StepTimer(L.Callback):
+        def __init__(self):
+            self.times = []
+
+        def on_train_batch_start(self, trainer, module, *_):
+            comm.Barrier()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, *_):
+            self.times.append(max(comm.allgather(time.perf_counter() - self.start)))
+
+    timer = StepTimer()
+    module = Steps()
+    trainer = L.Trainer(accelerator="cpu", devices=comm.Get_size(), num_nodes=1, max_epochs=1,
+                        strategy=DDPStrategy(cluster_environment=MPIEnvironment(), process_group_backend="gloo"),
+                        logger=False, enable_checkpointing=False, enable_model_summary=False,
+                        enable_progress_bar=False, use_distributed_sampler=False, callbacks=[timer])
+    trainer.fit(module)
+    return timer.times[args.warmup:], trainer.optimizers[0], module
+
+
+def main() -> None:
+    args = arguments()
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(args.threads)
+    peak_flops = measured_peak_flops(torch.device("cpu"))  # every rank at once: contention included
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))
+    flops_per_token = model.training_flops_per_token(args.seq_len)
+    parameters = model.num_parameters()
+    batch = synthetic_batch(args, comm.Get_rank())
+    blocked = [float("nan")]
+    if args.strategy == "lightning-ddp":
+        times, optimizer, measured = lightning_steps(model, batch, args, comm)
+    else:
+        if args.strategy == "plain":
+            measured, comm_seconds = model, lambda: 0.0
+        else:
+            prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm)
+            measured, comm_seconds = prepared.model, prepared.comm_seconds
+        optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
+        times, blocked = timed_steps(measured, optimizer, batch, args, comm, comm_seconds)
+    state_bytes = max(comm.allgather(model_state_bytes(measured, optimizer)))
+    rss = max(comm.allgather(peak_rss_mb()))
+    blocked_median = statistics.median(comm.allgather(statistics.median(blocked)))
+    if comm.Get_rank() == 0:
+        step = statistics.median(times)
+        tokens_per_s = args.batch_size * args.seq_len * comm.Get_size() / step
+        with open(args.json, "w") as f:
+            json.dump({
+                "strategy": args.strategy, "ranks": comm.Get_size(), "parameters": parameters,
+                "step_s": step, "step_times_s": times, "tokens_per_s": tokens_per_s,
+                "tflops": tokens_per_s * flops_per_token / 1e12,
+                "mfu": tokens_per_s * flops_per_token / (peak_flops * comm.Get_size()),
+                "peak_rss_mb": rss, "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
+            }, f)
+
+
+if __name__ == "__main__":
+    main()
