@@ -9,6 +9,11 @@ ranks. Warm-up steps are excluded; step times are medians of the slowest rank.
 Prints a table with each strategy's step time divided by fsdp-mpi's and writes it
 as CSV. A strategy whose model state would not fit in this machine's memory is
 not started; its row gives the computed requirement instead.
+
+fsdp-mpi's overlap mechanisms are measured as extra strategies:
+``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
+``--tune-malloc-for-all`` gives every strategy the glibc setting fsdp-mpi uses on
+CPU (see fsdp_mpi/host_memory.py), to separate that effect from sharding.
 """
 
 import argparse
@@ -34,12 +39,17 @@ def available_memory_bytes() -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def run_one(strategy: str, ranks: int, args) -> dict:
+OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
+MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+
+
+def run_one(spec: str, ranks: int, args) -> dict:
     """Launches bench_worker.py for one strategy; its JSON, or a row explaining why there is none."""
+    strategy, *overlap = spec.split("+")
     parameters = parameter_count(args)
     needed = ranks * BYTES_PER_PARAMETER * parameters if strategy in REPLICATED else 0
     if needed > available_memory_bytes():
-        return {"strategy": strategy, "ranks": ranks,
+        return {"strategy": spec, "ranks": ranks,
                 "note": f"not run: model state needs {needed / 2**30:.1f} GiB "
                         f"({ranks} x 16 B x {parameters:,}), {available_memory_bytes() / 2**30:.1f} GiB available"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,13 +59,15 @@ def run_one(strategy: str, ranks: int, args) -> dict:
                    str(Path(__file__).parent / "bench_worker.py"), "--strategy", strategy, "--json", str(output),
                    "--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), "--overlap", "+".join(overlap)]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        print(f"-- {strategy} on {ranks} rank(s)", flush=True)
+        if args.tune_malloc_for_all:
+            env["GLIBC_TUNABLES"] = MALLOC_REUSE
+        print(f"-- {spec} on {ranks} rank(s)", flush=True)
         finished = subprocess.run(command, env=env, capture_output=True, text=True)
         if finished.returncode != 0 or not output.exists():
             last_line = (finished.stderr.strip().splitlines() or ["no output"])[-1]
-            return {"strategy": strategy, "ranks": ranks, "note": f"failed (exit {finished.returncode}): {last_line}"}
+            return {"strategy": spec, "ranks": ranks, "note": f"failed (exit {finished.returncode}): {last_line}"}
         return json.loads(output.read_text())
 
 
@@ -71,11 +83,12 @@ def table(rows: list[dict]) -> list[dict]:
     """Adds the ratios to fsdp-mpi on N ranks and splits its step into compute, MPI and overhead."""
     by_key = {(r["strategy"], r["ranks"]): r for r in rows}
     ours = max((r for r in rows if r["strategy"] == "fsdp-mpi" and "step_s" in r), key=lambda r: r["ranks"], default=None)
+    # every fsdp-mpi variant's step splits into plain compute, time blocked in MPI and the rest
     plain = by_key.get(("plain", 1), {})
     for row in rows:
         if ours and "step_s" in row:
             row["vs_fsdp_mpi"] = row["step_s"] / ours["step_s"]
-        if row["strategy"] == "fsdp-mpi" and "step_s" in row and "step_s" in plain:
+        if row["strategy"].startswith("fsdp-mpi") and "step_s" in row and "step_s" in plain:
             row["compute_s"] = plain["step_s"]  # the same per-rank work, without sharding
             row["overhead_s"] = row["step_s"] - plain["step_s"] - row["mpi_blocked_s"]
     return rows
@@ -103,6 +116,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--strategies", default="plain,fsdp-mpi@1,fsdp-mpi,torch-fsdp,ddp,lightning-ddp",
                         help="comma-separated; NAME@K runs NAME on K ranks instead of --ranks")
+    parser.add_argument("--tune-malloc-for-all", action="store_true",
+                        help="give every strategy fsdp-mpi's glibc memory-reuse setting")
     parser.add_argument("--out", default="results/bench.csv")
     args = parser.parse_args()
     if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads) < 1 or args.warmup < 0:
@@ -112,8 +127,12 @@ def main() -> int:
     plan = []
     for item in args.strategies.split(","):
         name, _, ranks = item.strip().partition("@")
-        if name not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp"):
+        base, *overlap = name.split("+")
+        if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") or not set(overlap) <= set(OVERLAP) \
+                or (overlap and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")
+        if ranks and not ranks.isdigit():
+            parser.error(f"{item!r}: the rank count after @ must be a number")
         plan.append((name, 1 if name == "plain" else int(ranks or args.ranks)))
     rows = table([run_one(name, ranks, args) for name, ranks in plan])
     print(f"\n{args.model}, vocabulary {args.vocab_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "

@@ -29,6 +29,7 @@ def arguments():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--overlap", default="", help="fsdp-mpi options to switch on, '+'-separated")
     parser.add_argument("--json", required=True)
     return parser.parse_args()
 
@@ -121,7 +122,8 @@ def main() -> None:
         if args.strategy == "plain":
             measured, comm_seconds = model, lambda: 0.0
         else:
-            prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm)
+            options = {name: True for name in args.overlap.split("+") if name}
+            prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, **options)
             measured, comm_seconds = prepared.model, prepared.comm_seconds
         optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
         times, blocked = timed_steps(measured, optimizer, batch, args, comm, comm_seconds)
@@ -133,7 +135,7 @@ def main() -> None:
         tokens_per_s = args.batch_size * args.seq_len * comm.Get_size() / step
         with open(args.json, "w") as f:
             json.dump({
-                "strategy": args.strategy, "ranks": comm.Get_size(), "parameters": parameters,
+                "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]), "ranks": comm.Get_size(), "parameters": parameters,
                 "step_s": step, "step_times_s": times, "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,
                 "mfu": tokens_per_s * flops_per_token / (peak_flops * comm.Get_size()),

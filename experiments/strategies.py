@@ -52,12 +52,17 @@ def init_torch_distributed(comm: MPI.Comm, device: torch.device) -> None:
     dist.init_process_group(backend, rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
-def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: MPI.Comm) -> Prepared:
-    """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones)."""
+def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: MPI.Comm,
+            **fsdp_options) -> Prepared:
+    """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones).
+
+    `fsdp_options` go to fsdp-mpi's FullyShardedDataParallel (e.g. forward_prefetch=True).
+    """
     model.to(device)
     if strategy == "fsdp-mpi":
         communicator = Communicator(comm)
-        sharded = FullyShardedDataParallel(model, comm=communicator, auto_wrap_policy=ModuleWrapPolicy({block_class}))
+        sharded = FullyShardedDataParallel(model, comm=communicator, auto_wrap_policy=ModuleWrapPolicy({block_class}),
+                                           **fsdp_options)
         return Prepared(sharded, lambda: communicator.seconds_in_mpi)
     init_torch_distributed(comm, device)
     if strategy == "ddp":

@@ -88,8 +88,8 @@ class FullyShardedDataParallel(nn.Module):
         if not _nested_in_wrap:
             if self._comm.world_size > 1:
                 abort_job_on_uncaught_exception(self._comm.mpi_comm)
-                if next(module.parameters()).device.type == "cpu":
-                    keep_freed_host_memory_for_reuse()
+            if next(module.parameters()).device.type == "cpu":
+                keep_freed_host_memory_for_reuse()
             check_same_model_on_all_ranks(module, self._comm)
             if sync_module_states:
                 _broadcast_module_states(module, self._comm)
