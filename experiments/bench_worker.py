@@ -109,6 +109,7 @@ def main() -> None:
     args = arguments()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(args.threads)
+    comm.Barrier()
     peak_flops = measured_peak_flops(torch.device("cpu"))  # every rank at once: contention included
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))

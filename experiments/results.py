@@ -50,9 +50,12 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return total
 
 
-def measured_peak_flops(device: torch.device, repeats: int = 5) -> float:
-    """FLOP/s of a large fp32 matrix multiplication on this rank, best of `repeats` (the MFU denominator)."""
-    size = 8192 if device.type == "cuda" else 1024
+def measured_peak_flops(device: torch.device, repeats: int = 3) -> float:
+    """FLOP/s of a large fp32 matrix multiplication on this rank, best of `repeats` (the MFU denominator).
+
+    Callers measure on every rank at once, so that the ranks share the machine as they will in training.
+    """
+    size = 8192 if device.type == "cuda" else 2048
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     best = float("inf")

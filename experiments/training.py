@@ -124,6 +124,7 @@ class RunRecorder:
         world = comm.Get_size()
         self.run_id = args.run_id or f"{experiment}-{args.strategy}-n{world}-{uuid.uuid4().hex[:6]}"
         self.flops_per_token = model.training_flops_per_token(task.seq_len)
+        comm.Barrier()
         self.peak_flops = comm.allreduce(measured_peak_flops(device), op=MPI.SUM)
         self.fixed = {
             "run_id": self.run_id, "experiment": experiment, "strategy": args.strategy, "model": task.model_name,
