@@ -83,11 +83,11 @@ def table(rows: list[dict]) -> list[dict]:
     """Adds the ratios to fsdp-mpi on N ranks and splits its step into compute, MPI and overhead."""
     by_key = {(r["strategy"], r["ranks"]): r for r in rows}
     ours = max((r for r in rows if r["strategy"] == "fsdp-mpi" and "step_s" in r), key=lambda r: r["ranks"], default=None)
-    # every fsdp-mpi variant's step splits into plain compute, time blocked in MPI and the rest
     plain = by_key.get(("plain", 1), {})
     for row in rows:
         if ours and "step_s" in row:
             row["vs_fsdp_mpi"] = row["step_s"] / ours["step_s"]
+        # every fsdp-mpi variant's step splits into plain compute, time blocked in MPI and the rest
         if row["strategy"].startswith("fsdp-mpi") and "step_s" in row and "step_s" in plain:
             row["compute_s"] = plain["step_s"]  # the same per-rank work, without sharding
             row["overhead_s"] = row["step_s"] - plain["step_s"] - row["mpi_blocked_s"]

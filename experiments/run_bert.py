@@ -72,13 +72,6 @@ class BertTask:
             "val_nsp_accuracy": round(sums["nsp_correct"] / sums["count"], 5),
         }
 
-    def save(self, state: dict | None, directory) -> None:
-        if state is None:
-            return
-        model = BertForPreTraining(self.config)
-        model.load_state_dict(state)
-        model.save_pretrained(directory)
-
 
 def parser():
     result = argument_parser(__doc__.splitlines()[0], list(BERT_CONFIGS), {

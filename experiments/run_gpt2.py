@@ -54,12 +54,8 @@ class GPT2Task:
         loss = sums["loss_sum"] / sums["count"]
         return {"val_loss": round(loss, 5), "val_perplexity": round(math.exp(min(loss, 50)), 4)}
 
-    def save(self, state: dict | None, directory) -> None:
-        if state is None:
-            return
-        model = GPT2LMHeadModel(self.config)
-        model.load_state_dict(state)
-        model.save_pretrained(directory)
+    def save_extras(self, directory) -> None:
+        """The tokenizer, so that sample.py can turn text into tokens and back."""
         save_description(self.tokenizer, directory)
 
 

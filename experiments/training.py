@@ -4,7 +4,8 @@ An experiment supplies a *task* (``run_gpt2.GPT2Task``, ``run_bert.BertTask``):
 its datasets (``train``, ``val``: ``len()`` and ``batch(indices, epoch)``),
 ``seq_len``, ``block_class`` (the wrap unit), ``model_name``, ``build_model()``,
 ``sample_losses(model, batch)`` (one loss per sample), ``eval_sums(model, batch)``
-(sums to add over ranks) and ``val_columns(sums)`` (the CSV's validation columns).
+(sums to add over ranks), ``val_columns(sums)`` (the CSV's validation columns) and,
+optionally, ``save_extras(directory)`` (files to keep beside a saved model).
 """
 
 import argparse
@@ -239,5 +240,16 @@ def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str) -> 
         recorder.add_epoch(epoch, len(steps), samples, seconds, train_loss, val,
                            model_state_bytes(prepared.model, optimizer), comm_seconds, device)
     if args.save_dir:
-        task.save(full_state_dict_on_rank0(args.strategy, prepared.model, comm), Path(args.save_dir))
+        save_trained(task, full_state_dict_on_rank0(args.strategy, prepared.model, comm), Path(args.save_dir))
     return recorder.finish()
+
+
+def save_trained(task, state: dict | None, directory: Path) -> None:
+    """Rank 0 writes the trained weights in Hugging Face's layout, plus the task's extras."""
+    if state is None:
+        return
+    model = task.build_model()
+    model.load_state_dict(state)
+    model.save_pretrained(directory)
+    if hasattr(task, "save_extras"):
+        task.save_extras(directory)

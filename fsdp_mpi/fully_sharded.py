@@ -195,10 +195,12 @@ class FullyShardedDataParallel(nn.Module):
 
     def _post_backward(self, handle: FlatParamHandle) -> None:
         """Runs when autograd has summed every use's gradient into ``handle.full_flat.grad``."""
-        root = self._root
-        root._finish_reduction_in_flight()  # at most one in flight bounds the gradient memory held
-        handle.reduce_gradient(asynchronous=self._overlap["async_reduce_scatter"])
-        root._reduction_in_flight = handle
+        asynchronous = self._overlap["async_reduce_scatter"]
+        if asynchronous:
+            self._root._finish_reduction_in_flight()  # at most one in flight bounds the gradient memory held
+        handle.reduce_gradient(asynchronous=asynchronous)
+        if asynchronous:
+            self._root._reduction_in_flight = handle
         if not any(h.awaiting_gradient for h in self._handles):
             self._reshard()
             self._state = TrainingState.IDLE

@@ -2,7 +2,6 @@
 
 import sys
 
-import torch
 from torch import nn
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
