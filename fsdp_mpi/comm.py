@@ -171,6 +171,11 @@ class Communicator:
         with self._in_mpi(None):
             return self.mpi_comm.allreduce(float(value), op=MPI.SUM)
 
+    def allreduce_max_float(self, value: float) -> float:
+        """Maximum of a Python float over ranks."""
+        with self._in_mpi(None):
+            return self.mpi_comm.allreduce(float(value), op=MPI.MAX)
+
     def barrier(self) -> None:
         with self._in_mpi(None):
             self.mpi_comm.Barrier()

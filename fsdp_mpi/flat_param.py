@@ -4,17 +4,26 @@ One handle holding parameters ``a`` (6 elements) and ``b`` (3 elements) on 4 ran
 
     full_flat (padded_numel = 12):  a a a a a a b b b 0 0 0
     shards:                         [rank 0][rank 1][rank 2][rank 3]   (shard_numel = 3)
+    sharded views on rank 1:        a = shard[0:3]  b = shard[0:0]     (rank 2: a = [0:0], b = [0:3])
 
-``flat_param`` (an ``nn.Parameter`` of ``shard_numel`` elements) is all a rank keeps
-between uses: ``model.parameters()`` yields it and the optimizer updates it, so
-optimizer state is sharded too without the optimizer knowing.
+``shard`` (``shard_numel`` elements) is all a rank keeps between uses. The
+optimizer never sees it directly: each original parameter is replaced, under its
+own name, by a *sharded view*, an ``nn.Parameter`` that is the 1-D slice of
+``shard`` holding this rank's part of that parameter (possibly empty). So
+``model.named_parameters()`` keeps the user's names, optimizer parameter groups
+work as on one process, optimizer state is sharded, and an in-place update of a
+view updates the shard that the next all-gather sends.
 
 ``full_flat`` is the gathered buffer. Its storage exists only between ``unshard()``
 and ``reshard()``; in between the storage is released (resized to zero bytes), not
-merely dereferenced, so it is really returned to the allocator. While it exists, the
-module's original parameter attributes are views into it. Autograd therefore sums
-the gradient of every use (tied weights, a unit run twice) into one ``full_flat.grad``,
-which ``reduce_gradient()`` reduce-scatters into ``flat_param.grad``.
+merely dereferenced, so it is really returned to the allocator. While a unit
+computes, each parameter attribute (``linear.weight``) is shadowed by a full-shape
+view into ``full_flat`` (an entry in the module's ``__dict__``, which Python looks
+up before ``nn.Module``'s registered parameters); ``use_sharded_views()`` removes
+the shadows, so outside computation the attribute is the sharded view again.
+Autograd sums the gradient of every use (tied weights, a unit run twice) into one
+``full_flat.grad``, which ``reduce_gradient()`` reduce-scatters into ``shard_grad``;
+each sharded view's ``.grad`` is the matching slice of it.
 
 Every rank must flatten the same parameters in the same order, or the all-gather
 would silently mix up parameters; the unit checks this across ranks at wrap time.
@@ -43,12 +52,14 @@ class ParamUse:
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one original parameter lives inside the flat buffer."""
+    """Where one original parameter lives inside the flat buffer, and which part of it this rank holds."""
 
     uses: tuple[ParamUse, ...]  # more than one for tied parameters
     shape: torch.Size
-    offset: int
+    offset: int  # into full_flat
     numel: int
+    shard_start: int  # this rank's part: shard[shard_start:shard_stop] (empty if it holds none)
+    shard_stop: int
 
 
 class FlatParamHandle:
@@ -65,38 +76,46 @@ class FlatParamHandle:
         first = params[0][0]
         self.comm = comm
         self.requires_grad = first.requires_grad
+        self.numel = sum(param.numel() for param, _ in params)
+        self.padded_numel = -(-self.numel // comm.world_size) * comm.world_size
+        self.shard_numel = self.padded_numel // comm.world_size
+        self.shard_offset = comm.rank * self.shard_numel
         self.slots: list[ParamSlot] = []
         offset = 0
         for param, uses in params:
-            self.slots.append(ParamSlot(tuple(uses), param.shape, offset, param.numel()))
+            start = min(max(offset - self.shard_offset, 0), self.shard_numel)
+            stop = min(max(offset + param.numel() - self.shard_offset, 0), self.shard_numel)
+            self.slots.append(ParamSlot(tuple(uses), param.shape, offset, param.numel(), start, stop))
             offset += param.numel()
-        self.numel = offset
-        self.padded_numel = -(-offset // comm.world_size) * comm.world_size
-        self.shard_numel = self.padded_numel // comm.world_size
-        self.shard_offset = comm.rank * self.shard_numel
 
         with torch.no_grad():
             full = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
             for slot, (param, _) in zip(self.slots, params):
                 full[slot.offset:slot.offset + slot.numel].copy_(param.reshape(-1))
-            shard = full[self.shard_offset:self.shard_offset + self.shard_numel].clone()
-        self.flat_param = nn.Parameter(shard, requires_grad=self.requires_grad)  # (shard_numel,)
+        self.shard = full[self.shard_offset:self.shard_offset + self.shard_numel].clone()  # (shard_numel,)
+        self.shard_grad: torch.Tensor | None = None  # (shard_numel,): the reduced gradient
         # On one rank the shard is the whole buffer: full_flat aliases it, so nothing is gathered or copied.
         self.aliases_shard = comm.world_size == 1
         if self.aliases_shard:
-            self.full_flat = self.flat_param.data.requires_grad_(self.requires_grad)
+            self.full_flat = self.shard.detach().requires_grad_(self.requires_grad)
         else:
             self.full_flat = torch.empty_like(full).requires_grad_(self.requires_grad)  # (padded_numel,)
             self._free_full_storage()
         # True from a forward that autograd records until this handle's gradient is reduced.
         self.awaiting_gradient = False
+        self._full_views: list[torch.Tensor] | None = None  # the last forward's views, one per slot
         self._pending_gather = None  # a prefetch in flight
-        self._pending_reduction = None  # (Pending, shard_grad) of an asynchronous reduce-scatter
+        self._pending_reduction = None  # (Pending, shard_grad, full_grad) of an asynchronous reduce-scatter
 
-        for param, uses in params:
+        # The sharded views replace the original parameters under their names (tied ones stay one object).
+        self.sharded_views: list[nn.Parameter] = []
+        for slot, (param, _) in zip(self.slots, params):
+            view = nn.Parameter(self.shard[slot.shard_start:slot.shard_stop], requires_grad=self.requires_grad)
+            self.sharded_views.append(view)
             setattr(param, OWNER_ATTRIBUTE, unit_name)
-            for use in uses:
-                del use.owner._parameters[use.attribute]
+            setattr(view, OWNER_ATTRIBUTE, unit_name)
+            for use in slot.uses:
+                use.owner._parameters[use.attribute] = view
 
     # ------------------------------------------------------------ gather and free
 
@@ -117,18 +136,19 @@ class FlatParamHandle:
             self._pending_gather = None
         elif not self.is_unsharded:
             self._allocate_full_storage()
-            self.comm.all_gather_into(self.full_flat.data, self.flat_param.data)
+            self.comm.all_gather_into(self.full_flat.data, self.shard)
 
     def start_unshard(self) -> None:
         """Starts gathering without waiting (a prefetch); ``unshard()`` completes it."""
         if self._pending_gather is None and not self.is_unsharded:
             self._allocate_full_storage()
-            self._pending_gather = self.comm.start_all_gather_into(self.full_flat.data, self.flat_param.data)
+            self._pending_gather = self.comm.start_all_gather_into(self.full_flat.data, self.shard)
 
     def reshard(self) -> None:
-        """Releases the gathered storage; only the shard remains on this rank."""
+        """Releases the gathered storage and shows the sharded views again; only the shard remains."""
         if self._pending_gather is not None:  # MPI may still be writing into it
             self.unshard()
+        self.use_sharded_views()
         if self.is_unsharded and not self.aliases_shard:
             self._free_full_storage()
 
@@ -138,28 +158,42 @@ class FlatParamHandle:
     def _free_full_storage(self) -> None:
         self.full_flat.untyped_storage().resize_(0)
 
-    def point_attributes_at_full_flat(self, detached: bool = False) -> None:
-        """Sets every use of every parameter to a fresh view into ``full_flat``.
+    # ------------------------------------------------------------ which tensor a parameter attribute is
 
-        Called at each forward, so that the views belong to the graph autograd is
-        recording. Backward re-gathers into the same storage and keeps these views:
-        views made inside backward would not require grad, and activation
-        checkpointing's recomputation must see the same tensors as the forward.
-        One ``torch.split`` makes all views, so that backward assembles the flat
-        gradient in one concatenation instead of one zero-padded copy per parameter.
-        `detached` views are plain tensors that users may edit in place.
+    def use_full_views(self, fresh: bool = True, detached: bool = False) -> None:
+        """Shadows every parameter attribute with a full-shape view into ``full_flat``.
+
+        A forward makes `fresh` views, so that they belong to the graph autograd is
+        recording. Backward re-gathers into the same storage and re-installs the
+        forward's views (``fresh=False``): views made inside backward would not
+        require grad, and activation checkpointing's recomputation must save the
+        tensors the forward saved. One ``torch.split`` makes all views, so that
+        backward assembles the flat gradient in one concatenation instead of one
+        zero-padded copy per parameter. `detached` views are plain tensors that
+        users may edit in place (``summon_full_params``).
         """
-        source = self.full_flat.detach() if detached else self.full_flat
-        pieces = torch.split(source, [slot.numel for slot in self.slots] + [self.padded_numel - self.numel])
-        for slot, piece in zip(self.slots, pieces):
-            view = piece.view(slot.shape)
+        if fresh or detached or self._full_views is None:
+            source = self.full_flat.detach() if detached else self.full_flat
+            pieces = torch.split(source, [slot.numel for slot in self.slots] + [self.padded_numel - self.numel])
+            views = [piece.view(slot.shape) for slot, piece in zip(self.slots, pieces)]
+            if not detached:
+                self._full_views = views
+        else:
+            views = self._full_views
+        for slot, view in zip(self.slots, views):
             for use in slot.uses:
-                setattr(use.owner, use.attribute, view)
+                use.owner.__dict__[use.attribute] = view
+
+    def use_sharded_views(self) -> None:
+        """Removes the full views: each attribute is its registered sharded view again."""
+        for slot in self.slots:
+            for use in slot.uses:
+                use.owner.__dict__.pop(use.attribute, None)
 
     # ------------------------------------------------------------ gradients
 
     def reduce_gradient(self, asynchronous: bool = False) -> None:
-        """Averages ``full_flat.grad`` over ranks into this rank's ``flat_param.grad`` and frees it.
+        """Averages ``full_flat.grad`` over ranks into this rank's ``shard_grad`` and frees it.
 
         A handle that got no gradient this backward contributes zeros, so every
         rank takes part in the same collectives. `asynchronous` only starts the
@@ -167,13 +201,13 @@ class FlatParamHandle:
         """
         full_grad = self.full_flat.grad
         if full_grad is None:
-            full_grad = torch.zeros(self.padded_numel, dtype=self.flat_param.dtype, device=self.flat_param.device)
+            full_grad = torch.zeros(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
         self.full_flat.grad = None
         self.awaiting_gradient = False
         if self.aliases_shard:
             self._accumulate(full_grad)  # one rank: the mean over ranks is the gradient itself
             return
-        shard_grad = torch.empty_like(self.flat_param.data)  # (shard_numel,)
+        shard_grad = torch.empty_like(self.shard)  # (shard_numel,)
         if asynchronous:
             # The Pending keeps no reference to full_grad; this tuple does, until MPI has read it.
             pending = self.comm.start_reduce_scatter_mean(shard_grad, full_grad.contiguous())
@@ -183,18 +217,41 @@ class FlatParamHandle:
             self._accumulate(shard_grad)
 
     def finish_gradient_reduction(self) -> None:
-        """Waits for an asynchronous reduce-scatter and adds its result to ``flat_param.grad``."""
+        """Waits for an asynchronous reduce-scatter and adds its result to ``shard_grad``."""
         if self._pending_reduction is not None:
             pending, shard_grad, _full_grad = self._pending_reduction
             pending.wait()
             self._pending_reduction = None
             self._accumulate(shard_grad)
 
+    @property
+    def unsharded_gradient_bytes(self) -> int:
+        """Memory held by a full-size gradient kept for a later reduction (``no_sync``)."""
+        grad = self.full_flat.grad
+        return 0 if grad is None or self.aliases_shard else grad.numel() * grad.element_size()
+
     def _accumulate(self, shard_grad: torch.Tensor) -> None:
-        if self.flat_param.grad is None:
-            self.flat_param.grad = shard_grad
+        """Adds a reduced gradient to what the sharded views still hold, then exposes it through them."""
+        self.release_gradient_cleared_by_user()
+        if self.shard_grad is None:
+            self.shard_grad = shard_grad
         else:
-            self.flat_param.grad += shard_grad
+            self.shard_grad += shard_grad
+        for slot, view in zip(self.slots, self.sharded_views):
+            view.grad = self.shard_grad[slot.shard_start:slot.shard_stop]
+
+    def release_gradient_cleared_by_user(self) -> None:
+        """``optimizer.zero_grad()`` sets the views' ``.grad`` to None: their part of ``shard_grad`` is gone too."""
+        if self.shard_grad is None:
+            return
+        cleared = [slot for slot, view in zip(self.slots, self.sharded_views)
+                   if view.grad is None and slot.shard_stop > slot.shard_start]
+        holding = [slot for slot in self.slots if slot.shard_stop > slot.shard_start]
+        if len(cleared) == len(holding):
+            self.shard_grad = None
+            return
+        for slot in cleared:
+            self.shard_grad[slot.shard_start:slot.shard_stop].zero_()
 
     # ------------------------------------------------------------ full views for state dicts
 
@@ -203,7 +260,7 @@ class FlatParamHandle:
         if self.aliases_shard:
             return
         with torch.no_grad():
-            self.flat_param.copy_(self.full_flat.data[self.shard_offset:self.shard_offset + self.shard_numel])
+            self.shard.copy_(self.full_flat.data[self.shard_offset:self.shard_offset + self.shard_numel])
 
     def full_tensors(self):
         """Yields (slot, full tensor view) for every parameter; only valid while unsharded."""

@@ -11,22 +11,17 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fsdp_mpi.fully_sharded import WRAPPED_MODULE, FullyShardedDataParallel, TrainingState
+from fsdp_mpi.lifecycle import ShardedUnit, TrainingState, original_name, units_with_names
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
-
-
-def original_name(name: str) -> str:
-    """``_fsdp_wrapped_module.h.0._fsdp_wrapped_module.attn.weight`` -> ``h.0.attn.weight``."""
-    return ".".join(part for part in name.split(".") if part and part != WRAPPED_MODULE)
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _units_by_prefix(module: nn.Module) -> list[tuple[str, FullyShardedDataParallel]]:
-    units = [(original_name(n), m) for n, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+def _units_by_prefix(module: nn.Module) -> list[tuple[str, ShardedUnit]]:
+    units = units_with_names(module)
     if not units:
         raise ValueError("the module contains no FullyShardedDataParallel unit")
     return units
@@ -46,26 +41,28 @@ def summon_full_params(module: nn.Module, writeback: bool = True):
 
     Inside it, the wrapped modules' parameter attributes (``model.module.fc.weight``)
     are the full tensors. With `writeback`, edits to them are kept: each rank
-    copies its own part back into its shard. Every rank must enter it together,
-    outside forward and backward; it holds the whole model on every rank.
+    copies its own part back into its shard; without it, they are discarded
+    (also on one rank, where the full buffer is the shard itself). Every rank must
+    enter it together, outside forward and backward; it holds the whole model on every rank.
     """
     units = [unit for _, unit in _units_by_prefix(module)]
-    if any(unit.training_state is not TrainingState.IDLE for unit in units):
+    if any(unit.state is not TrainingState.IDLE for unit in units):
         raise RuntimeError("summon_full_params cannot be entered during forward or backward")
-    already_gathered = {id(h) for unit in units for h in unit.handles if h.is_unsharded}
-    for unit in units:
-        unit._unshard()
-        for handle in unit.handles:
-            handle.point_attributes_at_full_flat(detached=True)
+    handles = [handle for unit in units for handle in unit.handles]
+    # On one rank the gathered buffer is the shard: keep a copy to restore.
+    restore = {id(h): h.shard.clone() for h in handles if h.aliases_shard and not writeback}
+    for handle in handles:
+        handle.unshard()
+        handle.use_full_views(detached=True)
     try:
         yield module
     finally:
-        for unit in units:
-            for handle in unit.handles:
-                if writeback:
-                    handle.write_back_shard()
-                if id(handle) not in already_gathered:
-                    handle.reshard()
+        for handle in handles:
+            if writeback:
+                handle.write_back_shard()
+            elif id(handle) in restore:
+                handle.shard.copy_(restore[id(handle)])
+            handle.reshard()
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -76,7 +73,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     ``nn.Module.state_dict()``.
     """
     units = _units_by_prefix(module)
-    keep = not rank0_only or units[0][1]._comm.rank == 0
+    keep = not rank0_only or units[0][1].comm.rank == 0
     state: dict[str, torch.Tensor] = {}
     for prefix, unit in units:
         already_gathered = [handle.is_unsharded for handle in unit.handles]
@@ -147,4 +144,4 @@ def _copy_into_shard(handle, slot, full_value: torch.Tensor) -> None:
     start, stop = max(slot.offset, shard_start), min(slot.offset + slot.numel, shard_stop)
     if start < stop:
         values = full_value.reshape(-1)[start - slot.offset:stop - slot.offset]
-        handle.flat_param[start - shard_start:stop - shard_start].copy_(values)
+        handle.shard[start - shard_start:stop - shard_start].copy_(values)

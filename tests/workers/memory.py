@@ -20,8 +20,9 @@ if __name__ == "__main__":
     units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
 
     persistent = [
-        {"padded_numel": h.padded_numel, "flat_param_bytes": h.flat_param.numel() * h.flat_param.element_size(),
-         "gathered_bytes": h.gathered_bytes}
+        {"padded_numel": h.padded_numel, "shard_bytes": h.shard.numel() * h.shard.element_size(),
+         "gathered_bytes": h.gathered_bytes,
+         "view_bytes": sum(s.shard_stop - s.shard_start for s in h.slots) * h.shard.element_size()}
         for unit in units for h in unit.handles
     ]
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,270 @@
+"""One sharding unit's lifecycle, driven by hooks on the module it shards.
+
+A unit owns the parameters of its module that are not inside a nested unit. Its
+lifecycle in one training step::
+
+    forward pre-hook:   unshard (all-gather), point parameter attributes at full views
+    module.forward      (nested units do the same inside)
+    forward hook:       reshard (free), hook the outputs for backward
+    backward:           first gradient reaches an output -> unshard again
+                        autograd finishes the unit's gradient -> reduce-scatter -> reshard
+    end of backward (root only): reduce what got no gradient, reshard what is left
+
+so at any moment a rank holds its shards plus the full parameters of the units
+that are computing. Because the hooks sit on the module itself, it computes
+correctly however it is called: through the ``FullyShardedDataParallel``
+wrapper, through its own ``__call__`` (a Hugging Face ``generate()``), nested or
+alone, with or without gradients. The outermost unit is the root; it owns the
+end-of-backward step and the recorded execution order for the whole tree.
+
+Optional overlap (each off by default, see docs/design.md): ``forward_prefetch``
+starts gathering the next unit when a unit's forward starts, ``backward_prefetch``
+does the same in backward, and ``async_reduce_scatter`` lets a unit's gradient
+reduction run on while the earlier units' backward goes on (one in flight).
+"""
+
+import dataclasses
+from enum import Enum, auto
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from fsdp_mpi.comm import Communicator
+from fsdp_mpi.execution_order import ExecutionOrder
+from fsdp_mpi.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
+from fsdp_mpi.strategy import ShardingStrategy
+
+# The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
+UNIT_ATTRIBUTE = "_fsdp_mpi_unit"
+# The name under which a FullyShardedDataParallel wrapper holds its module; not part of user-facing names.
+WRAPPED_MODULE = "_fsdp_wrapped_module"
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()  # inside this unit's forward
+    BACKWARD = auto()  # gathered for backward, gradient not yet reduced
+
+
+def original_name(name: str) -> str:
+    """``_fsdp_wrapped_module.h.0._fsdp_wrapped_module.attn.weight`` -> ``h.0.attn.weight``."""
+    return ".".join(part for part in name.split(".") if part and part != WRAPPED_MODULE)
+
+
+def units_with_names(module: nn.Module) -> list[tuple[str, "ShardedUnit"]]:
+    """Every unit in `module`, outermost first, with its module's original name ("" for the top)."""
+    return [(original_name(name), sub.__dict__[UNIT_ATTRIBUTE])
+            for name, sub in module.named_modules() if UNIT_ATTRIBUTE in sub.__dict__]
+
+
+class ShardedUnit:
+    """Flattens `module`'s own parameters into shards and gathers them whenever `module` computes.
+
+    Args:
+        module: the module to shard; nested units inside it must exist already.
+        comm: the communicator whose ranks share the shards.
+        sharding_strategy: ``FULL_SHARD`` or ``SHARD_GRAD_OP``.
+        overlap: ``forward_prefetch``, ``backward_prefetch``, ``async_reduce_scatter`` flags.
+    """
+
+    def __init__(self, module: nn.Module, comm: Communicator, sharding_strategy: ShardingStrategy, overlap: dict):
+        self.module = module
+        self.comm = comm
+        self.sharding_strategy = sharding_strategy
+        self.overlap = overlap
+        unit_name = type(module).__name__
+        self.handles = [FlatParamHandle(group, comm, unit_name) for group in _group_unit_params(module)]
+        for handle in self.handles:
+            if handle.requires_grad:
+                handle.full_flat.register_post_accumulate_grad_hook(
+                    lambda _full_flat, handle=handle: self._post_backward(handle))
+        self.state = TrainingState.IDLE
+        # False inside no_sync(): gradients stay unsharded and accumulate until a backward with sync.
+        self.requires_gradient_sync = True
+        module.__dict__[UNIT_ATTRIBUTE] = self
+        module.register_forward_pre_hook(self._pre_forward, prepend=True)
+        module.register_forward_hook(self._post_forward)
+
+        # This unit is the root until an outer unit is built around it; the root knows every unit below it.
+        self.units = [unit for _, unit in units_with_names(module)]
+        for unit in self.units:
+            unit.root = self
+        self._end_of_backward_queued = False
+        self._execution_order = ExecutionOrder()
+        self._reduction_in_flight: FlatParamHandle | None = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.root is self
+
+    # ----------------------------------------------------------------- forward
+
+    def _pre_forward(self, _module, _args) -> None:
+        if self.state is TrainingState.BACKWARD:
+            # Activation checkpointing re-runs a forward during backward: show the forward's views again.
+            self._unshard()
+            for handle in self.handles:
+                handle.use_full_views(fresh=False)
+            return
+        if self.is_root:
+            self._root_pre_forward()
+        order = self.root._execution_order
+        order.record(self)
+        self._unshard()
+        if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:
+            upcoming._start_unshard()
+        for handle in self.handles:
+            handle.use_full_views()
+        self.state = TrainingState.FORWARD
+
+    def _post_forward(self, _module, _args, output) -> None:
+        self.state = TrainingState.IDLE
+        if self.is_root:
+            self._execution_order.stop_recording()
+        backward_follows = torch.is_grad_enabled()
+        if backward_follows:
+            for handle in self.handles:
+                handle.awaiting_gradient = handle.requires_grad
+            _register_on_output_tensors(output, self._pre_backward)
+        # The root's parameters are needed first thing in backward, so it keeps them gathered then.
+        keep_for_backward = self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root
+        if not (backward_follows and keep_for_backward):
+            self._reshard()
+
+    def _root_pre_forward(self) -> None:
+        """Clears what an abandoned step (a forward with no backward) may have left."""
+        self._finish_reduction_in_flight()
+        for unit in self.units:
+            if unit.state is not TrainingState.IDLE:
+                unit._reshard()
+                unit.state = TrainingState.IDLE
+            for handle in unit.handles:
+                handle.awaiting_gradient = False
+                handle.release_gradient_cleared_by_user()
+
+    # ----------------------------------------------------------------- backward
+
+    def _pre_backward(self, _grad: torch.Tensor) -> None:
+        """Runs when the gradient of one of this unit's outputs is ready: gather for backward."""
+        self.root._queue_end_of_backward()
+        if self.state is not TrainingState.BACKWARD:
+            self._unshard()
+            for handle in self.handles:
+                handle.use_full_views(fresh=False)
+            self.state = TrainingState.BACKWARD
+            if self.overlap["backward_prefetch"] and (upcoming := self.root._execution_order.before(self)):
+                upcoming._start_unshard()
+
+    def _post_backward(self, handle: FlatParamHandle) -> None:
+        """Runs when autograd has summed every use's gradient into ``handle.full_flat.grad``."""
+        handle.awaiting_gradient = False
+        if self.requires_gradient_sync:
+            asynchronous = self.overlap["async_reduce_scatter"]
+            if asynchronous:
+                self.root._finish_reduction_in_flight()  # at most one in flight bounds the gradient memory held
+            handle.reduce_gradient(asynchronous=asynchronous)
+            if asynchronous:
+                self.root._reduction_in_flight = handle
+        if not any(h.awaiting_gradient for h in self.handles):
+            self._reshard()
+            self.state = TrainingState.IDLE
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Reduces gradients that never arrived (unused units or outputs) and frees everything.
+
+        Runs in the same unit order on every rank, so ranks stay in step even when
+        some unit's parameters took no part in this backward. A gradient kept
+        unsharded by ``no_sync()`` is reduced at the first backward with sync.
+        """
+        self._finish_reduction_in_flight()
+        for unit in self.units:
+            for handle in unit.handles:
+                if unit.requires_gradient_sync and (handle.awaiting_gradient or handle.full_flat.grad is not None):
+                    handle.reduce_gradient()
+                handle.awaiting_gradient = False
+            unit._reshard()
+            unit.state = TrainingState.IDLE
+        self._end_of_backward_queued = False
+
+    def _finish_reduction_in_flight(self) -> None:
+        if self._reduction_in_flight is not None:
+            self._reduction_in_flight.finish_gradient_reduction()
+            self._reduction_in_flight = None
+
+    # ----------------------------------------------------------------- gather / free
+
+    def _unshard(self) -> None:
+        for handle in self.handles:
+            handle.unshard()
+
+    def _start_unshard(self) -> None:
+        for handle in self.handles:
+            handle.start_unshard()
+
+    def _reshard(self) -> None:
+        for handle in self.handles:
+            handle.reshard()
+
+
+def _group_unit_params(module: nn.Module) -> list[list[tuple[nn.Parameter, list[ParamUse]]]]:
+    """The unit's own parameters (not those of nested units), grouped by dtype and requires_grad.
+
+    A parameter used in several places (tied weights) appears once, with all its uses.
+    Order follows module registration order, which is the same on every rank.
+    """
+    uses_by_param: dict[int, tuple[nn.Parameter, list[ParamUse]]] = {}
+    for module_name, submodule in modules_outside_units(module):
+        for attribute, param in submodule._parameters.items():
+            if param is None:
+                continue
+            name = f"{module_name}.{attribute}" if module_name else attribute
+            owner = getattr(param, OWNER_ATTRIBUTE, None)
+            if owner is not None:
+                raise ValueError(
+                    f"parameter {name!r} is shared with a parameter already sharded by the unit "
+                    f"wrapping a {owner}; shared (tied) parameters must belong to one unit: "
+                    "change the wrap policy so that every use lies in the same unit"
+                )
+            uses_by_param.setdefault(id(param), (param, []))[1].append(ParamUse(name, submodule, attribute))
+    groups: dict[tuple, list] = {}
+    for param, uses in uses_by_param.values():
+        groups.setdefault((param.dtype, param.requires_grad), []).append((param, uses))
+    return list(groups.values())
+
+
+def modules_outside_units(module: nn.Module, prefix: str = "", seen: set | None = None):
+    """Yields (name, submodule) for `module` and its descendants, not entering modules that are units already."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield prefix, module
+    for name, child in module.named_children():
+        if UNIT_ATTRIBUTE not in child.__dict__:
+            yield from modules_outside_units(child, f"{prefix}.{name}" if prefix else name, seen)
+
+
+def _register_on_output_tensors(output, hook) -> None:
+    """Registers `hook` on every tensor in `output` that needs a gradient.
+
+    Outputs may nest tuples (named or not), lists, dicts (Hugging Face's
+    ``ModelOutput`` is one) and dataclasses.
+    """
+    if isinstance(output, torch.Tensor):
+        if output.requires_grad:
+            output.register_hook(hook)
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            _register_on_output_tensors(item, hook)
+    elif isinstance(output, dict):
+        for item in output.values():
+            _register_on_output_tensors(item, hook)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for field in dataclasses.fields(output):
+            _register_on_output_tensors(getattr(output, field.name), hook)
