@@ -1,19 +1,28 @@
-"""The experiments end to end under mpiexec: CSV rows, the comparison report, and bad input."""
+"""The experiments: the shared training recipe, then end to end under mpiexec (CSV rows, report, bad input)."""
 
 import csv
 import os
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from mpi_launch import REPO_ROOT, mpiexec
+from torch import nn
 
+from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
+from models.bert import BertForPreTraining, BertLayer, bert_config
+from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from recipe import optimizer_and_schedule, parameter_groups
 from results import COLUMNS
+from training import epoch_steps, total_optimizer_steps
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
-pytestmark = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(), reason=f"no shared data at {SHARED_DATA}")
+needs_data = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(), reason=f"no shared data at {SHARED_DATA}")
 QUICK = ["--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4", "--seq-len", "32", "--val-steps", "2",
          "--no-progress"]
 
@@ -31,6 +40,102 @@ def read_rows(out_dir: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def decay_groups_by_name(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The names in the recipe's (decayed, undecayed) groups; a parameter listed twice appears twice."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    decay, no_decay = parameter_groups(model, weight_decay=0.1)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    return [names[id(p)] for p in decay["params"]], [names[id(p)] for p in no_decay["params"]]
+
+
+def shard_on_one_rank(model: nn.Module, block_class: type) -> nn.Module:
+    """fsdp-mpi on a world of one: the optimizer sees only 1-D views, so shapes cannot tell weights from biases."""
+    sharded = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({block_class}))
+    assert all(param.dim() == 1 for param in sharded.parameters())
+    return sharded
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp-mpi"])
+def test_gpt2_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))  # 2 blocks; lm_head.weight is transformer.wte.weight
+    count = model.num_parameters()
+    if sharded:
+        model = shard_on_one_rank(model, GPT2Block)
+    decay, no_decay = decay_groups_by_name(model)
+    blocks = [f"transformer.h.{i}." for i in range(2)]
+    assert sorted(decay) == sorted(["transformer.wte.weight", "transformer.wpe.weight"] + [
+        block + name for block in blocks
+        for name in ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")])
+    assert sorted(no_decay) == sorted(["transformer.ln_f.weight", "transformer.ln_f.bias"] + [
+        block + name for block in blocks
+        for name in ("ln_1.weight", "ln_1.bias", "attn.c_attn.bias", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+                     "mlp.c_fc.bias", "mlp.c_proj.bias")])
+    assert sum(p.numel() for group in parameter_groups(model, 0.1) for p in group["params"]) == count
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp-mpi"])
+def test_bert_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
+    model = BertForPreTraining(bert_config("bert-tiny"))  # 2 layers; the decoder is tied to the word embeddings
+    count = model.num_parameters()
+    if sharded:
+        model = shard_on_one_rank(model, BertLayer)
+    decay, no_decay = decay_groups_by_name(model)
+    # Hugging Face's rule by name: no decay for biases and LayerNorm parameters. 3 embeddings, 6 matrices per
+    # layer, pooler, head transform and NSP; 2 + 10 per layer + pooler bias, MLM bias, head transform's 3, NSP bias.
+    assert len(decay) == 3 + 2 * 6 + 3 and len(no_decay) == 2 + 2 * 10 + 1 + 1 + 3 + 1
+    assert all(name.endswith(".weight") and "LayerNorm" not in name for name in decay)
+    assert all(name.endswith(".bias") or ".LayerNorm." in name for name in no_decay)
+    assert "bert.embeddings.word_embeddings.weight" in decay and "cls.predictions.bias" in no_decay
+    assert sum(p.numel() for group in parameter_groups(model, 0.1) for p in group["params"]) == count
+
+
+@pytest.mark.parametrize("warmup_steps,warmup_end", [(10, 9), (None, 9)])
+def test_schedule_warms_up_linearly_then_follows_a_cosine_to_a_tenth(warmup_steps, warmup_end):
+    # 101 steps: the default warm-up is int(101 / 10) = 10 steps, and the cosine spans steps 10 to 100.
+    args = Namespace(lr=2e-3, weight_decay=0.1, warmup_steps=warmup_steps)
+    optimizer, schedule = optimizer_and_schedule(nn.Linear(3, 2), args, total_steps=101)
+    lrs = []
+    for _ in range(101):
+        assert optimizer.param_groups[0]["lr"] == optimizer.param_groups[1]["lr"]
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs[0] == pytest.approx(2e-3 / 10)  # the first of 10 warm-up steps
+    assert lrs[warmup_end] == pytest.approx(2e-3) and lrs[warmup_end + 1] == pytest.approx(2e-3)
+    assert lrs[55] == pytest.approx(2e-3 * 0.55)  # half-way down the cosine: (1 + 0.1) / 2
+    assert lrs[100] == pytest.approx(2e-3 * 0.1)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10])) and all(a > b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+@pytest.mark.parametrize("num_samples", [19, 17])  # the last step short; one rank with nothing left for it
+def test_accumulated_micro_batches_hold_the_samples_and_weights_of_one_batch(num_samples):
+    world = 2
+
+    def steps(rank, batch_size, grad_accum, steps_per_epoch=0):
+        args = Namespace(batch_size=batch_size, grad_accum=grad_accum, steps_per_epoch=steps_per_epoch)
+        return epoch_steps(num_samples, args, SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: world), 1, 3)
+
+    per_rank = [steps(rank, batch_size=2, grad_accum=2) for rank in range(world)]
+    assert [len(micro_batches) for micro_batches in per_rank[0]] == [2, 2, 1]  # 5 micro-batches of up to 2
+    for rank, accumulated in enumerate(per_rank):
+        whole = steps(rank, batch_size=4, grad_accum=1)
+        assert len(accumulated) == len(whole) == 3
+        for micro_batches, (batch,) in zip(accumulated, whole):
+            used = [micro for micro in micro_batches if micro.weight]
+            assert [i for micro in used for i in micro.indices.tolist()] == (batch.indices.tolist() if batch.weight else [])
+            assert {micro.weight for micro in used} <= {batch.weight}
+            assert sum(micro.samples for micro in micro_batches) == batch.samples
+    # Averaged over ranks, every step's weights sum to 1: the mean over that step's samples.
+    for step in zip(*per_rank):
+        assert sum(m.weight * len(m.indices) for micro_batches in step for m in micro_batches) == pytest.approx(world)
+    assert sum(m.samples for micro_batches in per_rank[0] for m in micro_batches) == num_samples
+    assert len(steps(0, batch_size=2, grad_accum=2, steps_per_epoch=2)) == 2  # --steps-per-epoch counts optimizer steps
+    assert total_optimizer_steps(num_samples, Namespace(batch_size=2, grad_accum=2, steps_per_epoch=0, epochs=4),
+                                 world) == 4 * 3
+    assert total_optimizer_steps(num_samples, Namespace(batch_size=2, grad_accum=2, steps_per_epoch=2, epochs=4),
+                                 world) == 4 * 2
+
+
 @pytest.fixture(scope="module")
 def results_dir(tmp_path_factory):
     """Runs both experiments with fsdp-mpi and lightning-ddp on 2 ranks, once for all tests here."""
@@ -43,6 +148,7 @@ def results_dir(tmp_path_factory):
     return root
 
 
+@needs_data
 @pytest.mark.parametrize("script", ["run_gpt2", "run_bert"])
 @pytest.mark.parametrize("strategy", ["fsdp-mpi", "lightning-ddp"])
 def test_rows_have_every_column_and_plausible_values(results_dir, script, strategy):
@@ -65,6 +171,7 @@ def test_rows_have_every_column_and_plausible_values(results_dir, script, strate
     assert float(rows[1]["train_loss"]) < float(rows[0]["train_loss"])
 
 
+@needs_data
 def test_lightning_and_fsdp_mpi_train_the_same_model_identically(results_dir):
     # gpt2-tiny has no dropout, so both see the same numbers (BERT's dropout draws differ between them).
     ours = read_rows(results_dir / "run_gpt2-fsdp-mpi")
@@ -77,6 +184,28 @@ def test_lightning_and_fsdp_mpi_train_the_same_model_identically(results_dir):
         assert ours_bytes < 0.6 * float(read_rows(results_dir / f"{script}-lightning-ddp")[0]["model_state_mb"])
 
 
+@needs_data
+@pytest.mark.parametrize("strategy,extra", [
+    ("fsdp-mpi", []), ("fsdp-mpi", ["--accum-no-sync"]), ("ddp", []), ("torch-fsdp", ["--accum-no-sync"]),
+    ("lightning-ddp", []),
+])
+def test_two_accumulated_micro_batches_train_like_one_batch_of_twice_the_size(results_dir, tmp_path, strategy, extra):
+    # QUICK's steps of 4 samples per rank, as 2 micro-batches of 2; twice the validation batches, so the same samples.
+    result = launch("run_gpt2.py", 2, *QUICK, "--batch-size", "2", "--grad-accum", "2", "--val-steps", "4",
+                    "--strategy", strategy, *extra, "--out-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = read_rows(results_dir / "run_gpt2-fsdp-mpi")
+    rows = read_rows(tmp_path)
+    assert len(rows) == len(reference) == 2
+    # Clipping at 1.0 acts on some steps, so a gradient of the wrong scale shows here (AdamW alone would hide it).
+    for row, ref in zip(rows, reference):
+        assert (row["global_batch"], row["grad_accum"], row["steps"]) == ("8", "2", "3")
+        assert ref["grad_accum"] == "1"
+        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=3e-5)
+        assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=3e-5)
+
+
+@needs_data
 def test_compare_makes_tables_and_plots(results_dir, tmp_path):
     csvs = sorted(str(p) for p in results_dir.glob("*/*.csv"))
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *csvs, "--out-dir", str(tmp_path)],
@@ -99,6 +228,7 @@ def test_compare_rejects_bad_input(tmp_path):
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+@needs_data
 @pytest.mark.parametrize("args,message", [
     (["--data-dir", "/nonexistent/data", "--no-download"], "missing data file /nonexistent/data/tinyshakespeare/input.txt"),
     (["--model", "gpt3"], "invalid choice: 'gpt3'"),
@@ -123,6 +253,7 @@ def test_unusable_text_fails_cleanly(tmp_path, content, message):
     assert not list(tmp_path.glob("*.csv"))
 
 
+@needs_data
 def test_saved_model_samples_text(tmp_path):
     trained = launch("run_gpt2.py", 1, *QUICK, "--out-dir", tmp_path, "--save-dir", tmp_path / "model")
     assert trained.returncode == 0, trained.stderr

@@ -46,3 +46,12 @@ def test_forward_prefetch_gathers_the_next_unit_while_one_computes(tmp_path):
     first_step, second_step = report["seen_with_prefetch"][:2], report["seen_with_prefetch"][2:]
     assert first_step == [[0, 1], [0, 2]]  # the first forward records the order
     assert second_step == [[0, 1, 2], [0, 2]]
+
+
+def test_no_sync_holds_full_gradients_until_the_synced_backward(tmp_path):
+    report = run_memory(2, tmp_path)
+    padded_bytes = sum(h["padded_numel"] * 4 for h in report["persistent"])
+    # Under no_sync: every unit's full-size gradient, and zero_grad(set_to_none) released the sharded ones.
+    assert report["during_no_sync"] == {"unsharded": padded_bytes, "sharded": 0}
+    # After the synced backward: only 1/N of the padded gradient per rank.
+    assert report["after_sync"] == {"unsharded": 0, "sharded": padded_bytes // 2}

@@ -78,20 +78,6 @@ def local_part(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
     return tensor[rank * per_rank:(rank + 1) * per_rank]
 
 
-def relative_differences(ours: dict, reference: dict, floor_rms: float = 1e-3) -> dict:
-    """Per tensor: ||ours - reference|| / ||reference|| (L2 norms over all elements).
-
-    A tensor that stays (nearly) zero, like an attention key bias whose gradient is
-    mathematically zero, is measured against an RMS of `floor_rms` instead, or
-    its rounding noise would look like a relative error of order one.
-    """
-    differences = {}
-    for name, expected in reference.items():
-        scale = max(expected.float().norm().item(), floor_rms * expected.numel() ** 0.5)
-        differences[name] = (ours[name] - expected).float().norm().item() / scale
-    return differences
-
-
 def write_json(path: str, payload) -> None:
     if MPI.COMM_WORLD.Get_rank() == 0:
         with open(path, "w") as f:

@@ -1,79 +1,285 @@
-"""Trains under FSDP on every rank and, on each rank, a plain copy on the whole global batch.
+"""N ranks against one process, step by step, at the same parameters (run under mpiexec).
 
-Writes per-step loss differences and per-tensor parameter differences for
-{NestedMLP, tied GPT-2, BERT pre-training} x {SGD with momentum, AdamW}.
+Comparing whole training trajectories measures chaos, not sharding: Adam turns the
+rounding noise of a gradient that is mathematically zero (an attention key bias)
+into steps of size lr, so two correct runs drift apart by an amount that depends
+on the CPU. Instead every step is checked where it starts, on the same parameters:
+
+1. gradient: ours (reduce-scattered, gathered here) and one fp32 process on the
+   whole global batch are both compared with a float64 process. Sharding must not
+   be much less accurate than one process: ||ours - g64|| <= 4 ||fp32 - g64|| plus
+   N ulps of ||g64|| (the extra summation over N ranks). Per tensor the same, with
+   a floor of that tensor's share of the whole-model fp32 error (pure-noise tensors).
+2. loss: |ours - L64| <= 4 max(|L32 - L64|, 16 u |L64|).
+3. optimizer: the plain fp32 optimizer, given the same parameters and *our*
+   gradients, must produce our next parameters element by element, up to a few
+   ulps of the parameter and of its update (the updates are elementwise; only
+   fused multiply-adds may round differently).
+4. clipping (AdamW runs): fsdp_mpi.clip_grad_norm_ returns torch's norm of the
+   same gradients up to the rounding of a float32 sum of n terms (n u relative),
+   and scales every gradient by the same factor.
+
+Each run is a model x optimizer x accumulation mode. Optimizers use parameter
+groups chosen by name (nanoGPT's recipe: no weight decay on biases and norms,
+and here a different learning rate per group).
 """
 
 import copy
+import math
+import sys
 
 import torch
 from common import (NestedMLP, ResidualBlock, bert_batch, gpt_batch, local_part, mlp_batch, output_path,
-                    relative_differences, write_json)
+                    write_json)
+from torch import nn
 
-from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
-from models.bert import BertForPreTraining, BertLayer, bert_config
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, clip_grad_norm_, full_state_dict
 
-STEPS = 4
-
-
-ADAMW_LR = 2e-3
-# A parameter whose gradient is mathematically zero (an attention key bias) holds only
-# rounding noise; Adam turns noise into steps of up to lr, so such tensors are compared
-# at the scale Adam could move them in the whole run, SGD's at a small fixed scale.
-NEARLY_ZERO_RMS = {"sgd": 1e-3, "adamw": ADAMW_LR * STEPS}
+STEPS = 3
+U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
 
 
-def make_optimizer(kind: str, params, weight_decay: float):
+# ----------------------------------------------------------------- models, batches and losses
+
+def our_gpt2():
+    from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
+    return model, {GPT2Block}, lambda step: gpt_batch(step, model.config.vocab_size), lambda m, *b: m(*b)[1]
+
+
+def our_bert():
+    from models.bert import BertForPreTraining, BertLayer, bert_config
+    config = bert_config("bert-tiny", vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return (BertForPreTraining(config), {BertLayer}, lambda step: bert_batch(step, config.vocab_size),
+            lambda m, *b: m(*b)[-1])
+
+
+def mlp():
+    return NestedMLP(), {ResidualBlock}, mlp_batch, lambda m, *b: m(*b)[1]
+
+
+class TorchEncoderClassifier(nn.Module):
+    """nn.TransformerEncoder (which reads its first layer's attributes) under an embedding and a head."""
+
+    def __init__(self, vocab: int = 50, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.attention_pool = nn.MultiheadAttention(width, num_heads=2, batch_first=True)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, tokens, labels):
+        x = self.encoder(self.embed(tokens))
+        pooled, _ = self.attention_pool(x[:, :1], x, x)
+        return nn.functional.cross_entropy(self.head(pooled[:, 0]), labels)
+
+
+def torch_encoder():
+    def batch(step):
+        generator = torch.Generator().manual_seed(4000 + step)
+        return torch.randint(0, 50, (12, 10), generator=generator), torch.randint(0, 3, (12,), generator=generator)
+    return (TorchEncoderClassifier(), {nn.TransformerEncoderLayer, nn.MultiheadAttention}, batch,
+            lambda m, *b: m(*b))
+
+
+def hf_gpt2():
+    import transformers
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    block = type(model.transformer.h[0])
+    return model, {block}, lambda step: gpt_batch(step, 64), lambda m, x, y: m(input_ids=x, labels=x).loss
+
+
+def hf_bert():
+    import transformers
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                     intermediate_size=64, vocab_size=100, max_position_embeddings=32,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForPreTraining(config)
+    layer = type(model.bert.encoder.layer[0])
+
+    def loss(m, input_ids, token_type_ids, attention_mask, mlm_labels, nsp_labels):
+        return m(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
+                 labels=mlm_labels, next_sentence_label=nsp_labels).loss
+    return model, {layer}, lambda step: bert_batch(step, 100), loss
+
+
+MODELS = {"mlp": mlp, "gpt2": our_gpt2, "bert": our_bert, "torch_encoder": torch_encoder,
+          "hf_gpt2": hf_gpt2, "hf_bert": hf_bert}
+
+
+# ----------------------------------------------------------------- optimizers
+
+def parameter_groups(named_params, lr: float, weight_decay: float) -> list[dict]:
+    """nanoGPT's split, by name: decay on weights, none on biases and norms (which also get half the lr)."""
+    decay, no_decay = [], []
+    for name, param in named_params:
+        if not param.requires_grad:
+            continue
+        no = name.endswith("bias") or any(key in name.lower() for key in ("ln", "norm"))
+        (no_decay if no else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay, "lr": lr},
+            {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
+
+
+def make_optimizer(kind: str, named_params):
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=weight_decay)
+        return torch.optim.SGD(parameter_groups(named_params, 0.05, 0.0), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(parameter_groups(named_params, 2e-3, 0.1), lr=2e-3)
 
 
-def run(model_kind: str, optimizer_kind: str, comm: Communicator) -> dict:
+def max_update_size(optimizer) -> float:
+    """A bound on |parameter change| / lr per element for one step (SGD: none; AdamW: (1 - b1) / sqrt(1 - b2))."""
+    group = optimizer.param_groups[0]
+    if "betas" not in group:
+        return math.inf
+    beta1, beta2 = group["betas"]
+    return max(1.0, (1 - beta1) / math.sqrt(1 - beta2)) / (1 - beta1)  # bias correction of the first step
+
+
+# ----------------------------------------------------------------- gathering ours
+
+def full_gradients(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
+    """Our reduced gradients, gathered into full tensors under the original names (zeros where none)."""
+    from fsdp_mpi.lifecycle import units_with_names
+    grads = {}
+    for prefix, unit in units_with_names(model):
+        for handle in unit.handles:
+            if not handle.requires_grad:
+                continue
+            shard_grad = handle.shard_grad if handle.shard_grad is not None else torch.zeros_like(handle.shard)
+            full = torch.empty(handle.padded_numel, dtype=shard_grad.dtype)
+            unit.comm.all_gather_into(full, shard_grad)
+            for slot in handle.slots:
+                for use in slot.uses:
+                    grads[f"{prefix}.{use.name}" if prefix else use.name] = full[slot.offset:slot.offset + slot.numel
+                                                                                  ].view(slot.shape).clone()
+    return grads
+
+
+def reference_gradients(model: nn.Module, dtype) -> dict[str, torch.Tensor]:
+    return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).to(dtype)
+            for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+# ----------------------------------------------------------------- one run
+
+def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communicator) -> dict:
     torch.manual_seed(0)
-    if model_kind == "mlp":
-        reference = NestedMLP()
-        policy, batch_fn, weight_decay = ModuleWrapPolicy({ResidualBlock}), mlp_batch, 0.0
-    elif model_kind == "gpt2":
-        config = gpt2_config("gpt2-tiny")
-        reference = GPT2LMHeadModel(config)
-        policy, weight_decay = ModuleWrapPolicy({GPT2Block}), 0.1
-        batch_fn = lambda step: gpt_batch(step, config.vocab_size)  # noqa: E731
-    else:
-        config = bert_config("bert-tiny", vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        reference = BertForPreTraining(config)
-        policy, weight_decay = ModuleWrapPolicy({BertLayer}), 0.1
-        batch_fn = lambda step: bert_batch(step, config.vocab_size)  # noqa: E731
-    sharded = FullyShardedDataParallel(copy.deepcopy(reference), comm=comm, auto_wrap_policy=policy)
-    optimizer = make_optimizer(optimizer_kind, sharded.parameters(), weight_decay)
-    reference_optimizer = make_optimizer(optimizer_kind, reference.parameters(), weight_decay)
-
-    loss_differences = []
+    initial, wrap_classes, batch_fn, loss_fn = MODELS[model_kind]()
+    reference, reference64 = copy.deepcopy(initial), copy.deepcopy(initial).double()
+    sharded = FullyShardedDataParallel(copy.deepcopy(initial), comm=comm, auto_wrap_policy=ModuleWrapPolicy(wrap_classes))
+    optimizer = make_optimizer(optimizer_kind, sharded.named_parameters())
+    reference_optimizer = make_optimizer(optimizer_kind, reference.named_parameters())
+    micro_batches = 2 if accumulation != "none" else 1
+    checks = []
     for step in range(STEPS):
-        batch = batch_fn(step)
-        local_loss = sharded(*(local_part(t, comm.rank, comm.world_size) for t in batch))[-1]
-        local_loss.backward()
+        start = full_state_dict(sharded, rank0_only=False)
+        parts = micro_batches * comm.world_size  # the global batch: micro_batches x world_size equal parts
+        batch = [t[:t.shape[0] // parts * parts] for t in batch_fn(step)]
+        our_loss = 0.0
+        for micro in range(micro_batches):
+            local = [local_part(t, micro * comm.world_size + comm.rank, parts) for t in batch]
+            syncing = accumulation != "no_sync" or micro == micro_batches - 1
+            if syncing:
+                loss = loss_fn(sharded, *local) / micro_batches
+                loss.backward()
+            else:
+                with sharded.no_sync():
+                    loss = loss_fn(sharded, *local) / micro_batches
+                    loss.backward()
+            our_loss += comm.allreduce_sum_float(loss.item()) / comm.world_size
+        ours = full_gradients(sharded)
+
+        losses, grads = {}, {}
+        for name, model, dtype in (("fp32", reference, torch.float32), ("fp64", reference64, torch.float64)):
+            model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in start.items()})
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(model, *(t.to(dtype) if t.is_floating_point() else t for t in batch))
+            loss.backward()
+            losses[name], grads[name] = loss.item(), reference_gradients(model, torch.float64)
+        check = compare_gradients(ours, grads["fp32"], grads["fp64"], comm.world_size)
+        check["loss_error"] = abs(our_loss - losses["fp64"])
+        check["loss_bound"] = 4 * max(abs(losses["fp32"] - losses["fp64"]), 16 * U * abs(losses["fp64"]))
+
+        # The plain optimizer, fed our gradients at the same parameters, must land where ours does.
+        for name, param in reference.named_parameters(remove_duplicate=False):
+            if param.requires_grad:
+                param.grad = ours[name].clone()
+        if optimizer_kind == "adamw":
+            check.update(compare_clipping(sharded, reference, ours))
+            for name, clipped in full_gradients(sharded).items():  # step from exactly our clipped gradients
+                dict(reference.named_parameters(remove_duplicate=False))[name].grad = clipped
         optimizer.step()
-        optimizer.zero_grad()
-        sharded_loss = comm.allreduce_sum_float(local_loss.item()) / comm.world_size
-
-        reference_loss = reference(*batch)[-1]
-        reference_loss.backward()
+        optimizer.zero_grad(set_to_none=True)
         reference_optimizer.step()
-        reference_optimizer.zero_grad()
-        loss_differences.append(abs(sharded_loss - reference_loss.item()))
+        check.update(compare_parameters(full_state_dict(sharded, rank0_only=False), reference, start,
+                                        reference_optimizer))
+        checks.append(check)
+    return {"steps": checks}
 
-    state = sharded.state_dict()
-    result = {"loss_differences": loss_differences}
-    if comm.rank == 0:
-        assert set(state) == set(reference.state_dict()), "state dict keys differ from the plain model's"
-        result["param_differences"] = relative_differences(
-            state, reference.state_dict(), NEARLY_ZERO_RMS[optimizer_kind])
+
+def compare_gradients(ours: dict, fp32: dict, fp64: dict, world_size: int) -> dict:
+    def norm(tensors):
+        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+
+    names = sorted(fp64)
+    numel = sum(fp64[n].numel() for n in names)
+    error32 = norm(fp32[n] - fp64[n] for n in names)
+    result = {
+        "grad_error": norm(ours[n].double() - fp64[n] for n in names),
+        "grad_bound": 4 * error32 + world_size * 2 * U * norm(fp64[n] for n in names),
+        "worst_tensor": None, "worst_tensor_ratio": 0.0,
+    }
+    for n in names:
+        error = norm([ours[n].double() - fp64[n]])
+        bound = (4 * norm([fp32[n] - fp64[n]]) + world_size * 2 * U * norm([fp64[n]])
+                 + 4 * error32 * math.sqrt(fp64[n].numel() / numel))
+        if bound == 0.0 or error / bound > result["worst_tensor_ratio"]:
+            result["worst_tensor"], result["worst_tensor_ratio"] = n, (error / bound if bound else math.inf)
     return result
+
+
+def compare_clipping(sharded, reference, ours: dict) -> dict:
+    """Clips ours and the reference's copy of our gradients at a norm below the current one."""
+    numel = sum(g.numel() for g in ours.values())
+    inf_norm = float(clip_grad_norm_(sharded, math.inf, norm_type=math.inf))  # max_norm inf: nothing scaled
+    torch_inf = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf, norm_type=math.inf))
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=math.inf))
+    max_norm = 0.5 * torch_norm
+    our_norm = float(clip_grad_norm_(sharded, max_norm))
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    clipped = full_gradients(sharded)
+    scale_error = max(float((clipped[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-30))
+                      for n, p in reference.named_parameters(remove_duplicate=False) if p.requires_grad)
+    return {"clip_norm_error": abs(our_norm - torch_norm) / torch_norm, "clip_norm_bound": numel * U,
+            "clip_scale_error": scale_error, "clip_scale_bound": (numel + 4) * U,
+            "clip_inf_norm_equal": inf_norm == torch_inf, "norm": torch_norm}
+
+
+def compare_parameters(our_state: dict, reference, start: dict, reference_optimizer) -> dict:
+    """Elementwise: |ours - reference| <= 8 u (|p| + |update|) with |update| <= lr * (Adam's step bound)."""
+    worst, worst_name = 0.0, None
+    bound_per_lr = max_update_size(reference_optimizer)
+    lr_of = {id(p): g["lr"] for g in reference_optimizer.param_groups for p in g["params"]}
+    for name, param in reference.named_parameters(remove_duplicate=False):
+        expected = param.detach()
+        update = (expected - start[name]).abs()
+        if math.isfinite(bound_per_lr):
+            update = torch.maximum(update, torch.full_like(update, lr_of.get(id(param), 0.0) * bound_per_lr))
+        bound = 8 * U * (expected.abs() + update) + torch.finfo(torch.float32).tiny
+        ratio = float(((our_state[name] - expected).abs() / bound).max()) if expected.numel() else 0.0
+        if ratio > worst:
+            worst, worst_name = ratio, name
+    return {"param_ratio": worst, "param_worst": worst_name}
 
 
 if __name__ == "__main__":
     comm = Communicator()
-    results = {f"{m}/{o}": run(m, o, comm) for m in ("mlp", "gpt2", "bert") for o in ("sgd", "adamw")}
+    runs = [(m, o, "none") for m in MODELS for o in ("sgd", "adamw")]
+    runs += [("gpt2", "adamw", "sharded"), ("gpt2", "adamw", "no_sync"), ("hf_gpt2", "sgd", "no_sync")]
+    selected = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    results = {f"{m}/{o}/{a}": run(m, o, a, comm) for m, o, a in runs if selected is None or m in selected}
     write_json(output_path(), results)

@@ -40,6 +40,7 @@ if __name__ == "__main__":
     with torch.no_grad():
         model(inputs[:2])
     after_no_grad_forward = gathered_units(units)
+    seen_in_two_forwards = list(seen_during_blocks)  # what follows runs the blocks again
 
     # With forward prefetch, block i+1 is being gathered while block i computes (from the second step on).
     torch.manual_seed(0)
@@ -54,13 +55,30 @@ if __name__ == "__main__":
         with torch.no_grad():
             prefetching(inputs[:2])
 
+    # Gradient accumulation: under no_sync every unit keeps its full-size gradient and nothing is reduced;
+    # the next backward with sync reduces the sum, and the full-size gradients are gone.
+    def gradient_bytes() -> dict:
+        return {"unsharded": sum(h.unsharded_gradient_bytes for u in units for h in u.handles),
+                "sharded": sum(h.shard_grad.numel() * 4 for u in units for h in u.handles if h.shard_grad is not None)}
+
+    model.zero_grad(set_to_none=True)
+    local_inputs, local_targets = local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank,
+                                                                                            comm.world_size)
+    with model.no_sync():
+        model(local_inputs, local_targets)[1].backward()
+    during_no_sync = gradient_bytes()
+    model(local_inputs, local_targets)[1].backward()
+    after_sync = gradient_bytes()
+
     write_json(output_path(), {
+        "during_no_sync": during_no_sync,
+        "after_sync": after_sync,
         "seen_with_prefetch": seen_with_prefetch,
         "world_size": comm.world_size,
         "unwrapped_bytes": unwrapped_bytes,
         "parameter_bytes": parameter_bytes,
         "persistent": persistent,
-        "seen_during_blocks": seen_during_blocks,
+        "seen_during_blocks": seen_in_two_forwards,
         "after_forward": after_forward,
         "after_backward": after_backward,
         "after_no_grad_forward": after_no_grad_forward,
