@@ -1,9 +1,11 @@
 """Full state dicts carry the original names and values; loading one back sets every shard."""
 
 import copy
+import json
 
 import pytest
 import torch
+from mpi_launch import check_ok, run_mpi
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy, summon_full_params
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
@@ -71,3 +73,26 @@ def test_summon_full_params_exposes_and_writes_back(plain_and_wrapped):
         ln_f.weight.fill_(2.0)
     assert torch.equal(wrapped.state_dict()["transformer.ln_f.weight"], torch.full((64,), 2.0))
     assert not any(h.gathered_bytes for m in wrapped.modules() if isinstance(m, FullyShardedDataParallel) for h in m.handles)
+
+
+@pytest.mark.parametrize("nprocs", [1, 3])
+def test_state_dicts_summon_and_wrap_time_broadcast_across_ranks(nprocs, tmp_path):
+    """3 ranks: shards with offsets and padding; 1 rank: the gathered buffer is the shard itself."""
+    out = tmp_path / "state_dicts.json"
+    check_ok(run_mpi("state_dicts.py", nprocs, out))
+    report = json.loads(out.read_text())
+    expected = {
+        "broadcast_rank0_weights": True, "rank0_only_empty_elsewhere": True,
+        "load_round_trip": True, "loaded_model_computes_like_source": True,
+        "bad_dict_raised": True, "bad_dict_changed_nothing": True,
+        "summon_shows_full_shape": True,
+        "summon_writeback_True_kept_edit": True, "summon_writeback_True_others_same": True,
+        "summon_writeback_False_kept_edit": False, "summon_writeback_False_others_same": True,
+        "nothing_gathered_after_summon": True,
+        "abandoned_forward_cleared": True, "abandoned_forward_then_step_has_gradients": True,
+        "ignored_unit_gets_zero_gradient": True, "ignored_unit_resharded": True,
+        "size_policy_units": ["", "transformer.h.0", "transformer.h.1"], "size_policy_state_same": True,
+    }
+    if nprocs > 1:
+        expected |= {"subcommunicator_shards": True, "subcommunicator_state_same": True}
+    assert report == expected
