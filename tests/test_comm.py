@@ -1,7 +1,11 @@
-"""Communicator behaviour that needs one rank only: CUDA-awareness detection, staging, device buffers."""
+"""The Communicator: collectives on several ranks against closed forms, CUDA-awareness detection, staging."""
+
+import ctypes
+import json
 
 import pytest
 import torch
+from mpi_launch import check_ok, run_mpi
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.gpu_support import HostStagingBuffers, env_flag, mpi_is_cuda_aware
@@ -19,7 +23,12 @@ def test_cuda_awareness_can_be_overridden(monkeypatch):
 
 def test_library_is_asked_when_not_overridden(monkeypatch):
     monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
-    assert isinstance(mpi_is_cuda_aware(), bool)  # the pip MPICH build answers through MPIX_GPU_query_support
+    from mpi4py import MPI
+    library = ctypes.CDLL(MPI.__file__)
+    # MPICH 4+ and Open MPI 4+ have a query; without one, fsdp_mpi would silently assume "not CUDA-aware".
+    assert hasattr(library, "MPIX_GPU_query_support") or hasattr(library, "MPIX_Query_cuda_support")
+    if not torch.cuda.is_available():
+        assert mpi_is_cuda_aware() is False  # no CUDA here: a library claiming support would be misread
 
 
 def test_staging_buffers_are_reused_and_grown():
@@ -58,3 +67,13 @@ def test_device_buffers_direct_and_staged(force_staging):
     full = torch.empty(6, device="cuda")
     comm.all_gather_into(full, shard)
     assert torch.equal(full.cpu(), shard.cpu())
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_collectives_on_several_ranks_for_every_dtype(nprocs, tmp_path):
+    out = tmp_path / "collectives.json"
+    check_ok(run_mpi("collectives.py", nprocs, out))
+    report = json.loads(out.read_text())
+    assert report.pop("sum_and_max_of_floats") == [sum(r + 0.5 for r in range(nprocs)), 0.0]
+    assert len(report) == 5 * 4 * 2 * 2  # collectives x dtypes x staging x chunking
+    assert [name for name, ok in report.items() if not ok] == []

@@ -51,15 +51,20 @@ def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing(tmp_
 TRUE_WEIGHTS = [1.5, -2.0, 0.5, 3.0, -1.0]
 
 
-def test_linear_regression_recovers_known_weights_for_any_rank_count(tmp_path):
+def test_linear_regression_reaches_the_least_squares_answer_for_any_rank_count(tmp_path):
+    """Gradient descent (lr 0.1, Hessian eigenvalues about 1.5 to 2.6) contracts by 0.85 a step at worst:
+    after 300 steps only float32 rounding is left, about 1e-6; the noise moves the answer about 0.03 from
+    the true weights, and a rank's own samples' answer as far from the global one."""
     fitted = {}
     for nprocs in (1, 2, 3):
         out = tmp_path / f"fit{nprocs}.json"
         check_ok(run_mpi("known_answer.py", nprocs, out, *TRUE_WEIGHTS))
-        fitted[nprocs] = json.loads(out.read_text())["weights"]
-        assert fitted[nprocs] == pytest.approx(TRUE_WEIGHTS, abs=1e-2)
-    assert fitted[2] == pytest.approx(fitted[1], abs=1e-6)
-    assert fitted[3] == pytest.approx(fitted[1], abs=1e-6)
+        result = json.loads(out.read_text())
+        fitted[nprocs] = result["weights"]
+        assert fitted[nprocs] == pytest.approx(result["least_squares"], abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(result["least_squares"], TRUE_WEIGHTS)) > 1e-2  # the noise matters
+    assert fitted[2] == pytest.approx(fitted[1], abs=1e-5)
+    assert fitted[3] == pytest.approx(fitted[1], abs=1e-5)
 
 
 def test_wrapped_models_generate_and_show_original_names(tmp_path):

@@ -1,4 +1,9 @@
-"""Linear regression y = w . f with a known w (argv[2:]), samples split across ranks: the fit must recover w."""
+"""Linear regression with noisy targets y = w . f + e, samples split across ranks (argv[2:]: w).
+
+The fit must reach the least-squares solution of *all* samples, which the noise
+moves away from w: a rank fitting only its own samples would land on its own,
+different solution. Writes the fitted weights and the float64 least-squares answer.
+"""
 
 import sys
 
@@ -13,7 +18,8 @@ if __name__ == "__main__":
     generator = torch.Generator().manual_seed(7)
     true_weights = torch.tensor([float(w) for w in sys.argv[2:]])
     features = torch.randn(240, len(true_weights), generator=generator)
-    targets = features @ true_weights
+    targets = features @ true_weights + 0.5 * torch.randn(240, generator=generator)
+    least_squares = torch.linalg.lstsq(features.double(), targets.double().unsqueeze(1)).solution.view(-1)
     torch.manual_seed(0)
     model = FullyShardedDataParallel(nn.Linear(len(true_weights), 1, bias=False), comm=comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -26,4 +32,5 @@ if __name__ == "__main__":
         optimizer.zero_grad()
     state = model.state_dict()
     if comm.rank == 0:
-        write_json(output_path(), {"weights": state["weight"].view(-1).tolist()})
+        write_json(output_path(), {"weights": state["weight"].view(-1).tolist(),
+                                   "least_squares": least_squares.tolist()})

@@ -1,0 +1,31 @@
+"""Each option observed doing what it says (see workers/switches.py); equivalence tests show they change nothing."""
+
+import json
+import math
+
+from mpi_launch import check_ok, run_mpi
+
+
+def test_every_switch_does_what_it_says(tmp_path):
+    out = tmp_path / "switches.json"
+    check_ok(run_mpi("switches.py", 3, out))
+    report = json.loads(out.read_text())
+    # Units: the root, then two blocks. FULL_SHARD keeps only the root gathered for backward.
+    assert report["full_shard_gathered_after_forward"] == [True, False, False]
+    assert report["shard_grad_op_gathered_after_forward"] == [True, True, True]
+    assert report["full_shard_gathered_after_backward"] == report["shard_grad_op_gathered_after_backward"] == [False] * 3
+    # In backward, block 1 prefetches block 0 and block 0 the root.
+    assert report["backward_prefetch_False_started_gathers"] == 0
+    assert report["backward_prefetch_True_started_gathers"] == 2
+    # One reduction per unit; asynchronous ones stay running, one at a time, and all finish with backward.
+    assert report["async_False_running_at_each_reduction"] == [0, 0, 0]
+    assert report["async_True_running_at_each_reduction"] == [1, 1, 1]
+    assert report["async_False_running_after_backward"] == report["async_True_running_after_backward"] == 0
+    # Checkpointing recomputes each of the two blocks' attention in backward.
+    assert report["checkpointing_False_attention_calls"] == 2
+    assert report["checkpointing_True_attention_calls"] == 4
+    # Forced staging goes through host buffers; a 7-element limit splits each unit's gather into pieces.
+    assert report["staged_allgather_calls_in_forward"] == 3
+    assert report["staged_staging_slots"] == ["allgather_recv", "allgather_send", "broadcast"]
+    assert report["chunked_staging_slots"] == []
+    assert report["chunked_allgather_calls_in_forward"] == sum(math.ceil(n / 7) for n in report["shard_numels"])
