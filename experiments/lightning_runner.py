@@ -1,10 +1,13 @@
-"""The PyTorch Lightning baselines: the same task, data, optimizer and CSV, trained by a Lightning Trainer.
+"""The PyTorch Lightning baselines: the same task, data, recipe and CSV, trained by a Lightning Trainer.
 
 mpiexec starts the processes; Lightning's ``MPIEnvironment`` reads rank and
 world size from MPI and sets up torch.distributed (gloo on CPU, nccl on GPU).
+Lightning accumulates gradients itself (``accumulate_grad_batches``), clips them
+(``gradient_clip_val``) and steps the shared schedule after each optimizer step.
 """
 
 import time
+from contextlib import contextmanager
 
 import lightning as L
 import torch
@@ -13,44 +16,58 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from mpi4py import MPI
 from torch.utils.data import DataLoader, Dataset
 
+from recipe import optimizer_and_schedule
 from results import model_state_bytes
-from training import RunRecorder, build_model, epoch_steps, evaluate
+from training import RunRecorder, build_model, epoch_steps, evaluate, total_optimizer_steps
 
 
-class _EpochSteps(Dataset):
-    """One epoch's steps for this rank: each item is a whole batch with its loss weight."""
+class _EpochMicroBatches(Dataset):
+    """One epoch's micro-batches for this rank, in order: each item is a whole batch with its loss weight."""
 
     def __init__(self, samples, steps, epoch: int):
-        self.samples, self.steps, self.epoch = samples, steps, epoch
+        self.samples, self.epoch = samples, epoch
+        self.micro_batches = [micro for step in steps for micro in step]
 
     def __len__(self) -> int:
-        return len(self.steps)
+        return len(self.micro_batches)
 
-    def __getitem__(self, step: int):
-        indices, weight, step_total = self.steps[step]
-        return self.samples.batch(indices, self.epoch), weight, step_total
+    def __getitem__(self, index: int):
+        micro = self.micro_batches[index]
+        return self.samples.batch(micro.indices, self.epoch), micro.weight, micro.samples
 
 
 class TaskModule(L.LightningModule):
     def __init__(self, task, model: torch.nn.Module, args, comm: MPI.Comm):
         super().__init__()
         self.task, self.model, self.args, self.comm = task, model, args, comm
-        self.loss_sum, self.samples = 0.0, 0
+        self.loss_sum, self.samples, self.optimizer_steps = 0.0, 0, 0
 
     def train_dataloader(self):
-        steps = list(epoch_steps(len(self.task.train), self.args, self.comm, self.current_epoch, self.args.seed))
-        return DataLoader(_EpochSteps(self.task.train, steps, self.current_epoch), batch_size=None, shuffle=False)
+        steps = epoch_steps(len(self.task.train), self.args, self.comm, self.current_epoch, self.args.seed)
+        self.optimizer_steps = len(steps)
+        return DataLoader(_EpochMicroBatches(self.task.train, steps, self.current_epoch), batch_size=None,
+                          shuffle=False)
 
     def training_step(self, item, _index):
-        batch, weight, step_total = item
+        batch, weight, samples = item
         losses = self.task.sample_losses(self.model, batch)
         if weight:
             self.loss_sum += losses.sum().item()
-        self.samples += int(step_total)
-        return losses.sum() * weight
+        self.samples += int(samples)
+        # Lightning divides what this returns by accumulate_grad_batches; the weight already averages over the step.
+        return losses.sum() * weight * self.trainer.accumulate_grad_batches
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.args.lr)
+        total_steps = total_optimizer_steps(len(self.task.train), self.args, self.comm.Get_size())
+        optimizer, schedule = optimizer_and_schedule(self, self.args, total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Lightning refuses norm clipping under its FSDP; there the root FSDP module's ``clip_grad_norm_`` does it."""
+        if not isinstance(self.trainer.strategy, FSDPStrategy):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        elif gradient_clip_val:
+            self.trainer.model.clip_grad_norm_(gradient_clip_val)
 
 
 class _EpochRecorder(L.Callback):
@@ -76,8 +93,21 @@ class _EpochRecorder(L.Callback):
             print(f"epoch {trainer.current_epoch}: train loss {train_loss:.4f}, "
                   + ", ".join(f"{k} {v}" for k, v in val.items()) + f", {seconds:.1f} s", flush=True)
         state_bytes = model_state_bytes(module, trainer.optimizers[0])
-        self.recorder.add_epoch(trainer.current_epoch, trainer.num_training_batches, module.samples, seconds,
+        self.recorder.add_epoch(trainer.current_epoch, module.optimizer_steps, module.samples, seconds,
                                 train_loss, val, state_bytes, float("nan"), self.device)
+
+
+class _FSDPStrategyNoSync(FSDPStrategy):
+    """Lightning's FSDP for --accum-no-sync: gradients stay unsharded and unreduced until a step's last micro-batch.
+
+    Lightning calls ``block_backward_sync`` around the micro-batches it accumulates;
+    its own FSDP strategy does nothing there (it reduce-scatters every micro-batch).
+    """
+
+    @contextmanager
+    def block_backward_sync(self):
+        with self.model.no_sync():
+            yield
 
 
 def train_with_lightning(task, args, comm: MPI.Comm, device: torch.device, experiment: str):
@@ -90,11 +120,13 @@ def train_with_lightning(task, args, comm: MPI.Comm, device: torch.device, exper
         strategy = DDPStrategy(cluster_environment=environment,
                                process_group_backend="nccl" if device.type == "cuda" else "gloo")
     else:
-        strategy = FSDPStrategy(cluster_environment=environment, auto_wrap_policy={task.block_class})
+        fsdp = _FSDPStrategyNoSync if args.accum_no_sync else FSDPStrategy
+        strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class})
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=processes_per_node,
         num_nodes=comm.Get_size() // processes_per_node, strategy=strategy, max_epochs=args.epochs,
-        limit_train_batches=args.steps_per_epoch or 1.0, limit_val_batches=0, num_sanity_val_steps=0,
+        accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.clip_norm or None,
+        gradient_clip_algorithm="norm", limit_val_batches=0, num_sanity_val_steps=0,
         reload_dataloaders_every_n_epochs=1, use_distributed_sampler=False, logger=False,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not args.no_progress,
         callbacks=[_EpochRecorder(recorder, device)],

@@ -7,14 +7,16 @@ gloo on CPU, nccl on GPU. The Lightning strategies live in ``lightning_runner``.
 
 import os
 import socket
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 from mpi4py import MPI
 from torch import nn
 
-from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
+from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, clip_grad_norm_
 
 STRATEGIES = ("fsdp-mpi", "ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
 TORCH_DISTRIBUTED = ("ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
@@ -26,6 +28,9 @@ class Prepared:
 
     model: nn.Module  # call this for forward passes
     comm_seconds: Callable[[], float]  # time blocked in communication so far (NaN if unknown)
+    clip_grad_norm: Callable[[float], torch.Tensor]  # scales all gradients to a total norm of at most max_norm
+    no_sync: Callable[[], AbstractContextManager]  # a backward in it keeps gradients for a later one to reduce
+    shards_gradients: bool  # whether reduced gradients are sharded (1/N of them per rank)
 
 
 def local_rank(comm: MPI.Comm) -> int:
@@ -63,13 +68,16 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
         communicator = Communicator(comm)
         sharded = FullyShardedDataParallel(model, comm=communicator, auto_wrap_policy=ModuleWrapPolicy({block_class}),
                                            **fsdp_options)
-        return Prepared(sharded, lambda: communicator.seconds_in_mpi)
+        return Prepared(sharded, lambda: communicator.seconds_in_mpi,
+                        lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True)
     init_torch_distributed(comm, device)
+    clip_torch = partial(_clip_grad_norm_torch, model)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [device.index] if device.type == "cuda" else None
-        return Prepared(DistributedDataParallel(model, device_ids=device_ids), lambda: float("nan"))
+        replicated = DistributedDataParallel(model, device_ids=device_ids)
+        return Prepared(replicated, _unknown_comm_seconds, clip_torch, replicated.no_sync, shards_gradients=False)
     if strategy == "torch-fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -77,8 +85,27 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
             if isinstance(module, block_class):
                 fully_shard(module)
         fully_shard(model)
-        return Prepared(model, lambda: float("nan"))
+        return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def _unknown_comm_seconds() -> float:
+    return float("nan")
+
+
+def _clip_grad_norm_torch(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's clipping over all of `model`'s gradients (DDP's replicas, or FSDP2's sharded DTensors)."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+@contextmanager
+def _fsdp2_no_sync(model):
+    """FSDP2's counterpart of DDP's ``no_sync()``: backward keeps unsharded gradients, unreduced."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def full_state_dict_on_rank0(strategy: str, model: nn.Module, comm: MPI.Comm) -> dict | None:

@@ -13,15 +13,18 @@ import math
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from mpi4py import MPI
 
 from data import DataError
+from recipe import optimizer_and_schedule
 from results import CsvWriter, git_commit, measured_peak_flops, model_state_bytes, peak_rss_mb
-from sampling import global_batch_size, rank_batches
+from sampling import global_batch_size, rank_batches, steps_per_epoch
 from strategies import STRATEGIES, full_state_dict_on_rank0, local_rank, prepare
 
 from fsdp_mpi import abort_job_on_uncaught_exception
@@ -38,10 +41,17 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add("--model", default=defaults["model"], choices=model_choices, help="named model configuration")
     add("--strategy", default="fsdp-mpi", choices=STRATEGIES, help="who trains (default: %(default)s)")
     add("--epochs", type=int, default=defaults["epochs"])
-    add("--steps-per-epoch", type=int, default=defaults["steps_per_epoch"], help="0: the whole epoch")
-    add("--batch-size", type=int, default=defaults["batch_size"], help="samples per rank per step")
+    add("--steps-per-epoch", type=int, default=defaults["steps_per_epoch"], help="optimizer steps; 0: the whole epoch")
+    add("--batch-size", type=int, default=defaults["batch_size"], help="samples per rank per micro-batch")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: %(default)s)")
+    add("--accum-no-sync", action="store_true",
+        help="reduce gradients only on an optimizer step's last micro-batch (sharded strategies otherwise reduce each)")
     add("--seq-len", type=int, default=defaults["seq_len"])
-    add("--lr", type=float, default=defaults["lr"])
+    add("--lr", type=float, default=defaults["lr"], help="peak learning rate (default: %(default)s)")
+    add("--warmup-steps", type=int, default=None,
+        help="optimizer steps of linear warm-up (default: a tenth of the run's steps)")
+    add("--weight-decay", type=float, default=0.1, help="AdamW's, on weights and embeddings (default: %(default)s)")
+    add("--clip-norm", type=float, default=1.0, help="gradient-norm clipping threshold; 0: none (default: %(default)s)")
     add("--seed", type=int, default=0)
     add("--val-steps", type=int, default=10, help="validation batches per rank after each epoch")
     add("--threads", type=int, default=1, help="torch threads per rank")
@@ -56,13 +66,16 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
 
 
 def check_arguments(args) -> None:
-    for name in ("epochs", "batch_size", "seq_len", "threads", "val_steps"):
+    for name in ("epochs", "batch_size", "grad_accum", "seq_len", "threads", "val_steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if args.steps_per_epoch < 0:
         raise UsageError("--steps-per-epoch must be 0 (whole epoch) or positive")
     if not args.lr > 0:
         raise UsageError("--lr must be positive")
+    for name in ("warmup_steps", "weight_decay", "clip_norm"):
+        if (getattr(args, name) or 0) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
 
 
 def pick_device(choice: str, comm: MPI.Comm) -> torch.device:
@@ -130,8 +143,8 @@ class RunRecorder:
         self.fixed = {
             "run_id": self.run_id, "experiment": experiment, "strategy": args.strategy, "model": task.model_name,
             "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": args.threads,
-            "device": device.type, "dtype": "float32", "global_batch": args.batch_size * world,
-            "seq_len": task.seq_len, "git_commit": git_commit(),
+            "device": device.type, "dtype": "float32", "global_batch": args.batch_size * world * args.grad_accum,
+            "grad_accum": args.grad_accum, "seq_len": task.seq_len, "git_commit": git_commit(),
         }
         self.writer = None
         if comm.Get_rank() == 0:
@@ -174,17 +187,40 @@ def to_device(batch, device: torch.device):
     return tuple(t.to(device) for t in batch)
 
 
-def epoch_steps(num_samples: int, args, comm: MPI.Comm, epoch: int, seed: int):
-    """Yields (this rank's indices, loss weight) per step; an empty share trains on a stand-in with weight 0."""
+class MicroBatch(NamedTuple):
+    """One forward and backward on this rank, part of an optimizer step."""
+
+    indices: torch.Tensor  # this rank's samples (a stand-in when it has none)
+    weight: float  # on this rank's loss sum: world size / samples in the whole optimizer step (0: stand-in)
+    samples: int  # samples in this micro-batch over all ranks
+
+
+def epoch_steps(num_samples: int, args, comm: MPI.Comm, epoch: int, seed: int) -> list[list[MicroBatch]]:
+    """This rank's optimizer steps in one epoch, each a list of up to `args.grad_accum` micro-batches.
+
+    The micro-batches of a step together hold the samples that one batch of
+    ``batch_size * grad_accum`` would, and each rank's loss sum is weighted by
+    world size over the step's global sample count, so that the averaged,
+    accumulated gradient is the mean over the step's samples, also in the short
+    steps at the end of an epoch. An empty share trains on a stand-in with weight 0,
+    because every rank must still take part in the step's collectives.
+    """
     world = comm.Get_size()
     batches = rank_batches(num_samples, args.batch_size, comm.Get_rank(), world, seed, epoch)
-    limit = args.steps_per_epoch or len(batches)
-    for step, indices in enumerate(batches[:limit]):
-        step_total = global_batch_size(num_samples, args.batch_size, world, step)
-        if len(indices) == 0:  # every rank must still take part in the step's collectives
-            yield torch.zeros(1, dtype=torch.long), 0.0, step_total
-        else:
-            yield indices, world / step_total, step_total
+    steps = []
+    for first in range(0, len(batches), args.grad_accum)[:args.steps_per_epoch or None]:
+        micro = range(first, min(first + args.grad_accum, len(batches)))
+        sizes = [global_batch_size(num_samples, args.batch_size, world, m) for m in micro]
+        step_total = sum(sizes)
+        steps.append([MicroBatch(batches[m], world / step_total, size) if len(batches[m])
+                      else MicroBatch(torch.zeros(1, dtype=torch.long), 0.0, size) for m, size in zip(micro, sizes)])
+    return steps
+
+
+def total_optimizer_steps(num_samples: int, args, world: int) -> int:
+    """Optimizer steps in the whole run (the learning-rate schedule's length); the same on every rank."""
+    per_epoch = -(-steps_per_epoch(num_samples, args.batch_size, world) // args.grad_accum)
+    return args.epochs * min(per_epoch, args.steps_per_epoch or per_epoch)
 
 
 @torch.no_grad()
@@ -192,15 +228,38 @@ def evaluate(task, model, args, comm: MPI.Comm, device: torch.device) -> dict:
     """The validation columns, from `--val-steps` batches per rank (the same ones every epoch)."""
     model.eval()
     totals: dict[str, float] = {}
-    steps = argparse.Namespace(batch_size=args.batch_size, steps_per_epoch=args.val_steps)
-    for indices, weight, _ in epoch_steps(len(task.val), steps, comm, epoch=0, seed=args.seed + 1):
-        sums = task.eval_sums(model, to_device(task.val.batch(indices, 0), device))
+    batches = argparse.Namespace(batch_size=args.batch_size, grad_accum=1, steps_per_epoch=args.val_steps)
+    for (micro,) in epoch_steps(len(task.val), batches, comm, epoch=0, seed=args.seed + 1):
+        sums = task.eval_sums(model, to_device(task.val.batch(micro.indices, 0), device))
         for key, value in sums.items():
-            totals[key] = totals.get(key, 0.0) + (value if weight else 0.0)
+            totals[key] = totals.get(key, 0.0) + (value if micro.weight else 0.0)
     model.train()
     keys = sorted(totals)
     summed = comm.allreduce([totals[k] for k in keys], op=MPI.SUM)
     return task.val_columns(dict(zip(keys, summed)))
+
+
+def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], args, epoch: int,
+                   device: torch.device) -> tuple[float, torch.Tensor]:
+    """Accumulates the gradients of `step`'s micro-batches, clips them and updates the weights.
+
+    Gradients are reduced on the last micro-batch, and on every one under a sharded
+    strategy (which keeps gradient memory at 1/N) unless --accum-no-sync says otherwise.
+    Returns this rank's loss sum and its last micro-batch's per-sample losses.
+    """
+    loss_sum, losses = 0.0, None
+    for position, micro in enumerate(step):
+        defer_sync = position < len(step) - 1 and (args.accum_no_sync or not prepared.shards_gradients)
+        with prepared.no_sync() if defer_sync else nullcontext():
+            losses = task.sample_losses(prepared.model, to_device(task.train.batch(micro.indices, epoch), device))
+            (losses.sum() * micro.weight).backward()
+        loss_sum += losses.sum().item() if micro.weight else 0.0
+    if args.clip_norm:
+        prepared.clip_grad_norm(args.clip_norm)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, losses
 
 
 def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str) -> Path | None:
@@ -210,21 +269,19 @@ def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str) -> 
     model = build_model(task, args, comm)
     recorder = RunRecorder(task, args, comm, device, experiment, model)
     prepared = prepare(args.strategy, model, task.block_class, device, comm)
-    optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=args.lr)
+    optimizer, schedule = optimizer_and_schedule(prepared.model, args,
+                                                 total_optimizer_steps(len(task.train), args, comm.Get_size()))
     for epoch in range(args.epochs):
-        steps = list(epoch_steps(len(task.train), args, comm, epoch, args.seed))
+        steps = epoch_steps(len(task.train), args, comm, epoch, args.seed)
         progress = tqdm(steps, desc=f"epoch {epoch}", disable=args.no_progress or comm.Get_rank() != 0,
                         file=sys.stdout, dynamic_ncols=True)
         loss_sum, samples = 0.0, 0
         comm.Barrier()
         comm_before, start = prepared.comm_seconds(), time.perf_counter()
-        for indices, weight, step_total in progress:
-            losses = task.sample_losses(prepared.model, to_device(task.train.batch(indices, epoch), device))
-            (losses.sum() * weight).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum += losses.sum().item() if weight else 0.0
-            samples += step_total
+        for step in progress:
+            step_loss, losses = optimizer_step(task, prepared, optimizer, schedule, step, args, epoch, device)
+            loss_sum += step_loss
+            samples += sum(micro.samples for micro in step)
             if comm.Get_rank() == 0:
                 progress.set_postfix(loss=f"{losses.mean().item():.3f}")
         if device.type == "cuda":

@@ -1,0 +1,64 @@
+"""The optimisation recipe every strategy trains with, so that their comparison stays fair.
+
+AdamW with decoupled weight decay on weight matrices and embeddings only (biases
+and normalisation layers are left undecayed: the usual split for transformers), and
+a learning rate that rises linearly over the warm-up, then follows a cosine down
+to ``FINAL_LR_FRACTION`` of its peak at the run's last optimizer step.
+"""
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+
+WARMUP_FRACTION = 0.1  # the default warm-up: this share of the run's optimizer steps
+FINAL_LR_FRACTION = 0.1  # the learning rate at the last step, as a share of --lr
+
+
+def is_normalization(module: nn.Module) -> bool:
+    """LayerNorm and its relatives (RMSNorm, GroupNorm, BatchNorm, a model's own ``...Norm`` class)."""
+    return isinstance(module, nn.LayerNorm) or "Norm" in type(module).__name__
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's two groups: [decayed weights and embeddings, undecayed biases and normalisation parameters].
+
+    The group follows from the owning module's type and the parameter's attribute
+    name, never from its shape: under fsdp-mpi every parameter the optimizer sees
+    is a 1-D view of this rank's shard (possibly empty), registered under the
+    original name on the original module. A tied parameter is listed once.
+    """
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            (no_decay if "bias" in name or is_normalization(module) else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
+    """The multiple of the peak learning rate used by optimizer step `step` (counted from 0).
+
+    Warm-up: (step + 1) / warmup_steps, reaching 1 at step warmup_steps - 1. Then a
+    cosine from 1 at step warmup_steps to FINAL_LR_FRACTION at step total_steps - 1.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min((step - warmup_steps) / max(total_steps - 1 - warmup_steps, 1), 1.0)
+    return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_and_schedule(model: nn.Module, args, total_steps: int):
+    """(AdamW, LambdaLR) for `model` from --lr, --weight-decay and --warmup-steps.
+
+    Step the schedule once after every optimizer step. `total_steps` counts the
+    optimizer steps of the whole run (all epochs).
+    """
+    optimizer = torch.optim.AdamW(parameter_groups(model, args.weight_decay), lr=args.lr)
+    warmup = int(total_steps * WARMUP_FRACTION) if args.warmup_steps is None else args.warmup_steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(lr_factor, total_steps=total_steps, warmup_steps=warmup))
+    return optimizer, schedule
