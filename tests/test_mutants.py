@@ -1,0 +1,100 @@
+"""Proof that the suite catches breakage: each mutant is a deliberate one-line break of the code,
+applied to a copy of the repository, and the named tests must fail on it.
+
+A mutant that survives means a mechanism nobody checks. Every new mechanism gets
+its mutant here, with the fastest tests that should kill it.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parent.parent
+
+STATE = "tests/test_state_dict.py::test_state_dicts_summon_and_wrap_time_broadcast_across_ranks"
+SWITCHES = "tests/test_switches.py"
+EQUIVALENCE = "tests/test_equivalence.py::test_four_ranks_with_empty_parts"
+KNOWN_ANSWER = "tests/test_equivalence.py::test_linear_regression_reaches_the_least_squares_answer_for_any_rank_count"
+MEMORY = "tests/test_memory.py::test_only_the_computing_unit_holds_gathered_parameters"
+NO_SYNC = "tests/test_memory.py::test_no_sync_holds_full_gradients_until_the_synced_backward"
+COLLECTIVES = "tests/test_comm.py::test_collectives_on_several_ranks_for_every_dtype"
+NAMES = "tests/test_equivalence.py::test_wrapped_models_generate_and_show_original_names"
+
+# name: (file, the line's text as it is, what it becomes, tests that must fail)
+MUTANTS = {
+    "load ignores the shard offset": (
+        "fsdp_mpi/state_dict.py", "handle.shard[start - shard_start:stop - shard_start].copy_(values)",
+        "handle.shard[start:stop].copy_(values)", [STATE]),
+    "summon never writes back": (
+        "fsdp_mpi/flat_param.py", "        if self.aliases_shard:\n            return\n        with torch.no_grad():\n"
+        "            self.shard.copy_(", "        return\n        with torch.no_grad():\n            self.shard.copy_(",
+        [STATE]),
+    "bad state dict is loaded before the check": (
+        "fsdp_mpi/state_dict.py", "    if problems:\n        raise", "    if False:\n        raise", [STATE]),
+    "summon without writeback keeps edits on one rank": (
+        "fsdp_mpi/state_dict.py", "if h.aliases_shard and not writeback}", "if False}", [STATE]),
+    "no broadcast of rank 0's weights": (
+        "fsdp_mpi/fully_sharded.py", "if sync_module_states:", "if False:", [STATE]),
+    "end of backward reduces nothing": (
+        "fsdp_mpi/lifecycle.py", "if unit.requires_gradient_sync and (handle.awaiting_gradient",
+        "if False and (handle.awaiting_gradient", [STATE]),
+    "SHARD_GRAD_OP frees after forward": (
+        "fsdp_mpi/lifecycle.py", "self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root",
+        "self.is_root", [SWITCHES]),
+    "backward prefetch does nothing": (
+        "fsdp_mpi/lifecycle.py", 'if self.overlap["backward_prefetch"] and', "if False and", [SWITCHES]),
+    "async reduce-scatter waits at once": (
+        "fsdp_mpi/lifecycle.py", 'asynchronous = self.overlap["async_reduce_scatter"]', "asynchronous = False",
+        [SWITCHES]),
+    "checkpointing never recomputes": (
+        "models/gpt2.py", "if self.gradient_checkpointing and self.training", "if False and self.training",
+        [SWITCHES]),
+    "no gradient communication": (
+        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous())",
+        "            shard_grad.copy_(full_grad[self.shard_offset:self.shard_offset + self.shard_numel])",
+        [KNOWN_ANSWER]),
+    "no division by world size": (
+        "fsdp_mpi/comm.py", "        shard.div_(self.world_size)\n", "        shard.div_(1)\n",
+        [COLLECTIVES]),
+    "gradient reduced into the wrong shard": (
+        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous())",
+        "            self.comm.reduce_scatter_mean(shard_grad, full_grad.roll(-self.shard_numel).contiguous())",
+        [EQUIVALENCE]),
+    "reshard frees nothing": (
+        "fsdp_mpi/flat_param.py", "        if self.is_unsharded and not self.aliases_shard:\n            self._free_full_storage()",
+        "        if False:\n            self._free_full_storage()", [MEMORY]),
+    "clipping ignores other ranks": (
+        "fsdp_mpi/clip.py", "total = comm.allreduce_sum_float(local) ** (1.0 / norm_type)",
+        "total = local ** (1.0 / norm_type)", [EQUIVALENCE]),
+    "no_sync still reduces": (
+        "fsdp_mpi/lifecycle.py", "        if self.requires_gradient_sync:\n", "        if True:\n", [NO_SYNC]),
+    "zero_grad does not release the sharded gradient": (
+        "fsdp_mpi/flat_param.py", "if len(cleared) == len(holding):", "if False:", [NO_SYNC]),
+    "wrapper names leak into named_parameters": (
+        "fsdp_mpi/fully_sharded.py", "yield original_name(name), param", "yield name, param", [NAMES]),
+    "gathered views stay after reshard": (
+        "fsdp_mpi/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
+        [NAMES]),
+}
+
+
+def copy_of_repository(destination: Path) -> Path:
+    ignored = shutil.ignore_patterns(".git", ".venv", "results", "runs", "__pycache__", "*.egg-info", ".pytest_cache")
+    shutil.copytree(REPO, destination, ignore=ignored)
+    return destination
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_is_killed(name, tmp_path):
+    path, original, mutated, tests = MUTANTS[name]
+    repo = copy_of_repository(tmp_path / "repo")
+    source = repo / path
+    text = source.read_text()
+    assert text.count(original) == 1, f"the mutant's line is not (once) in {path}: update the mutant"
+    source.write_text(text.replace(original, mutated))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                            cwd=repo, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, f"mutant survived (exit {result.returncode}):\n{result.stdout[-2000:]}"
