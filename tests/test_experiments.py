@@ -1,6 +1,7 @@
 """The experiments: the shared training recipe, then end to end under mpiexec (CSV rows, report, bad input)."""
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -23,6 +24,9 @@ from training import epoch_steps, total_optimizer_steps
 EXPERIMENTS = REPO_ROOT / "experiments"
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 needs_data = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(), reason=f"no shared data at {SHARED_DATA}")
+# Two runs of the same training in another order of float32 sums: the CSV rounds each loss to 1e-5 (1e-5
+# between them), and a loss near 4 moves by a few ulps (4.8e-7 each) per changed sum through QUICK's 6 steps.
+SAME_TRAINING = 3e-5
 QUICK = ["--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4", "--seq-len", "32", "--val-steps", "2",
          "--no-progress"]
 
@@ -149,27 +153,50 @@ def results_dir(tmp_path_factory):
     return root
 
 
+# (width, layers, positions) of the experiments' default models: gpt2-tiny and bert-tiny.
+SHAPES = {"run_gpt2": (64, 2, 64), "run_bert": (128, 2, 512)}
+# Cross-entropy of a uniform guess: GPT-2 over Tiny Shakespeare's 65 characters; BERT over its 30,522 WordPieces
+# plus a coin flip for next-sentence prediction.
+UNIFORM_LOSS = {"run_gpt2": math.log(65), "run_bert": math.log(30522) + math.log(2)}
+# Below it after 3 small steps, but not below what a model without context can reach: the entropy of the
+# token frequencies (Tiny Shakespeare's characters: 3.31 nats; Cornell's WordPieces: 5.39 nats).
+CONTEXT_FREE_FLOOR = {"run_gpt2": 3.31, "run_bert": 5.39}
+
+
 @needs_data
 @pytest.mark.parametrize("script", ["run_gpt2", "run_bert"])
 @pytest.mark.parametrize("strategy", ["fsdp-mpi", "lightning-ddp"])
-def test_rows_have_every_column_and_plausible_values(results_dir, script, strategy):
+def test_rows_have_every_column_and_values_that_agree_with_known_ones(results_dir, script, strategy):
     rows = read_rows(results_dir / f"{script}-{strategy}")
+    width, layers, positions = SHAPES[script]
     assert [row["epoch"] for row in rows] == ["0", "1"]
     for row in rows:
         assert list(row) == COLUMNS
         assert row["strategy"] == strategy and row["world_size"] == "2" and row["device"] == "cpu"
         assert row["global_batch"] == "8" and row["seq_len"] == "32" and row["steps"] == "3"
-        assert float(row["epoch_time_s"]) > 0 and float(row["samples_per_s"]) > 0
-        assert float(row["tokens_per_s"]) == pytest.approx(float(row["samples_per_s"]) * 32, rel=1e-3)
-        assert 0 < float(row["mfu"]) < 1 and float(row["tflops"]) > 0
-        assert 0 < float(row["train_loss"]) < 20 and 0 < float(row["val_loss"]) < 20
+        seconds, samples_per_s, tokens_per_s = (float(row[k]) for k in ("epoch_time_s", "samples_per_s", "tokens_per_s"))
+        # 24 samples in the epoch, up to the CSV's rounding (epoch time to 1e-4 s, throughput to 1e-3/s).
+        assert samples_per_s * seconds == pytest.approx(8 * 3, abs=samples_per_s * 5e-5 + seconds * 5e-4)
+        assert tokens_per_s == pytest.approx(samples_per_s * 32, rel=1e-3)
+        # FLOPs per token, written out here: 6 per weight (forward and backward) plus attention's 12 L C T.
+        flops_per_token = 6 * (int(row["parameters"]) - positions * width) + 12 * layers * width * 32
+        assert float(row["tflops"]) == pytest.approx(tokens_per_s * flops_per_token / 1e12, rel=1e-3)
+        assert 0 < float(row["mfu"]) < 1
         assert float(row["peak_rss_mb"]) > 50 and float(row["model_state_mb"]) > 0
         if script == "run_gpt2":
-            assert float(row["val_perplexity"]) > 1 and row["val_mlm_accuracy"] == ""
+            assert float(row["val_perplexity"]) == pytest.approx(math.exp(float(row["val_loss"])), rel=1e-4)
+            assert row["val_mlm_accuracy"] == ""
         else:
             assert 0 <= float(row["val_mlm_accuracy"]) <= 1 and 0 <= float(row["val_nsp_accuracy"]) <= 1
-        assert (row["comm_time_s"] != "") == (strategy == "fsdp-mpi")
-    assert float(rows[1]["train_loss"]) < float(rows[0]["train_loss"])
+        if strategy == "fsdp-mpi":  # the busiest rank's communication plus everything else is the epoch
+            comm, compute = float(row["comm_time_s"]), float(row["compute_time_s"])
+            assert 0 < comm < seconds and comm + compute == pytest.approx(seconds, abs=2e-4)
+        else:
+            assert row["comm_time_s"] == row["compute_time_s"] == ""
+    # Initial logits spread by about 0.02 * sqrt(width) add half their variance (< 0.05) to a uniform guess.
+    first, second = float(rows[0]["train_loss"]), float(rows[1]["train_loss"])
+    assert CONTEXT_FREE_FLOOR[script] < first < UNIFORM_LOSS[script] + 0.05
+    assert second < first
 
 
 @needs_data
@@ -202,8 +229,20 @@ def test_two_accumulated_micro_batches_train_like_one_batch_of_twice_the_size(re
     for row, ref in zip(rows, reference):
         assert (row["global_batch"], row["grad_accum"], row["steps"]) == ("8", "2", "3")
         assert ref["grad_accum"] == "1"
-        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=3e-5)
-        assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=3e-5)
+        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING)
+        assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=SAME_TRAINING)
+
+
+@needs_data
+@pytest.mark.parametrize("strategy,extra", [("fsdp-mpi", ["--gradient-checkpointing"]), ("torch-fsdp", []),
+                                            ("ddp", [])])
+def test_other_strategies_and_recomputed_activations_train_like_fsdp_mpi(results_dir, tmp_path, strategy, extra):
+    result = launch("run_gpt2.py", 2, *QUICK, "--strategy", strategy, *extra, "--out-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for row, ref in zip(read_rows(tmp_path), read_rows(results_dir / "run_gpt2-fsdp-mpi"), strict=True):
+        assert row["strategy"] == strategy
+        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING)
+        assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=SAME_TRAINING)
 
 
 @needs_data
@@ -255,8 +294,8 @@ def test_unusable_text_fails_cleanly(tmp_path, content, message):
 
 
 @needs_data
-def test_saved_model_samples_text(tmp_path):
-    trained = launch("run_gpt2.py", 1, *QUICK, "--out-dir", tmp_path, "--save-dir", tmp_path / "model")
+def test_model_saved_from_two_ranks_samples_text(tmp_path):
+    trained = launch("run_gpt2.py", 2, *QUICK, "--strategy", "fsdp-mpi", "--out-dir", tmp_path, "--save-dir", tmp_path / "model")
     assert trained.returncode == 0, trained.stderr
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "sample.py"), str(tmp_path / "model"),
                              "--prompt", "ROMEO:", "--max-new-tokens", "20"],
