@@ -53,6 +53,16 @@ def test_single_rank_collectives(dtype, force_staging):
     assert torch.equal(reduced, shard * 2)
 
 
+@pytest.mark.parametrize("value,staged", [("1", True), ("0", False), ("", False)])
+def test_force_staging_variable_routes_collectives_through_host_buffers(monkeypatch, value, staged):
+    monkeypatch.setenv("FSDP_MPI_FORCE_STAGING", value)
+    comm = Communicator()
+    full = torch.empty(5)
+    comm.all_gather_into(full, torch.arange(5.0))
+    assert torch.equal(full, torch.arange(5.0))
+    assert comm.force_staging is staged and bool(comm._staging._buffers) is staged
+
+
 def test_mismatched_buffers_are_refused():
     comm = Communicator()
     with pytest.raises(ValueError, match="full buffer has 3 elements, expected 1 x 2"):
@@ -75,5 +85,5 @@ def test_collectives_on_several_ranks_for_every_dtype(nprocs, tmp_path):
     check_ok(run_mpi("collectives.py", nprocs, out))
     report = json.loads(out.read_text())
     assert report.pop("sum_and_max_of_floats") == [sum(r + 0.5 for r in range(nprocs)), 0.0]
-    assert len(report) == 5 * 4 * 2 * 2  # collectives x dtypes x staging x chunking
+    assert len(report) == 5 * 4 * 2 * 2 + 4  # collectives x dtypes x staging x chunking, + host buffers used
     assert [name for name, ok in report.items() if not ok] == []

@@ -1,9 +1,13 @@
 """Each rank keeps exactly 1/N of every unit's padded parameters; gathered memory lives only while used."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from mpi_launch import check_ok, run_mpi
+from mpi_launch import REPO_ROOT, check_ok, run_mpi
 
 
 def run_memory(nprocs, tmp_path) -> dict:
@@ -55,3 +59,29 @@ def test_no_sync_holds_full_gradients_until_the_synced_backward(tmp_path):
     assert report["during_no_sync"] == {"unsharded": padded_bytes, "sharded": 0}
     # After the synced backward: only 1/N of the padded gradient per rank.
     assert report["after_sync"] == {"unsharded": 0, "sharded": padded_bytes // 2}
+
+
+# Allocates and touches 64 MiB, frees it, and prints how much of it the process still holds.
+RETAINED_AFTER_FREE = """
+import os, torch
+from fsdp_mpi.host_memory import keep_freed_host_memory_for_reuse
+applied = keep_freed_host_memory_for_reuse()
+resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = resident()
+buffer = torch.ones(16 * 2**20)
+del buffer
+print(applied, (resident() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc to read resident memory")
+@pytest.mark.parametrize("value,kept", [("", True), ("0", False)])
+def test_freed_host_memory_is_kept_for_reuse_unless_turned_off(value, kept):
+    env = dict(os.environ, FSDP_MPI_REUSE_HOST_MEMORY=value, PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run([sys.executable, "-c", RETAINED_AFTER_FREE], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    applied, retained_mib = result.stdout.split()
+    assert applied == str(kept)
+    # Kept: the freed 64 MiB stay resident, ready for the next gather. Returned: glibc unmaps them at once.
+    assert (float(retained_mib) > 60) if kept else (float(retained_mib) < 4)

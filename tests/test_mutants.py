@@ -22,6 +22,8 @@ MEMORY = "tests/test_memory.py::test_only_the_computing_unit_holds_gathered_para
 NO_SYNC = "tests/test_memory.py::test_no_sync_holds_full_gradients_until_the_synced_backward"
 COLLECTIVES = "tests/test_comm.py::test_collectives_on_several_ranks_for_every_dtype"
 NAMES = "tests/test_equivalence.py::test_wrapped_models_generate_and_show_original_names"
+STAGING_VARIABLE = "tests/test_comm.py::test_force_staging_variable_routes_collectives_through_host_buffers"
+HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
@@ -78,6 +80,16 @@ MUTANTS = {
     "gathered views stay after reshard": (
         "fsdp_mpi/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
         [NAMES]),
+    "forced staging copies nothing through the host": (
+        "fsdp_mpi/comm.py", "return self.force_staging or (tensor.is_cuda and not self.cuda_aware)",
+        "return tensor.is_cuda and not self.cuda_aware", [COLLECTIVES]),
+    "FSDP_MPI_FORCE_STAGING is ignored": (
+        "fsdp_mpi/comm.py", "bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None", "False if force_staging is None",
+        [STAGING_VARIABLE]),
+    "freed host memory goes back to the kernel": (
+        "fsdp_mpi/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if True:", [HOST_MEMORY]),
+    "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (
+        "fsdp_mpi/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if False:", [HOST_MEMORY]),
 }
 
 

@@ -51,6 +51,8 @@ if __name__ == "__main__":
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype).items():
                     report[f"{what}/{name}/staged={staging}/chunk={chunk}"] = all(comm.allgather_object(ok))
+            report[f"host buffers used if and only if staged={staging}/chunk={chunk}"] = (
+                bool(comm._staging._buffers) is staging)
     report["sum_and_max_of_floats"] = [comm.allreduce_sum_float(comm.rank + 0.5),
                                        comm.allreduce_max_float(-comm.rank)]
     write_json(output_path(), report)
