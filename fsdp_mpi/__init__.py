@@ -3,14 +3,17 @@
     model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
 
-Read in this order: comm -> flat_param -> lifecycle -> state_dict -> clip -> fully_sharded -> wrap.
+Read in this order: comm -> flat_param -> mixed_precision -> lifecycle -> state_dict -> clip -> grad_scaler
+-> fully_sharded -> wrap.
 """
 
 from fsdp_mpi.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.clip import clip_grad_norm_
 from fsdp_mpi.comm import Communicator
 from fsdp_mpi.fully_sharded import FSDP, FullyShardedDataParallel
+from fsdp_mpi.grad_scaler import ShardedGradScaler
 from fsdp_mpi.lifecycle import TrainingState
+from fsdp_mpi.mixed_precision import MixedPrecision
 from fsdp_mpi.state_dict import full_state_dict, load_full_state_dict, summon_full_params
 from fsdp_mpi.strategy import ShardingStrategy
 from fsdp_mpi.wrap import ModuleWrapPolicy, SizeBasedWrapPolicy
@@ -19,7 +22,9 @@ __all__ = [
     "FSDP",
     "Communicator",
     "FullyShardedDataParallel",
+    "MixedPrecision",
     "ModuleWrapPolicy",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "SizeBasedWrapPolicy",
     "TrainingState",

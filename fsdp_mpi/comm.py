@@ -11,6 +11,7 @@ aliases: MPI writes do not bump version counters, but staging's copy-back would.
 """
 
 import time
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
@@ -81,6 +82,9 @@ class Communicator:
         self.force_staging = bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None else force_staging
         self.max_elements_per_message = MAX_ELEMENTS_PER_MESSAGE
         self.seconds_in_mpi = 0.0  # wall time blocked inside MPI calls, for profiling
+        # Bytes of the full buffer each collective fills (all-gather) or reads (reduce-scatter) on this rank,
+        # and of each broadcast tensor, in the dtype actually sent: what the wire carries, algorithms aside.
+        self.bytes_moved: Counter[str] = Counter()
         self._staging = HostStagingBuffers()
 
     # ----------------------------------------------------------------- collectives
@@ -130,6 +134,7 @@ class Communicator:
         if self._needs_staging(full) or shard.numel() > self.max_elements_per_message:
             self.all_gather_into(full, shard)
             return Pending(self)
+        self.bytes_moved["all_gather"] += full.numel() * full.element_size()
         with self._in_mpi(shard):
             request = self.mpi_comm.Iallgather(_bits(shard), _bits(full))
         return Pending(self, request)
@@ -144,6 +149,7 @@ class Communicator:
         if not direct or shard.dtype in _SUM_IN_FP32:
             self.reduce_scatter_mean(shard, full)
             return Pending(self)
+        self.bytes_moved["reduce_scatter"] += full.numel() * full.element_size()
         with self._in_mpi(full):
             request = self.mpi_comm.Ireduce_scatter_block(_numbers(full), _numbers(shard), op=MPI.SUM)
         return Pending(self, request, then=lambda: shard.div_(self.world_size))
@@ -156,6 +162,7 @@ class Communicator:
         for start in range(0, max(flat.numel(), 1), self.max_elements_per_message):
             part = flat[start:start + self.max_elements_per_message]
             host = self._host_copy(part, "broadcast", load=self.rank == root)
+            self.bytes_moved["broadcast"] += part.numel() * part.element_size()
             with self._in_mpi(part):
                 self.mpi_comm.Bcast(_bits(host), root=root)
             if host is not part:
@@ -185,6 +192,7 @@ class Communicator:
     def _allgather(self, recv: torch.Tensor, send: torch.Tensor) -> None:
         send_host = self._host_copy(send, "allgather_send", load=True)
         recv_host = self._host_copy(recv, "allgather_recv", load=False)
+        self.bytes_moved["all_gather"] += recv.numel() * recv.element_size()
         with self._in_mpi(send):
             self.mpi_comm.Allgather(_bits(send_host), _bits(recv_host))
         if recv_host is not recv:
@@ -193,6 +201,7 @@ class Communicator:
     def _reduce_scatter(self, recv: torch.Tensor, send: torch.Tensor) -> None:
         send_host = self._host_copy(send, "reduce_scatter_send", load=True)
         recv_host = self._host_copy(recv, "reduce_scatter_recv", load=False)
+        self.bytes_moved["reduce_scatter"] += send.numel() * send.element_size()
         with self._in_mpi(send):
             self.mpi_comm.Reduce_scatter_block(_numbers(send_host), _numbers(recv_host), op=MPI.SUM)
         if recv_host is not recv:

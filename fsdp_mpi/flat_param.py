@@ -14,7 +14,9 @@ own name, by a *sharded view*, an ``nn.Parameter`` that is the 1-D slice of
 work as on one process, optimizer state is sharded, and an in-place update of a
 view updates the shard that the next all-gather sends.
 
-``full_flat`` is the gathered buffer. Its storage exists only between ``unshard()``
+``full_flat`` is the gathered buffer, in the dtype the module computes with
+(``param_dtype`` under mixed precision: the shard is cast once, then gathered, so
+16-bit compute halves the bytes of every all-gather). Its storage exists only between ``unshard()``
 and ``reshard()``; in between the storage is released (resized to zero bytes), not
 merely dereferenced, so it is really returned to the allocator. While a unit
 computes, each parameter attribute (``linear.weight``) is shadowed by a full-shape
@@ -22,8 +24,10 @@ view into ``full_flat`` (an entry in the module's ``__dict__``, which Python loo
 up before ``nn.Module``'s registered parameters); ``use_sharded_views()`` removes
 the shadows, so outside computation the attribute is the sharded view again.
 Autograd sums the gradient of every use (tied weights, a unit run twice) into one
-``full_flat.grad``, which ``reduce_gradient()`` reduce-scatters into ``shard_grad``;
-each sharded view's ``.grad`` is the matching slice of it.
+``full_flat.grad``, which ``reduce_gradient()`` reduce-scatters (in ``reduce_dtype``)
+into ``shard_grad``, of the shard's dtype; each sharded view's ``.grad`` is the
+matching slice of it. State dicts and ``summon_full_params`` gather the shards
+themselves into a separate buffer (``gather_shard_dtype()``), never ``full_flat``.
 
 Every rank must flatten the same parameters in the same order, or the all-gather
 would silently mix up parameters; the unit checks this across ranks at wrap time.
@@ -70,12 +74,18 @@ class FlatParamHandle:
             that is identical on every rank.
         comm: the communicator whose ranks share the shards.
         unit_name: for error messages (which unit owns a parameter).
+        param_dtype: the dtype gathered and computed with (None: the parameters' own).
+        reduce_dtype: the dtype gradients are averaged in (None: the parameters' own).
     """
 
-    def __init__(self, params: list[tuple[nn.Parameter, list[ParamUse]]], comm: Communicator, unit_name: str):
+    def __init__(self, params: list[tuple[nn.Parameter, list[ParamUse]]], comm: Communicator, unit_name: str,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         first = params[0][0]
         self.comm = comm
         self.requires_grad = first.requires_grad
+        low_precision_applies = first.is_floating_point()
+        self.param_dtype = param_dtype if param_dtype and low_precision_applies else first.dtype
+        self.reduce_dtype = reduce_dtype if reduce_dtype and low_precision_applies else first.dtype
         self.numel = sum(param.numel() for param, _ in params)
         self.padded_numel = -(-self.numel // comm.world_size) * comm.world_size
         self.shard_numel = self.padded_numel // comm.world_size
@@ -94,17 +104,17 @@ class FlatParamHandle:
                 full[slot.offset:slot.offset + slot.numel].copy_(param.reshape(-1))
         self.shard = full[self.shard_offset:self.shard_offset + self.shard_numel].clone()  # (shard_numel,)
         self.shard_grad: torch.Tensor | None = None  # (shard_numel,): the reduced gradient
-        # On one rank the shard is the whole buffer: full_flat aliases it, so nothing is gathered or copied.
-        self.aliases_shard = comm.world_size == 1
+        # On one rank, unless cast, the shard is the whole buffer: full_flat aliases it, nothing is copied.
+        self.aliases_shard = comm.world_size == 1 and self.param_dtype == self.shard.dtype
         if self.aliases_shard:
             self.full_flat = self.shard.detach().requires_grad_(self.requires_grad)
         else:
-            self.full_flat = torch.empty_like(full).requires_grad_(self.requires_grad)  # (padded_numel,)
-            self._free_full_storage()
+            self.full_flat = torch.empty_like(full, dtype=self.param_dtype).requires_grad_(self.requires_grad)
+            self._free_full_storage()  # (padded_numel,) of param_dtype while gathered
         # True from a forward that autograd records until this handle's gradient is reduced.
         self.awaiting_gradient = False
         self._full_views: list[torch.Tensor] | None = None  # the last forward's views, one per slot
-        self._pending_gather = None  # a prefetch in flight
+        self._pending_gather = None  # (Pending, the cast shard it sends) of a prefetch in flight
         self._pending_reduction = None  # (Pending, shard_grad, full_grad) of an asynchronous reduce-scatter
 
         # The sharded views replace the original parameters under their names (tied ones stay one object).
@@ -132,17 +142,24 @@ class FlatParamHandle:
     def unshard(self) -> None:
         """All-gathers the full parameters into ``full_flat`` (a no-op if they are there)."""
         if self._pending_gather is not None:
-            self._pending_gather.wait()
+            self._pending_gather[0].wait()
             self._pending_gather = None
         elif not self.is_unsharded:
             self._allocate_full_storage()
-            self.comm.all_gather_into(self.full_flat.data, self.shard)
+            self.comm.all_gather_into(self.full_flat.data, self.shard.to(self.param_dtype))
 
     def start_unshard(self) -> None:
         """Starts gathering without waiting (a prefetch); ``unshard()`` completes it."""
         if self._pending_gather is None and not self.is_unsharded:
             self._allocate_full_storage()
-            self._pending_gather = self.comm.start_all_gather_into(self.full_flat.data, self.shard)
+            sent = self.shard.to(self.param_dtype)  # kept alive until MPI has read it
+            self._pending_gather = (self.comm.start_all_gather_into(self.full_flat.data, sent), sent)
+
+    def gather_shard_dtype(self) -> torch.Tensor:
+        """A new (padded_numel,) buffer of every rank's shard, in the shard's own dtype (for state dicts)."""
+        full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        self.comm.all_gather_into(full, self.shard)
+        return full
 
     def reshard(self) -> None:
         """Releases the gathered storage and shows the sharded views again; only the shard remains."""
@@ -160,7 +177,7 @@ class FlatParamHandle:
 
     # ------------------------------------------------------------ which tensor a parameter attribute is
 
-    def use_full_views(self, fresh: bool = True, detached: bool = False) -> None:
+    def use_full_views(self, fresh: bool = True) -> None:
         """Shadows every parameter attribute with a full-shape view into ``full_flat``.
 
         A forward makes `fresh` views, so that they belong to the graph autograd is
@@ -169,17 +186,19 @@ class FlatParamHandle:
         require grad, and activation checkpointing's recomputation must save the
         tensors the forward saved. One ``torch.split`` makes all views, so that
         backward assembles the flat gradient in one concatenation instead of one
-        zero-padded copy per parameter. `detached` views are plain tensors that
-        users may edit in place (``summon_full_params``).
+        zero-padded copy per parameter.
         """
-        if fresh or detached or self._full_views is None:
-            source = self.full_flat.detach() if detached else self.full_flat
-            pieces = torch.split(source, [slot.numel for slot in self.slots] + [self.padded_numel - self.numel])
-            views = [piece.view(slot.shape) for slot, piece in zip(self.slots, pieces)]
-            if not detached:
-                self._full_views = views
-        else:
-            views = self._full_views
+        if fresh or self._full_views is None:
+            self._full_views = self.split_full(self.full_flat)
+        self.show(self._full_views)
+
+    def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """One full-shape view per parameter into a (padded_numel,) buffer, in slot order."""
+        pieces = torch.split(full, [slot.numel for slot in self.slots] + [self.padded_numel - self.numel])
+        return [piece.view(slot.shape) for slot, piece in zip(self.slots, pieces)]
+
+    def show(self, views: list[torch.Tensor]) -> None:
+        """Makes each parameter attribute the given full-shape view (one per slot)."""
         for slot, view in zip(self.slots, views):
             for use in slot.uses:
                 use.owner.__dict__[use.attribute] = view
@@ -199,15 +218,16 @@ class FlatParamHandle:
         rank takes part in the same collectives. `asynchronous` only starts the
         reduce-scatter; ``finish_gradient_reduction()`` completes it.
         """
-        full_grad = self.full_flat.grad
+        full_grad = self.full_flat.grad  # (padded_numel,) of param_dtype
         if full_grad is None:
-            full_grad = torch.zeros(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+            full_grad = torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
         self.full_flat.grad = None
         self.awaiting_gradient = False
+        full_grad = full_grad.to(self.reduce_dtype)
         if self.aliases_shard:
             self._accumulate(full_grad)  # one rank: the mean over ranks is the gradient itself
             return
-        shard_grad = torch.empty_like(self.shard)  # (shard_numel,)
+        shard_grad = torch.empty_like(self.shard, dtype=self.reduce_dtype)  # (shard_numel,)
         if asynchronous:
             # The Pending keeps no reference to full_grad; this tuple does, until MPI has read it.
             pending = self.comm.start_reduce_scatter_mean(shard_grad, full_grad.contiguous())
@@ -234,7 +254,7 @@ class FlatParamHandle:
         """Adds a reduced gradient to what the sharded views still hold, then exposes it through them."""
         self.release_gradient_cleared_by_user()
         if self.shard_grad is None:
-            self.shard_grad = shard_grad
+            self.shard_grad = shard_grad.to(self.shard.dtype)
         else:
             self.shard_grad += shard_grad
         for slot, view in zip(self.slots, self.sharded_views):
@@ -255,14 +275,7 @@ class FlatParamHandle:
 
     # ------------------------------------------------------------ full views for state dicts
 
-    def write_back_shard(self) -> None:
-        """Copies this rank's part of the (possibly edited) full parameters into its shard."""
-        if self.aliases_shard:
-            return
+    def write_back_shard(self, full: torch.Tensor) -> None:
+        """Copies this rank's part of `full` (from ``gather_shard_dtype()``, possibly edited) into its shard."""
         with torch.no_grad():
-            self.shard.copy_(self.full_flat.data[self.shard_offset:self.shard_offset + self.shard_numel])
-
-    def full_tensors(self):
-        """Yields (slot, full tensor view) for every parameter; only valid while unsharded."""
-        for slot in self.slots:
-            yield slot, self.full_flat.data[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            self.shard.copy_(full[self.shard_offset:self.shard_offset + self.shard_numel])

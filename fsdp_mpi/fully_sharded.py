@@ -18,6 +18,7 @@ from fsdp_mpi.comm import Communicator
 from fsdp_mpi.host_memory import keep_freed_host_memory_for_reuse
 from fsdp_mpi.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, TrainingState, modules_outside_units,
                                 original_name, units_with_names)
+from fsdp_mpi.mixed_precision import MixedPrecision
 from fsdp_mpi.state_dict import full_state_dict, load_full_state_dict
 from fsdp_mpi.strategy import ShardingStrategy
 from fsdp_mpi.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
@@ -32,6 +33,8 @@ class FullyShardedDataParallel(nn.Module):
         comm: an mpi4py communicator or a ``fsdp_mpi.Communicator``; ``MPI.COMM_WORLD`` by default.
         auto_wrap_policy: e.g. ``ModuleWrapPolicy({Block})``: which submodules become nested units.
         sharding_strategy: ``FULL_SHARD`` (default) or ``SHARD_GRAD_OP``.
+        mixed_precision: ``MixedPrecision(param_dtype=torch.bfloat16)`` gathers and computes in bf16
+            over fp32 master shards (see ``mixed_precision.py``). None: everything in the parameters' dtype.
         device: where the unit computes; the module is moved there. Defaults to the parameters' device.
         sync_module_states: broadcast rank 0's parameters and buffers first, so every rank starts identical.
         forward_prefetch: start the next unit's all-gather when a unit's forward starts.
@@ -46,6 +49,7 @@ class FullyShardedDataParallel(nn.Module):
         comm=None,
         auto_wrap_policy=None,
         sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+        mixed_precision: MixedPrecision | None = None,
         device: torch.device | str | int | None = None,
         sync_module_states: bool = True,
         forward_prefetch: bool = False,
@@ -58,6 +62,9 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("this module is already wrapped by FullyShardedDataParallel; wrap it only once")
         if not isinstance(sharding_strategy, ShardingStrategy):
             raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {sharding_strategy!r}")
+        mixed_precision = MixedPrecision() if mixed_precision is None else mixed_precision
+        if not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"mixed_precision must be a fsdp_mpi.MixedPrecision, got {mixed_precision!r}")
         device = torch.device(device) if isinstance(device, (str, int)) else device
         check_module_can_be_sharded(module, device)
         comm = comm if isinstance(comm, Communicator) else Communicator(comm)
@@ -74,14 +81,16 @@ class FullyShardedDataParallel(nn.Module):
             check_same_model_on_all_ranks(module, comm)
             if sync_module_states:
                 _broadcast_module_states(module, comm)
+            if mixed_precision.buffer_dtype is not None:
+                _cast_floating_buffers(module, mixed_precision.buffer_dtype)
         if auto_wrap_policy is not None:
             def wrap_nested(child: nn.Module) -> FullyShardedDataParallel:
-                return FullyShardedDataParallel(child, comm=comm, sharding_strategy=sharding_strategy, **overlap,
-                                                _nested_in_wrap=True)
+                return FullyShardedDataParallel(child, comm=comm, sharding_strategy=sharding_strategy,
+                                                mixed_precision=mixed_precision, **overlap, _nested_in_wrap=True)
 
             apply_wrap_policy(module, auto_wrap_policy, wrap_nested, FullyShardedDataParallel)
         self.add_module(WRAPPED_MODULE, module)
-        self._unit = ShardedUnit(module, comm, sharding_strategy, overlap)
+        self._unit = ShardedUnit(module, comm, sharding_strategy, overlap, mixed_precision)
 
     def forward(self, *args, **kwargs):
         """Calls the wrapped module; its unit's hooks gather the parameters around the call."""
@@ -181,3 +190,11 @@ def _broadcast_module_states(module: nn.Module, comm: Communicator) -> None:
             for tensor in [*submodule._parameters.values(), *submodule._buffers.values()]:
                 if tensor is not None:
                     comm.broadcast_(tensor.data)
+
+
+def _cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """Casts every floating-point buffer in `module` (mixed precision's ``buffer_dtype``), once, in place."""
+    for submodule in module.modules():
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                submodule._buffers[name] = buffer.to(dtype)

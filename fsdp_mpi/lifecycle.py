@@ -17,6 +17,10 @@ wrapper, through its own ``__call__`` (a Hugging Face ``generate()``), nested or
 alone, with or without gradients. The outermost unit is the root; it owns the
 end-of-backward step and the recorded execution order for the whole tree.
 
+Under mixed precision (``mixed_precision.py``) the pre-hook also casts the
+forward's floating-point inputs to ``param_dtype``; gathering and reducing in
+other dtypes is the handles' business.
+
 Optional overlap (each off by default, see docs/design.md): ``forward_prefetch``
 starts gathering the next unit when a unit's forward starts, ``backward_prefetch``
 does the same in backward, and ``async_reduce_scatter`` lets a unit's gradient
@@ -33,6 +37,7 @@ from torch.autograd import Variable
 from fsdp_mpi.comm import Communicator
 from fsdp_mpi.execution_order import ExecutionOrder
 from fsdp_mpi.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
+from fsdp_mpi.mixed_precision import MixedPrecision, cast_floating_tensors
 from fsdp_mpi.strategy import ShardingStrategy
 
 # The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
@@ -66,15 +71,19 @@ class ShardedUnit:
         comm: the communicator whose ranks share the shards.
         sharding_strategy: ``FULL_SHARD`` or ``SHARD_GRAD_OP``.
         overlap: ``forward_prefetch``, ``backward_prefetch``, ``async_reduce_scatter`` flags.
+        mixed_precision: the dtypes to gather, compute and reduce in.
     """
 
-    def __init__(self, module: nn.Module, comm: Communicator, sharding_strategy: ShardingStrategy, overlap: dict):
+    def __init__(self, module: nn.Module, comm: Communicator, sharding_strategy: ShardingStrategy, overlap: dict,
+                 mixed_precision: MixedPrecision):
         self.module = module
         self.comm = comm
         self.sharding_strategy = sharding_strategy
         self.overlap = overlap
+        self.mixed_precision = mixed_precision
         unit_name = type(module).__name__
-        self.handles = [FlatParamHandle(group, comm, unit_name) for group in _group_unit_params(module)]
+        self.handles = [FlatParamHandle(group, comm, unit_name, mixed_precision.param_dtype,
+                                        mixed_precision.reduce_dtype) for group in _group_unit_params(module)]
         for handle in self.handles:
             if handle.requires_grad:
                 handle.full_flat.register_post_accumulate_grad_hook(
@@ -83,7 +92,7 @@ class ShardedUnit:
         # False inside no_sync(): gradients stay unsharded and accumulate until a backward with sync.
         self.requires_gradient_sync = True
         module.__dict__[UNIT_ATTRIBUTE] = self
-        module.register_forward_pre_hook(self._pre_forward, prepend=True)
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
         # This unit is the root until an outer unit is built around it; the root knows every unit below it.
@@ -100,13 +109,19 @@ class ShardedUnit:
 
     # ----------------------------------------------------------------- forward
 
-    def _pre_forward(self, _module, _args) -> None:
+    def _pre_forward(self, _module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state is TrainingState.BACKWARD:
             # Activation checkpointing re-runs a forward during backward: show the forward's views again.
             self._unshard()
             for handle in self.handles:
                 handle.use_full_views(fresh=False)
-            return
+        else:
+            self._gather_for_forward()
+        if self.mixed_precision.param_dtype is not None:
+            return cast_floating_tensors((args, kwargs), self.mixed_precision.param_dtype)
+        return None
+
+    def _gather_for_forward(self) -> None:
         if self.is_root:
             self._root_pre_forward()
         order = self.root._execution_order

@@ -40,52 +40,46 @@ def summon_full_params(module: nn.Module, writeback: bool = True):
     """Gathers every unit's full parameters for the duration of the block.
 
     Inside it, the wrapped modules' parameter attributes (``model.module.fc.weight``)
-    are the full tensors. With `writeback`, edits to them are kept: each rank
-    copies its own part back into its shard; without it, they are discarded
-    (also on one rank, where the full buffer is the shard itself). Every rank must
-    enter it together, outside forward and backward; it holds the whole model on every rank.
+    are full tensors in the parameters' own dtype (fp32 masters under mixed
+    precision), gathered into buffers of their own. With `writeback`, edits to
+    them are kept: each rank copies its own part back into its shard; without
+    it, they are discarded. Every rank must enter it together, outside forward
+    and backward; it holds the whole model on every rank.
     """
     units = [unit for _, unit in _units_by_prefix(module)]
     if any(unit.state is not TrainingState.IDLE for unit in units):
         raise RuntimeError("summon_full_params cannot be entered during forward or backward")
-    handles = [handle for unit in units for handle in unit.handles]
-    # On one rank the gathered buffer is the shard: keep a copy to restore.
-    restore = {id(h): h.shard.clone() for h in handles if h.aliases_shard and not writeback}
-    for handle in handles:
-        handle.unshard()
-        handle.use_full_views(detached=True)
+    gathered = [(handle, handle.gather_shard_dtype()) for unit in units for handle in unit.handles]
+    for handle, full in gathered:
+        handle.show(handle.split_full(full))
     try:
         yield module
     finally:
-        for handle in handles:
+        for handle, full in gathered:
             if writeback:
-                handle.write_back_shard()
-            elif id(handle) in restore:
-                handle.shard.copy_(restore[id(handle)])
-            handle.reshard()
+                handle.write_back_shard(full)
+            handle.use_sharded_views()
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on CPU, gathered one unit at a time to bound memory.
+    """The unsharded state dict on CPU, gathered one handle at a time to bound memory.
 
     Every rank must call it. With `rank0_only`, ranks other than 0 get ``{}``
-    and keep no copy. Tied parameters appear under each of their names, as in
-    ``nn.Module.state_dict()``.
+    and keep no copy. Parameters come from the shards, in their own dtype (fp32
+    masters under mixed precision). Tied parameters appear under each of their
+    names, as in ``nn.Module.state_dict()``.
     """
     units = _units_by_prefix(module)
     keep = not rank0_only or units[0][1].comm.rank == 0
     state: dict[str, torch.Tensor] = {}
     for prefix, unit in units:
-        already_gathered = [handle.is_unsharded for handle in unit.handles]
-        unit._unshard()
-        for handle, was_gathered in zip(unit.handles, already_gathered):
+        for handle in unit.handles:
+            full = handle.gather_shard_dtype()  # every rank takes part
             if keep:
-                for slot, full in handle.full_tensors():
-                    saved = full.detach().to("cpu", copy=True)
+                for slot, tensor in zip(handle.slots, handle.split_full(full)):
+                    saved = tensor.to("cpu", copy=True)
                     for use in slot.uses:
                         state[_join(prefix, use.name)] = saved
-            if not was_gathered:
-                handle.reshard()
     if keep:
         for name, buffer in _persistent_buffers(module):
             state[name] = buffer.detach().to("cpu", copy=True)

@@ -301,9 +301,9 @@ class BertForPreTraining(_BertPreTrainedModel):
         mlm_logits, nsp_logits = self.cls(hidden, pooled)
         loss = None
         if mlm_labels is not None and nsp_labels is not None:
-            mlm_loss = F.cross_entropy(mlm_logits.view(-1, mlm_logits.shape[-1]), mlm_labels.reshape(-1),
+            mlm_loss = F.cross_entropy(mlm_logits.view(-1, mlm_logits.shape[-1]).float(), mlm_labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX)
-            loss = mlm_loss + F.cross_entropy(nsp_logits, nsp_labels)
+            loss = mlm_loss + F.cross_entropy(nsp_logits.float(), nsp_labels)  # fp32 under mixed precision
         return mlm_logits, nsp_logits, loss
 
 
@@ -329,7 +329,7 @@ class BertForSequenceClassification(_BertPreTrainedModel):
         """Returns (logits (B, num_labels), cross-entropy against `labels` (B,) or None)."""
         _, pooled = self.bert(input_ids, token_type_ids, attention_mask)
         logits = self.classifier(self.dropout(pooled))
-        loss = None if labels is None else F.cross_entropy(logits, labels)
+        loss = None if labels is None else F.cross_entropy(logits.float(), labels)
         return logits, loss
 
 

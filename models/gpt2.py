@@ -238,7 +238,7 @@ class GPT2LMHeadModel(nn.Module):
         logits = self.lm_head(self.transformer(input_ids))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1))  # fp32 under mixed precision
         return logits, loss
 
 
@@ -262,7 +262,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, tem
         if top_k is not None:
             kth_largest = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
             logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-        next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
+        next_token = torch.multinomial(torch.softmax(logits.float(), dim=-1), num_samples=1, generator=generator)
         input_ids = torch.cat([input_ids, next_token], dim=1)
     model.train(was_training)
     return input_ids

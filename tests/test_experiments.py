@@ -192,7 +192,7 @@ def test_rows_have_every_column_and_values_that_agree_with_known_ones(results_di
             comm, compute = float(row["comm_time_s"]), float(row["compute_time_s"])
             assert 0 < comm < seconds and comm + compute == pytest.approx(seconds, abs=2e-4)
         else:
-            assert row["comm_time_s"] == row["compute_time_s"] == ""
+            assert row["comm_time_s"] == row["compute_time_s"] == row["comm_mb_per_step"] == ""
     # Initial logits spread by about 0.02 * sqrt(width) add half their variance (< 0.05) to a uniform guess.
     first, second = float(rows[0]["train_loss"]), float(rows[1]["train_loss"])
     assert CONTEXT_FREE_FLOOR[script] < first < UNIFORM_LOSS[script] + 0.05
@@ -246,6 +246,29 @@ def test_other_strategies_and_recomputed_activations_train_like_fsdp_mpi(results
 
 
 @needs_data
+@pytest.mark.parametrize("strategy,precision", [
+    ("fsdp-mpi", "bf16-mixed"), ("fsdp-mpi", "16-mixed"), ("ddp", "bf16-mixed"), ("ddp", "16-mixed"),
+    ("torch-fsdp", "bf16-mixed"), ("lightning-ddp", "bf16-mixed"),
+])
+def test_mixed_precision_trains_within_two_percent_of_fp32(results_dir, tmp_path, strategy, precision):
+    result = launch("run_gpt2.py", 2, *QUICK, "--strategy", strategy, "--precision", precision, "--out-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, reference = read_rows(tmp_path), read_rows(results_dir / "run_gpt2-fsdp-mpi")
+    assert [row["precision"] for row in rows] == [precision] * 2 and reference[0]["precision"] == "32"
+    assert float(rows[-1]["val_loss"]) == pytest.approx(float(reference[-1]["val_loss"]), rel=0.02)
+    if strategy == "fsdp-mpi":
+        # Bytes per step, from the parameter count P: the root unit (embeddings, final norm) is gathered once,
+        # each of the L blocks (12 C^2 + 13 C parameters) twice, and every gradient reduced once in fp32.
+        width, layers, _ = SHAPES["run_gpt2"]
+        parameters = int(rows[0]["parameters"])
+        blocks = layers * (12 * width**2 + 13 * width)
+        gathered = (parameters + blocks) * 2 + parameters * 4  # bf16 and fp16 gather 2 bytes per element
+        fp32 = (parameters + blocks) * 4 + parameters * 4
+        assert float(rows[0]["comm_mb_per_step"]) == pytest.approx(gathered / 2**20, abs=1e-4)
+        assert float(reference[0]["comm_mb_per_step"]) == pytest.approx(fp32 / 2**20, abs=1e-4)
+
+
+@needs_data
 def test_compare_makes_tables_and_plots(results_dir, tmp_path):
     csvs = sorted(str(p) for p in results_dir.glob("*/*.csv"))
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *csvs, "--out-dir", str(tmp_path)],
@@ -255,7 +278,7 @@ def test_compare_makes_tables_and_plots(results_dir, tmp_path):
         summary = list(csv.DictReader(f))
     assert {(r["experiment"], r["strategy"]) for r in summary} == {
         (e, s) for e in ("gpt2", "bert") for s in ("fsdp-mpi", "lightning-ddp")}
-    assert "| experiment | model | strategy | world_size |" in (tmp_path / "summary.md").read_text()
+    assert "| experiment | model | strategy | precision | world_size |" in (tmp_path / "summary.md").read_text()
     for name in ("epoch_time.png", "peak_memory.png", "loss_curves.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -276,6 +299,8 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--strategy", "lightning-fsdp"], "lightning-fsdp needs a GPU"),
     (["--seq-len", "4096"], "exceeds gpt2-tiny's context of 64"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--precision", "8"], "invalid choice: '8'"),
+    (["--strategy", "lightning-ddp", "--precision", "16-mixed"], "Lightning has no fp16 mixed precision on CPU"),
 ])
 def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):
     result = launch("run_gpt2.py", 2, *args, "--out-dir", tmp_path, timeout=120)

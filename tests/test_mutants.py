@@ -23,6 +23,7 @@ NO_SYNC = "tests/test_memory.py::test_no_sync_holds_full_gradients_until_the_syn
 COLLECTIVES = "tests/test_comm.py::test_collectives_on_several_ranks_for_every_dtype"
 NAMES = "tests/test_equivalence.py::test_wrapped_models_generate_and_show_original_names"
 STAGING_VARIABLE = "tests/test_comm.py::test_force_staging_variable_routes_collectives_through_host_buffers"
+MIXED = "tests/test_mixed_precision.py"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
@@ -31,13 +32,12 @@ MUTANTS = {
         "fsdp_mpi/state_dict.py", "handle.shard[start - shard_start:stop - shard_start].copy_(values)",
         "handle.shard[start:stop].copy_(values)", [STATE]),
     "summon never writes back": (
-        "fsdp_mpi/flat_param.py", "        if self.aliases_shard:\n            return\n        with torch.no_grad():\n"
-        "            self.shard.copy_(", "        return\n        with torch.no_grad():\n            self.shard.copy_(",
-        [STATE]),
+        "fsdp_mpi/flat_param.py", "self.shard.copy_(full[self.shard_offset:self.shard_offset + self.shard_numel])",
+        "pass", [STATE]),
     "bad state dict is loaded before the check": (
         "fsdp_mpi/state_dict.py", "    if problems:\n        raise", "    if False:\n        raise", [STATE]),
-    "summon without writeback keeps edits on one rank": (
-        "fsdp_mpi/state_dict.py", "if h.aliases_shard and not writeback}", "if False}", [STATE]),
+    "summon without writeback keeps edits": (
+        "fsdp_mpi/state_dict.py", "            if writeback:\n", "            if True:\n", [STATE]),
     "no broadcast of rank 0's weights": (
         "fsdp_mpi/fully_sharded.py", "if sync_module_states:", "if False:", [STATE]),
     "end of backward reduces nothing": (
@@ -86,6 +86,13 @@ MUTANTS = {
     "FSDP_MPI_FORCE_STAGING is ignored": (
         "fsdp_mpi/comm.py", "bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None", "False if force_staging is None",
         [STAGING_VARIABLE]),
+    "the loss scaler decides on each rank alone": (
+        "fsdp_mpi/grad_scaler.py", "self.comm.allreduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
+    "inputs stay fp32 under mixed precision": (
+        "fsdp_mpi/lifecycle.py", "if self.mixed_precision.param_dtype is not None:", "if False:", [EQUIVALENCE]),
+    "state dicts save the gathered bf16 copy": (
+        "fsdp_mpi/flat_param.py", "full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)",
+        "full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.shard.device)", [MIXED]),
     "freed host memory goes back to the kernel": (
         "fsdp_mpi/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if True:", [HOST_MEMORY]),
     "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (

@@ -19,7 +19,12 @@ on the CPU. Instead every step is checked where it starts, on the same parameter
    same gradients up to the rounding of a float32 sum of n terms (n u relative),
    and scales every gradient by the same factor.
 
-Each run is a model x optimizer x accumulation mode. Optimizers use parameter
+Mixed-precision runs (bf16) compare with one process applying the same policy: the
+same fp32 master parameters cast to bf16, inputs cast, the whole global batch. Every
+bound above then takes bf16's unit roundoff instead of float32's; the optimizer
+check is unchanged (masters and their gradients are float32).
+
+Each run is a model x optimizer x accumulation mode (x precision). Optimizers use parameter
 groups chosen by name (nanoGPT's recipe: no weight decay on biases and norms,
 and here a different learning rate per group).
 """
@@ -33,7 +38,8 @@ from common import (NestedMLP, ResidualBlock, bert_batch, gpt_batch, local_part,
                     write_json)
 from torch import nn
 
-from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, clip_grad_norm_, full_state_dict
+from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, clip_grad_norm_,
+                      full_state_dict)
 
 STEPS = 3
 U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
@@ -166,11 +172,17 @@ def reference_gradients(model: nn.Module, dtype) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------- one run
 
-def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communicator) -> dict:
+def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communicator,
+        param_dtype: torch.dtype | None = None) -> dict:
     torch.manual_seed(0)
     initial, wrap_classes, batch_fn, loss_fn = MODELS[model_kind]()
     reference, reference64 = copy.deepcopy(initial), copy.deepcopy(initial).double()
-    sharded = FullyShardedDataParallel(copy.deepcopy(initial), comm=comm, auto_wrap_policy=ModuleWrapPolicy(wrap_classes))
+    # One process with the same policy: computes in param_dtype from the same masters (fp32: `reference` itself).
+    same_policy = copy.deepcopy(initial).to(param_dtype) if param_dtype else reference
+    policy_dtype = param_dtype or torch.float32
+    u = torch.finfo(policy_dtype).eps / 2
+    sharded = FullyShardedDataParallel(copy.deepcopy(initial), comm=comm, auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
+                                       mixed_precision=MixedPrecision(param_dtype=param_dtype))
     optimizer = make_optimizer(optimizer_kind, sharded.named_parameters())
     reference_optimizer = make_optimizer(optimizer_kind, reference.named_parameters())
     micro_batches = 2 if accumulation != "none" else 1
@@ -194,17 +206,19 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
         ours = full_gradients(sharded)
 
         losses, grads = {}, {}
-        for name, model, dtype in (("fp32", reference, torch.float32), ("fp64", reference64, torch.float64)):
+        for name, model, dtype in (("policy", same_policy, policy_dtype), ("fp64", reference64, torch.float64)):
             model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in start.items()})
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model, *(t.to(dtype) if t.is_floating_point() else t for t in batch))
             loss.backward()
             losses[name], grads[name] = loss.item(), reference_gradients(model, torch.float64)
-        check = compare_gradients(ours, grads["fp32"], grads["fp64"], comm.world_size)
+        check = compare_gradients(ours, grads["policy"], grads["fp64"], comm.world_size, u)
         check["loss_error"] = abs(our_loss - losses["fp64"])
-        check["loss_bound"] = 4 * max(abs(losses["fp32"] - losses["fp64"]), 16 * U * abs(losses["fp64"]))
+        check["loss_bound"] = 4 * max(abs(losses["policy"] - losses["fp64"]), 16 * u * abs(losses["fp64"]))
 
         # The plain optimizer, fed our gradients at the same parameters, must land where ours does.
+        if same_policy is not reference:
+            reference.load_state_dict(start)
         for name, param in reference.named_parameters(remove_duplicate=False):
             if param.requires_grad:
                 param.grad = ours[name].clone()
@@ -221,7 +235,8 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
     return {"steps": checks}
 
 
-def compare_gradients(ours: dict, fp32: dict, fp64: dict, world_size: int) -> dict:
+def compare_gradients(ours: dict, fp32: dict, fp64: dict, world_size: int, u: float) -> dict:
+    """`fp32` is the one-process gradient under the same policy, `u` the unit roundoff of its compute dtype."""
     def norm(tensors):
         return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
 
@@ -230,12 +245,12 @@ def compare_gradients(ours: dict, fp32: dict, fp64: dict, world_size: int) -> di
     error32 = norm(fp32[n] - fp64[n] for n in names)
     result = {
         "grad_error": norm(ours[n].double() - fp64[n] for n in names),
-        "grad_bound": 4 * error32 + world_size * 2 * U * norm(fp64[n] for n in names),
+        "grad_bound": 4 * error32 + world_size * 2 * u * norm(fp64[n] for n in names),
         "worst_tensor": None, "worst_tensor_ratio": 0.0,
     }
     for n in names:
         error = norm([ours[n].double() - fp64[n]])
-        bound = (4 * norm([fp32[n] - fp64[n]]) + world_size * 2 * U * norm([fp64[n]])
+        bound = (4 * norm([fp32[n] - fp64[n]]) + world_size * 2 * u * norm([fp64[n]])
                  + 4 * error32 * math.sqrt(fp64[n].numel() / numel))
         if bound == 0.0 or error / bound > result["worst_tensor_ratio"]:
             result["worst_tensor"], result["worst_tensor_ratio"] = n, (error / bound if bound else math.inf)
@@ -278,8 +293,11 @@ def compare_parameters(our_state: dict, reference, start: dict, reference_optimi
 
 if __name__ == "__main__":
     comm = Communicator()
-    runs = [(m, o, "none") for m in MODELS for o in ("sgd", "adamw")]
-    runs += [("gpt2", "adamw", "sharded"), ("gpt2", "adamw", "no_sync"), ("hf_gpt2", "sgd", "no_sync")]
+    runs = [(m, o, "none", None) for m in MODELS for o in ("sgd", "adamw")]
+    runs += [("gpt2", "adamw", "sharded", None), ("gpt2", "adamw", "no_sync", None), ("hf_gpt2", "sgd", "no_sync", None)]
+    runs += [("mlp", "sgd", "none", "bf16"), ("gpt2", "adamw", "sharded", "bf16"), ("bert", "sgd", "none", "bf16"),
+             ("torch_encoder", "adamw", "none", "bf16"), ("hf_gpt2", "adamw", "none", "bf16")]
     selected = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    results = {f"{m}/{o}/{a}": run(m, o, a, comm) for m, o, a in runs if selected is None or m in selected}
+    results = {"/".join(filter(None, (m, o, a, p))): run(m, o, a, comm, p and torch.bfloat16)
+               for m, o, a, p in runs if selected is None or m in selected}
     write_json(output_path(), results)
