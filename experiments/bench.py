@@ -12,6 +12,10 @@ not started; its row gives the computed requirement instead.
 
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
+A ``:PRECISION`` suffix (``fsdp-mpi:bf16-mixed``, ``ddp:bf16-mixed``) picks the
+experiments' ``--precision``; ``comm_mb_per_step`` is what fsdp-mpi's collectives
+moved per step on one rank. For comparisons on a noisy machine, run bench.py
+several times and compare the rows of each round (A B A B ...), not single runs.
 ``--tune-malloc-for-all`` gives every strategy the glibc setting fsdp-mpi uses on
 CPU (see fsdp_mpi/host_memory.py), to separate that effect from sharding.
 """
@@ -27,10 +31,12 @@ from pathlib import Path
 
 from models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
 
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precision
+
 REPLICATED = ("plain", "ddp", "lightning-ddp")
 BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
-FIELDS = ["strategy", "ranks", "step_s", "vs_fsdp_mpi", "tokens_per_s", "tflops", "mfu", "model_state_mb",
-          "peak_rss_mb", "mpi_blocked_s", "compute_s", "overhead_s", "note"]
+FIELDS = ["strategy", "precision", "ranks", "step_s", "vs_fsdp_mpi", "tokens_per_s", "tflops", "mfu", "model_state_mb",
+          "peak_rss_mb", "mpi_blocked_s", "compute_s", "overhead_s", "comm_mb_per_step", "note"]
 
 
 def available_memory_bytes() -> int:
@@ -45,11 +51,13 @@ MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 def run_one(spec: str, ranks: int, args) -> dict:
     """Launches bench_worker.py for one strategy; its JSON, or a row explaining why there is none."""
+    spec, _, precision = spec.partition(":")
+    precision = precision or "32"
     strategy, *overlap = spec.split("+")
     parameters = parameter_count(args)
     needed = ranks * BYTES_PER_PARAMETER * parameters if strategy in REPLICATED else 0
     if needed > available_memory_bytes():
-        return {"strategy": spec, "ranks": ranks,
+        return {"strategy": spec, "precision": precision, "ranks": ranks,
                 "note": f"not run: model state needs {needed / 2**30:.1f} GiB "
                         f"({ranks} x 16 B x {parameters:,}), {available_memory_bytes() / 2**30:.1f} GiB available"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,7 +67,7 @@ def run_one(spec: str, ranks: int, args) -> dict:
                    str(Path(__file__).parent / "bench_worker.py"), "--strategy", strategy, "--json", str(output),
                    "--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--threads", str(args.threads), "--overlap", "+".join(overlap)]
+                   "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         if args.tune_malloc_for_all:
             env["GLIBC_TUNABLES"] = MALLOC_REUSE
@@ -67,7 +75,7 @@ def run_one(spec: str, ranks: int, args) -> dict:
         finished = subprocess.run(command, env=env, capture_output=True, text=True)
         if finished.returncode != 0 or not output.exists():
             last_line = (finished.stderr.strip().splitlines() or ["no output"])[-1]
-            return {"strategy": spec, "ranks": ranks, "note": f"failed (exit {finished.returncode}): {last_line}"}
+            return {"strategy": spec, "precision": precision, "ranks": ranks, "note": f"failed (exit {finished.returncode}): {last_line}"}
         return json.loads(output.read_text())
 
 
@@ -81,13 +89,14 @@ def parameter_count(args) -> int:
 
 def table(rows: list[dict]) -> list[dict]:
     """Adds the ratios to fsdp-mpi on N ranks and splits its step into compute, MPI and overhead."""
-    by_key = {(r["strategy"], r["ranks"]): r for r in rows}
-    ours = max((r for r in rows if r["strategy"] == "fsdp-mpi" and "step_s" in r), key=lambda r: r["ranks"], default=None)
-    plain = by_key.get(("plain", 1), {})
+    by_key = {(r["strategy"], r.get("precision"), r["ranks"]): r for r in rows}
+    ours = max((r for r in rows if r["strategy"] == "fsdp-mpi" and r.get("precision") == "32" and "step_s" in r),
+               key=lambda r: r["ranks"], default=None)
     for row in rows:
         if ours and "step_s" in row:
             row["vs_fsdp_mpi"] = row["step_s"] / ours["step_s"]
-        # every fsdp-mpi variant's step splits into plain compute, time blocked in MPI and the rest
+        # every fsdp-mpi variant's step splits into plain compute (same precision), time blocked in MPI and the rest
+        plain = by_key.get(("plain", row.get("precision"), 1), {})
         if row["strategy"].startswith("fsdp-mpi") and "step_s" in row and "step_s" in plain:
             row["compute_s"] = plain["step_s"]  # the same per-rank work, without sharding
             row["overhead_s"] = row["step_s"] - plain["step_s"] - row["mpi_blocked_s"]
@@ -127,10 +136,12 @@ def main() -> int:
     plan = []
     for item in args.strategies.split(","):
         name, _, ranks = item.strip().partition("@")
-        base, *overlap = name.split("+")
+        base, *overlap = name.partition(":")[0].split("+")
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") or not set(overlap) <= set(OVERLAP) \
                 or (overlap and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")
+        if name.partition(":")[2] not in ("", *PRECISIONS):
+            parser.error(f"{item!r}: the precision after : must be one of {', '.join(PRECISIONS)}")
         if ranks and not ranks.isdigit():
             parser.error(f"{item!r}: the rank count after @ must be a number")
         plan.append((name, 1 if name == "plain" else int(ranks or args.ranks)))

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader, Dataset
 
 from results import measured_peak_flops, model_state_bytes, peak_rss_mb
-from strategies import prepare
+from strategies import PRECISIONS, Prepared, prepare
 
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
@@ -30,6 +30,7 @@ def arguments():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--overlap", default="", help="fsdp-mpi options to switch on, '+'-separated")
+    parser.add_argument("--precision", default="32", choices=list(PRECISIONS))
     parser.add_argument("--json", required=True)
     return parser.parse_args()
 
@@ -40,21 +41,24 @@ def synthetic_batch(args, rank: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def timed_steps(model, optimizer, batch, args, comm, comm_seconds):
-    """Per step: (slowest rank's step time, this rank's time blocked in MPI)."""
-    times, blocked = [], []
+def timed_steps(prepared: Prepared, optimizer, batch, args, comm):
+    """Per step: (slowest rank's step time, this rank's time blocked in MPI, its bytes moved by collectives)."""
+    times, blocked, moved = [], [], []
     inputs, targets = batch
     for _ in range(args.warmup + args.steps):
         comm.Barrier()
-        mpi_before, start = comm_seconds(), time.perf_counter()
-        _, loss = model(inputs, targets)
-        loss.backward()
-        optimizer.step()
+        mpi_before, bytes_before, start = prepared.comm_seconds(), prepared.comm_bytes(), time.perf_counter()
+        with prepared.autocast():
+            _, loss = prepared.model(inputs, targets)
+        prepared.scaler.scale(loss).backward()
+        prepared.scaler.step(optimizer)
+        prepared.scaler.update()
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         times.append(max(comm.allgather(seconds)))
-        blocked.append(comm_seconds() - mpi_before)
-    return times[args.warmup:], blocked[args.warmup:]
+        blocked.append(prepared.comm_seconds() - mpi_before)
+        moved.append(prepared.comm_bytes() - bytes_before)
+    return times[args.warmup:], blocked[args.warmup:], moved[args.warmup:]
 
 
 def lightning_steps(model, batch, args, comm):
@@ -97,7 +101,7 @@ def lightning_steps(model, batch, args, comm):
 
     timer = StepTimer()
     module = Steps()
-    trainer = L.Trainer(accelerator="cpu", devices=comm.Get_size(), num_nodes=1, max_epochs=1,
+    trainer = L.Trainer(accelerator="cpu", devices=comm.Get_size(), num_nodes=1, max_epochs=1, precision=args.precision,
                         strategy=DDPStrategy(cluster_environment=MPIEnvironment(), process_group_backend="gloo"),
                         logger=False, enable_checkpointing=False, enable_model_summary=False,
                         enable_progress_bar=False, use_distributed_sampler=False, callbacks=[timer])
@@ -116,18 +120,21 @@ def main() -> None:
     flops_per_token = model.training_flops_per_token(args.seq_len)
     parameters = model.num_parameters()
     batch = synthetic_batch(args, comm.Get_rank())
-    blocked = [float("nan")]
+    blocked, moved = [float("nan")], [0]
     if args.strategy == "lightning-ddp":
         times, optimizer, measured = lightning_steps(model, batch, args, comm)
     else:
         if args.strategy == "plain":
-            measured, comm_seconds = model, lambda: 0.0
+            prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False,
+                                scaler=torch.amp.GradScaler("cpu", enabled=args.precision == "16-mixed"),
+                                autocast=lambda: torch.autocast("cpu", dtype=PRECISIONS[args.precision],
+                                                                enabled=args.precision != "32"))
         else:
             options = {name: True for name in args.overlap.split("+") if name}
-            prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, **options)
-            measured, comm_seconds = prepared.model, prepared.comm_seconds
+            prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, args.precision, **options)
+        measured = prepared.model
         optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
-        times, blocked = timed_steps(measured, optimizer, batch, args, comm, comm_seconds)
+        times, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm)
     state_bytes = max(comm.allgather(model_state_bytes(measured, optimizer)))
     rss = max(comm.allgather(peak_rss_mb()))
     blocked_median = statistics.median(comm.allgather(statistics.median(blocked)))
@@ -136,11 +143,13 @@ def main() -> None:
         tokens_per_s = args.batch_size * args.seq_len * comm.Get_size() / step
         with open(args.json, "w") as f:
             json.dump({
-                "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]), "ranks": comm.Get_size(), "parameters": parameters,
+                "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]),
+                "precision": args.precision, "ranks": comm.Get_size(), "parameters": parameters,
                 "step_s": step, "step_times_s": times, "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,
                 "mfu": tokens_per_s * flops_per_token / (peak_flops * comm.Get_size()),
                 "peak_rss_mb": rss, "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
+                "comm_mb_per_step": statistics.median(moved) / 2**20,
             }, f)
 
 

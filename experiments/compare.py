@@ -1,4 +1,4 @@
-"""Tables and plots from experiment CSVs: one line per experiment, model, strategy and world size.
+"""Tables and plots from experiment CSVs: one line per experiment, model, strategy, precision and world size.
 
     python experiments/compare.py results/*.csv [--out-dir results/report]
 
@@ -15,7 +15,7 @@ import pandas as pd
 
 from results import COLUMNS
 
-GROUP = ["experiment", "model", "strategy", "world_size"]
+GROUP = ["experiment", "model", "strategy", "precision", "world_size"]
 
 
 class CompareError(Exception):
@@ -55,15 +55,16 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
             **dict(zip(GROUP, key)), "runs": group["run_id"].nunique(), "parameters": int(group["parameters"].iloc[0]),
             "epoch_time_s": steady["epoch_time_s"].mean(), "samples_per_s": steady["samples_per_s"].mean(),
             "tflops": steady["tflops"].mean(), "mfu": steady["mfu"].mean(),
+            "comm_mb_per_step": steady["comm_mb_per_step"].mean(),
             "peak_memory_mb": group["peak_memory_mb"].max(), "model_state_mb": group["model_state_mb"].max(),
             "final_train_loss": last["train_loss"].mean(), "final_val_loss": last["val_loss"].mean(),
             "val_perplexity": last["val_perplexity"].mean(), "val_mlm_accuracy": last["val_mlm_accuracy"].mean(),
             "val_nsp_accuracy": last["val_nsp_accuracy"].mean(),
         })
     table = pd.DataFrame(lines)
-    one_rank = table[table["world_size"] == 1].set_index(["experiment", "model", "strategy"])["samples_per_s"]
+    one_rank = table[table["world_size"] == 1].set_index(GROUP[:-1])["samples_per_s"]
     table["speedup_vs_1_rank"] = [
-        row.samples_per_s / one_rank.get((row.experiment, row.model, row.strategy), float("nan"))
+        row.samples_per_s / one_rank.get((row.experiment, row.model, row.strategy, row.precision), float("nan"))
         for row in table.itertuples()
     ]
     return table.dropna(axis=1, how="all")
@@ -90,7 +91,7 @@ def plot(rows: pd.DataFrame, table: pd.DataFrame, out_dir: Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     written = []
-    labels = [f"{r.experiment}/{r.model}\n{r.strategy} n={r.world_size}" for r in table.itertuples()]
+    labels = [f"{r.experiment}/{r.model}\n{r.strategy} {r.precision} n={r.world_size}" for r in table.itertuples()]
     for column, title, file_name in (("epoch_time_s", "Mean epoch time (s)", "epoch_time.png"),
                                      ("peak_memory_mb", "Peak memory per rank (MB)", "peak_memory.png")):
         figure, axis = plt.subplots(figsize=(max(6, 1.1 * len(table)), 4.5))
@@ -106,7 +107,7 @@ def plot(rows: pd.DataFrame, table: pd.DataFrame, out_dir: Path) -> list[Path]:
     for axis, experiment in zip(axes[0], experiments):
         for run_id, run in rows[rows["experiment"] == experiment].groupby("run_id"):
             run = run.sort_values("epoch")
-            label = f"{run['strategy'].iloc[0]} n={run['world_size'].iloc[0]}"
+            label = f"{run['strategy'].iloc[0]} {run['precision'].iloc[0]} n={run['world_size'].iloc[0]}"
             line, = axis.plot(run["epoch"], run["train_loss"], marker="o", label=f"{label} train")
             axis.plot(run["epoch"], run["val_loss"], marker="x", linestyle="--", color=line.get_color(),
                       label=f"{label} val")

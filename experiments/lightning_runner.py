@@ -3,7 +3,8 @@
 mpiexec starts the processes; Lightning's ``MPIEnvironment`` reads rank and
 world size from MPI and sets up torch.distributed (gloo on CPU, nccl on GPU).
 Lightning accumulates gradients itself (``accumulate_grad_batches``), clips them
-(``gradient_clip_val``) and steps the shared schedule after each optimizer step.
+(``gradient_clip_val``), applies ``--precision`` (its own names: autocast, with a
+loss scaler for 16-mixed) and steps the shared schedule after each optimizer step.
 """
 
 import time
@@ -88,7 +89,8 @@ class _EpochRecorder(L.Callback):
         module.comm.Barrier()
         seconds = time.perf_counter() - self.start
         train_loss = module.comm.allreduce(module.loss_sum, op=MPI.SUM) / module.samples
-        val = evaluate(module.task, module.model, module.args, module.comm, self.device)
+        val = evaluate(module.task, module.model, module.args, module.comm, self.device,
+                       trainer.precision_plugin.forward_context)
         if module.comm.Get_rank() == 0:
             print(f"epoch {trainer.current_epoch}: train loss {train_loss:.4f}, "
                   + ", ".join(f"{k} {v}" for k, v in val.items()) + f", {seconds:.1f} s", flush=True)
@@ -125,7 +127,7 @@ def train_with_lightning(task, args, comm: MPI.Comm, device: torch.device, exper
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=processes_per_node,
         num_nodes=comm.Get_size() // processes_per_node, strategy=strategy, max_epochs=args.epochs,
-        accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.clip_norm or None,
+        precision=args.precision, accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.clip_norm or None,
         gradient_clip_algorithm="norm", limit_val_batches=0, num_sanity_val_steps=0,
         reload_dataloaders_every_n_epochs=1, use_distributed_sampler=False, logger=False,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not args.no_progress,

@@ -49,10 +49,10 @@ class BertTask:
     def sample_losses(self, model, batch):
         """Per sample: mean masked-LM loss over its predicted tokens plus its NSP loss."""
         mlm_logits, nsp_logits, mlm_labels, nsp_labels = self._forward(model, batch)
-        token_losses = F.cross_entropy(mlm_logits.flatten(0, 1), mlm_labels.flatten(), reduction="none",
+        token_losses = F.cross_entropy(mlm_logits.flatten(0, 1).float(), mlm_labels.flatten(), reduction="none",
                                        ignore_index=IGNORE_INDEX).view(mlm_labels.shape)
         predicted = (mlm_labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
-        return token_losses.sum(dim=1) / predicted + F.cross_entropy(nsp_logits, nsp_labels, reduction="none")
+        return token_losses.sum(dim=1) / predicted + F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="none")
 
     def eval_sums(self, model, batch) -> dict:
         mlm_logits, nsp_logits, mlm_labels, nsp_labels = self._forward(model, batch)

@@ -43,7 +43,7 @@ class GPT2Task:
     def sample_losses(self, model, batch):
         inputs, targets = batch
         logits, _ = model(inputs)  # (B, T, vocab)
-        token_losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        token_losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
         return token_losses.view(targets.shape).mean(dim=1)  # (B,)
 
     def eval_sums(self, model, batch) -> dict:

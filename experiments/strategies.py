@@ -3,11 +3,18 @@
 ``fsdp-mpi`` is ours. ``ddp`` and ``torch-fsdp`` (torch FSDP2's ``fully_shard``)
 use torch.distributed, initialised from the MPI ranks that mpiexec started:
 gloo on CPU, nccl on GPU. The Lightning strategies live in ``lightning_runner``.
+
+``--precision`` (Lightning's names) maps onto each strategy's own mechanism:
+``bf16-mixed`` and ``16-mixed`` gather and compute in 16 bits over fp32 masters
+with gradients reduced in fp32 (fsdp-mpi's ``MixedPrecision``, FSDP2's
+``MixedPrecisionPolicy``), or run forward under ``torch.autocast`` (DDP, which
+keeps fp32 weights). ``16-mixed`` adds loss scaling: fsdp-mpi's
+``ShardedGradScaler``, torch's ``GradScaler`` for DDP and FSDP2.
 """
 
 import os
 import socket
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -16,10 +23,12 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, clip_grad_norm_
+from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, ShardedGradScaler,
+                      clip_grad_norm_)
 
 STRATEGIES = ("fsdp-mpi", "ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
 TORCH_DISTRIBUTED = ("ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
+PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # --precision -> compute dtype
 
 
 @dataclass
@@ -31,6 +40,9 @@ class Prepared:
     clip_grad_norm: Callable[[float], torch.Tensor]  # scales all gradients to a total norm of at most max_norm
     no_sync: Callable[[], AbstractContextManager]  # a backward in it keeps gradients for a later one to reduce
     shards_gradients: bool  # whether reduced gradients are sharded (1/N of them per rank)
+    scaler: object  # scale(loss), unscale_(optimizer), step(optimizer), update(); a pass-through unless 16-mixed
+    autocast: Callable[[], AbstractContextManager] = nullcontext  # around forward passes (DDP's mixed precision)
+    comm_bytes: Callable[[], int] = lambda: 0  # bytes moved by collectives so far (0 if unknown)
 
 
 def local_rank(comm: MPI.Comm) -> int:
@@ -58,34 +70,43 @@ def init_torch_distributed(comm: MPI.Comm, device: torch.device) -> None:
 
 
 def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: MPI.Comm,
-            **fsdp_options) -> Prepared:
-    """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones).
+            precision: str = "32", **fsdp_options) -> Prepared:
+    """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones) at `precision`.
 
     `fsdp_options` go to fsdp-mpi's FullyShardedDataParallel (e.g. forward_prefetch=True).
     """
     model.to(device)
+    dtype = PRECISIONS[precision]
+    scaling = precision == "16-mixed"
     if strategy == "fsdp-mpi":
         communicator = Communicator(comm)
         sharded = FullyShardedDataParallel(model, comm=communicator, auto_wrap_policy=ModuleWrapPolicy({block_class}),
-                                           **fsdp_options)
+                                           mixed_precision=MixedPrecision(param_dtype=dtype), **fsdp_options)
         return Prepared(sharded, lambda: communicator.seconds_in_mpi,
-                        lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True)
+                        lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True,
+                        scaler=ShardedGradScaler(communicator, enabled=scaling),
+                        comm_bytes=lambda: sum(communicator.bytes_moved.values()))
     init_torch_distributed(comm, device)
     clip_torch = partial(_clip_grad_norm_torch, model)
+    torch_scaler = torch.amp.GradScaler(device.type, enabled=scaling)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [device.index] if device.type == "cuda" else None
         replicated = DistributedDataParallel(model, device_ids=device_ids)
-        return Prepared(replicated, _unknown_comm_seconds, clip_torch, replicated.no_sync, shards_gradients=False)
+        autocast = partial(torch.autocast, device.type, dtype=dtype, enabled=dtype is not None)
+        return Prepared(replicated, _unknown_comm_seconds, clip_torch, replicated.no_sync, shards_gradients=False,
+                        scaler=torch_scaler, autocast=autocast)
     if strategy == "torch-fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for module in model.modules():
             if isinstance(module, block_class):
-                fully_shard(module)
-        fully_shard(model)
-        return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True)
+                fully_shard(module, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True,
+                        scaler=torch_scaler)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 

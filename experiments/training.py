@@ -25,7 +25,7 @@ from data import DataError
 from recipe import optimizer_and_schedule
 from results import CsvWriter, git_commit, measured_peak_flops, model_state_bytes, peak_rss_mb
 from sampling import global_batch_size, rank_batches, steps_per_epoch
-from strategies import STRATEGIES, full_state_dict_on_rank0, local_rank, prepare
+from strategies import PRECISIONS, STRATEGIES, full_state_dict_on_rank0, local_rank, prepare
 
 from fsdp_mpi import abort_job_on_uncaught_exception
 from models.checkpoint import CheckpointError
@@ -47,6 +47,8 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add("--accum-no-sync", action="store_true",
         help="reduce gradients only on an optimizer step's last micro-batch (sharded strategies otherwise reduce each)")
     add("--seq-len", type=int, default=defaults["seq_len"])
+    add("--precision", default="32", choices=list(PRECISIONS),
+        help="32, or 16-bit compute over fp32 weights: bf16-mixed, 16-mixed (fp16, loss scaling) (default: %(default)s)")
     add("--lr", type=float, default=defaults["lr"], help="peak learning rate (default: %(default)s)")
     add("--warmup-steps", type=int, default=None,
         help="optimizer steps of linear warm-up (default: a tenth of the run's steps)")
@@ -95,6 +97,9 @@ def _set_up(task_type, args, comm: MPI.Comm):
         if args.strategy == "lightning-fsdp" and device.type != "cuda":
             raise UsageError("lightning-fsdp needs a GPU (Lightning's FSDP does not run on CPU); "
                              "use fsdp-mpi, torch-fsdp or lightning-ddp here")
+        if args.strategy.startswith("lightning") and args.precision == "16-mixed" and device.type != "cuda":
+            raise UsageError("Lightning has no fp16 mixed precision on CPU (it would train in bf16-mixed "
+                             "instead); use --precision bf16-mixed here")
         return task_type(args, comm), device, None
     except (DataError, UsageError, CheckpointError, ValueError) as failure:
         return None, None, str(failure)
@@ -143,7 +148,7 @@ class RunRecorder:
         self.fixed = {
             "run_id": self.run_id, "experiment": experiment, "strategy": args.strategy, "model": task.model_name,
             "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": args.threads,
-            "device": device.type, "dtype": "float32", "global_batch": args.batch_size * world * args.grad_accum,
+            "device": device.type, "precision": args.precision, "global_batch": args.batch_size * world * args.grad_accum,
             "grad_accum": args.grad_accum, "seq_len": task.seq_len, "git_commit": git_commit(),
         }
         self.writer = None
@@ -151,7 +156,7 @@ class RunRecorder:
             self.writer = CsvWriter(Path(args.out_dir) / f"{self.run_id}.csv")
 
     def add_epoch(self, epoch: int, steps: int, samples: int, seconds: float, train_loss: float, val: dict,
-                  state_bytes: int, comm_seconds: float, device: torch.device) -> None:
+                  state_bytes: int, comm_seconds: float, device: torch.device, comm_mb_per_step: float = 0.0) -> None:
         peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         per_rank = self.comm.allgather([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20, comm_seconds])
         maxima = [max(column) for column in zip(*per_rank)]  # the busiest rank
@@ -165,6 +170,7 @@ class RunRecorder:
             "peak_memory_mb": round(maxima[2] if device.type == "cuda" else maxima[0], 1),
             "peak_rss_mb": round(maxima[0], 1), "model_state_mb": round(maxima[1], 3),
             "comm_time_s": "" if math.isnan(maxima[3]) else round(maxima[3], 4),
+            "comm_mb_per_step": round(comm_mb_per_step, 4) if comm_mb_per_step else "",
             "compute_time_s": "" if math.isnan(maxima[3]) else round(seconds - maxima[3], 4),
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
@@ -224,13 +230,14 @@ def total_optimizer_steps(num_samples: int, args, world: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(task, model, args, comm: MPI.Comm, device: torch.device) -> dict:
-    """The validation columns, from `--val-steps` batches per rank (the same ones every epoch)."""
+def evaluate(task, model, args, comm: MPI.Comm, device: torch.device, autocast=nullcontext) -> dict:
+    """The validation columns, from `--val-steps` batches per rank (the same ones every epoch), under `autocast`."""
     model.eval()
     totals: dict[str, float] = {}
     batches = argparse.Namespace(batch_size=args.batch_size, grad_accum=1, steps_per_epoch=args.val_steps)
     for (micro,) in epoch_steps(len(task.val), batches, comm, epoch=0, seed=args.seed + 1):
-        sums = task.eval_sums(model, to_device(task.val.batch(micro.indices, 0), device))
+        with autocast():
+            sums = task.eval_sums(model, to_device(task.val.batch(micro.indices, 0), device))
         for key, value in sums.items():
             totals[key] = totals.get(key, 0.0) + (value if micro.weight else 0.0)
     model.train()
@@ -245,18 +252,22 @@ def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], 
 
     Gradients are reduced on the last micro-batch, and on every one under a sharded
     strategy (which keeps gradient memory at 1/N) unless --accum-no-sync says otherwise.
-    Returns this rank's loss sum and its last micro-batch's per-sample losses.
+    Under 16-mixed the loss is scaled, and a step whose gradients overflowed is skipped
+    on every rank. Returns this rank's loss sum and its last micro-batch's per-sample losses.
     """
-    loss_sum, losses = 0.0, None
+    loss_sum, losses, scaler = 0.0, None, prepared.scaler
     for position, micro in enumerate(step):
         defer_sync = position < len(step) - 1 and (args.accum_no_sync or not prepared.shards_gradients)
         with prepared.no_sync() if defer_sync else nullcontext():
-            losses = task.sample_losses(prepared.model, to_device(task.train.batch(micro.indices, epoch), device))
-            (losses.sum() * micro.weight).backward()
+            with prepared.autocast():
+                losses = task.sample_losses(prepared.model, to_device(task.train.batch(micro.indices, epoch), device))
+            scaler.scale(losses.sum() * micro.weight).backward()
         loss_sum += losses.sum().item() if micro.weight else 0.0
     if args.clip_norm:
+        scaler.unscale_(optimizer)
         prepared.clip_grad_norm(args.clip_norm)
-    optimizer.step()
+    scaler.step(optimizer)
+    scaler.update()
     schedule.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, losses
@@ -268,7 +279,7 @@ def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str) -> 
 
     model = build_model(task, args, comm)
     recorder = RunRecorder(task, args, comm, device, experiment, model)
-    prepared = prepare(args.strategy, model, task.block_class, device, comm)
+    prepared = prepare(args.strategy, model, task.block_class, device, comm, args.precision)
     optimizer, schedule = optimizer_and_schedule(prepared.model, args,
                                                  total_optimizer_steps(len(task.train), args, comm.Get_size()))
     for epoch in range(args.epochs):
@@ -277,7 +288,7 @@ def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str) -> 
                         file=sys.stdout, dynamic_ncols=True)
         loss_sum, samples = 0.0, 0
         comm.Barrier()
-        comm_before, start = prepared.comm_seconds(), time.perf_counter()
+        comm_before, bytes_before, start = prepared.comm_seconds(), prepared.comm_bytes(), time.perf_counter()
         for step in progress:
             step_loss, losses = optimizer_step(task, prepared, optimizer, schedule, step, args, epoch, device)
             loss_sum += step_loss
@@ -289,13 +300,14 @@ def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str) -> 
         comm.Barrier()
         seconds = time.perf_counter() - start
         comm_seconds = prepared.comm_seconds() - comm_before
+        comm_mb_per_step = (prepared.comm_bytes() - bytes_before) / len(steps) / 2**20
         train_loss = comm.allreduce(loss_sum, op=MPI.SUM) / samples
-        val = evaluate(task, prepared.model, args, comm, device)
+        val = evaluate(task, prepared.model, args, comm, device, prepared.autocast)
         if comm.Get_rank() == 0:
             print(f"epoch {epoch}: train loss {train_loss:.4f}, " + ", ".join(f"{k} {v}" for k, v in val.items())
                   + f", {seconds:.1f} s", flush=True)
         recorder.add_epoch(epoch, len(steps), samples, seconds, train_loss, val,
-                           model_state_bytes(prepared.model, optimizer), comm_seconds, device)
+                           model_state_bytes(prepared.model, optimizer), comm_seconds, device, comm_mb_per_step)
     if args.save_dir:
         save_trained(task, full_state_dict_on_rank0(args.strategy, prepared.model, comm), Path(args.save_dir))
     return recorder.finish()
