@@ -14,7 +14,7 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader, Dataset
 
 from results import measured_peak_flops, model_state_bytes, peak_rss_mb
-from strategies import PRECISIONS, Prepared, prepare
+from strategies import PRECISIONS, Prepared, prepare, torch_amp
 
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
@@ -125,10 +125,9 @@ def main() -> None:
         times, optimizer, measured = lightning_steps(model, batch, args, comm)
     else:
         if args.strategy == "plain":
-            prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False,
-                                scaler=torch.amp.GradScaler("cpu", enabled=args.precision == "16-mixed"),
-                                autocast=lambda: torch.autocast("cpu", dtype=PRECISIONS[args.precision],
-                                                                enabled=args.precision != "32"))
+            autocast, scaler = torch_amp("cpu", args.precision)
+            prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
+                                autocast=autocast)
         else:
             options = {name: True for name in args.overlap.split("+") if name}
             prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, args.precision, **options)

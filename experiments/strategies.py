@@ -88,13 +88,12 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
                         comm_bytes=lambda: sum(communicator.bytes_moved.values()))
     init_torch_distributed(comm, device)
     clip_torch = partial(_clip_grad_norm_torch, model)
-    torch_scaler = torch.amp.GradScaler(device.type, enabled=scaling)
+    autocast, torch_scaler = torch_amp(device.type, precision)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [device.index] if device.type == "cuda" else None
         replicated = DistributedDataParallel(model, device_ids=device_ids)
-        autocast = partial(torch.autocast, device.type, dtype=dtype, enabled=dtype is not None)
         return Prepared(replicated, _unknown_comm_seconds, clip_torch, replicated.no_sync, shards_gradients=False,
                         scaler=torch_scaler, autocast=autocast)
     if strategy == "torch-fsdp":
@@ -108,6 +107,13 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
         return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True,
                         scaler=torch_scaler)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def torch_amp(device_type: str, precision: str):
+    """torch's own mixed precision for `precision`: (an autocast context factory, a GradScaler)."""
+    dtype = PRECISIONS[precision]
+    autocast = partial(torch.autocast, device_type, dtype=dtype, enabled=dtype is not None)
+    return autocast, torch.amp.GradScaler(device_type, enabled=precision == "16-mixed")
 
 
 def _unknown_comm_seconds() -> float:

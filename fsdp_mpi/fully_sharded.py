@@ -193,7 +193,7 @@ def _broadcast_module_states(module: nn.Module, comm: Communicator) -> None:
 
 
 def _cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:
-    """Casts every floating-point buffer in `module` (mixed precision's ``buffer_dtype``), once, in place."""
+    """Replaces each floating-point buffer in `module` by a copy in `dtype` (``buffer_dtype``), once."""
     for submodule in module.modules():
         for name, buffer in submodule._buffers.items():
             if buffer is not None and buffer.is_floating_point():
