@@ -4,25 +4,29 @@
     optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
 
 Read in this order: comm -> flat_param -> mixed_precision -> lifecycle -> state_dict -> clip -> grad_scaler
--> fully_sharded -> wrap.
+-> deferred_init -> fully_sharded -> wrap; then checkpoint and pretrained (files on disk).
 """
 
 from fsdp_mpi.abort import abort_job_on_uncaught_exception
+from fsdp_mpi.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_mpi.clip import clip_grad_norm_
 from fsdp_mpi.comm import Communicator
 from fsdp_mpi.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.grad_scaler import ShardedGradScaler
 from fsdp_mpi.lifecycle import TrainingState
 from fsdp_mpi.mixed_precision import MixedPrecision
+from fsdp_mpi.pretrained import PretrainedError, export_pretrained, load_pretrained
 from fsdp_mpi.state_dict import full_state_dict, load_full_state_dict, summon_full_params
 from fsdp_mpi.strategy import ShardingStrategy
 from fsdp_mpi.wrap import ModuleWrapPolicy, SizeBasedWrapPolicy
 
 __all__ = [
     "FSDP",
+    "CheckpointError",
     "Communicator",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "PretrainedError",
     "ModuleWrapPolicy",
     "ShardedGradScaler",
     "ShardingStrategy",
@@ -30,7 +34,12 @@ __all__ = [
     "TrainingState",
     "abort_job_on_uncaught_exception",
     "clip_grad_norm_",
+    "consolidate_checkpoint",
+    "export_pretrained",
     "full_state_dict",
+    "load_checkpoint",
     "load_full_state_dict",
+    "load_pretrained",
+    "save_checkpoint",
     "summon_full_params",
 ]

@@ -76,11 +76,16 @@ class FlatParamHandle:
         unit_name: for error messages (which unit owns a parameter).
         param_dtype: the dtype gathered and computed with (None: the parameters' own).
         reduce_dtype: the dtype gradients are averaged in (None: the parameters' own).
+        device: where the shard lives. Parameters on the ``meta`` device (deferred
+            initialisation) need it; their shard starts as zeros, to be filled by
+            ``copy_into_shard()``.
     """
 
     def __init__(self, params: list[tuple[nn.Parameter, list[ParamUse]]], comm: Communicator, unit_name: str,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
         first = params[0][0]
+        device = first.device if device is None or not first.is_meta else device
         self.comm = comm
         self.requires_grad = first.requires_grad
         low_precision_applies = first.is_floating_point()
@@ -98,18 +103,18 @@ class FlatParamHandle:
             self.slots.append(ParamSlot(tuple(uses), param.shape, offset, param.numel(), start, stop))
             offset += param.numel()
 
-        with torch.no_grad():
-            full = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        self.shard = torch.zeros(self.shard_numel, dtype=first.dtype, device=device)  # padding stays zero
+        if not first.is_meta:
             for slot, (param, _) in zip(self.slots, params):
-                full[slot.offset:slot.offset + slot.numel].copy_(param.reshape(-1))
-        self.shard = full[self.shard_offset:self.shard_offset + self.shard_numel].clone()  # (shard_numel,)
+                self.copy_into_shard(slot, param.detach())
         self.shard_grad: torch.Tensor | None = None  # (shard_numel,): the reduced gradient
         # On one rank, unless cast, the shard is the whole buffer: full_flat aliases it, nothing is copied.
         self.aliases_shard = comm.world_size == 1 and self.param_dtype == self.shard.dtype
         if self.aliases_shard:
             self.full_flat = self.shard.detach().requires_grad_(self.requires_grad)
         else:
-            self.full_flat = torch.empty_like(full, dtype=self.param_dtype).requires_grad_(self.requires_grad)
+            self.full_flat = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+            self.full_flat.requires_grad_(self.requires_grad)
             self._free_full_storage()  # (padded_numel,) of param_dtype while gathered
         # True from a forward that autograd records until this handle's gradient is reduced.
         self.awaiting_gradient = False
@@ -273,7 +278,20 @@ class FlatParamHandle:
         for slot in cleared:
             self.shard_grad[slot.shard_start:slot.shard_stop].zero_()
 
-    # ------------------------------------------------------------ full views for state dicts
+    # ------------------------------------------------------------ writing values into the shard
+
+    def copy_into_shard(self, slot: ParamSlot, full_value: torch.Tensor) -> None:
+        """Copies the part of one parameter's full value (any shape of ``slot.numel`` elements) that this rank keeps."""
+        if slot.shard_stop > slot.shard_start:
+            start = self.shard_offset + slot.shard_start - slot.offset  # into the flattened parameter
+            with torch.no_grad():
+                self.shard[slot.shard_start:slot.shard_stop].copy_(
+                    full_value.reshape(-1)[start:start + slot.shard_stop - slot.shard_start])
+
+    def part_held(self, slot: ParamSlot) -> tuple[int, int]:
+        """[start, stop) of the flattened parameter that this rank's shard holds (start == stop if none)."""
+        start = min(max(self.shard_offset + slot.shard_start - slot.offset, 0), slot.numel)
+        return start, start + slot.shard_stop - slot.shard_start
 
     def write_back_shard(self, full: torch.Tensor) -> None:
         """Copies this rank's part of `full` (from ``gather_shard_dtype()``, possibly edited) into its shard."""

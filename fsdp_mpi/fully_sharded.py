@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp_mpi.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.comm import Communicator
+from fsdp_mpi.deferred_init import is_deferred, materialize_into_shards
 from fsdp_mpi.host_memory import keep_freed_host_memory_for_reuse
 from fsdp_mpi.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, TrainingState, modules_outside_units,
                                 original_name, units_with_names)
@@ -36,7 +37,11 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: ``MixedPrecision(param_dtype=torch.bfloat16)`` gathers and computes in bf16
             over fp32 master shards (see ``mixed_precision.py``). None: everything in the parameters' dtype.
         device: where the unit computes; the module is moved there. Defaults to the parameters' device.
-        sync_module_states: broadcast rank 0's parameters and buffers first, so every rank starts identical.
+        sync_module_states: broadcast rank 0's parameters and buffers first, so every rank starts identical
+            (for a model on the meta device: rank 0's random generator state before initialising).
+        param_init_fn: for a model built on the ``meta`` device, ``param_init_fn(module)`` initialises
+            `module`'s own parameters, one module at a time (``deferred_init.py``); by default each
+            module's ``reset_parameters()``. The shards are created on `device` (CPU by default).
         forward_prefetch: start the next unit's all-gather when a unit's forward starts.
         backward_prefetch: start the all-gather of the unit whose backward comes next.
         async_reduce_scatter: let a unit's gradient reduce-scatter complete while earlier units' backward runs.
@@ -55,6 +60,7 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         backward_prefetch: bool = False,
         async_reduce_scatter: bool = False,
+        param_init_fn=None,
         _nested_in_wrap: bool = False,
     ):
         super().__init__()
@@ -70,13 +76,17 @@ class FullyShardedDataParallel(nn.Module):
         comm = comm if isinstance(comm, Communicator) else Communicator(comm)
         overlap = {"forward_prefetch": forward_prefetch, "backward_prefetch": backward_prefetch,
                    "async_reduce_scatter": async_reduce_scatter}
-        if device is not None:
+        deferred = is_deferred(module)
+        if deferred:
+            device = device or torch.device("cpu")
+            _move_buffers(module, device)
+        elif device is not None:
             module.to(device)
 
         if not _nested_in_wrap:
             if comm.world_size > 1:
                 abort_job_on_uncaught_exception(comm.mpi_comm)
-            if next(module.parameters()).device.type == "cpu":
+            if (device or next(module.parameters()).device).type == "cpu":
                 keep_freed_host_memory_for_reuse()
             check_same_model_on_all_ranks(module, comm)
             if sync_module_states:
@@ -86,11 +96,14 @@ class FullyShardedDataParallel(nn.Module):
         if auto_wrap_policy is not None:
             def wrap_nested(child: nn.Module) -> FullyShardedDataParallel:
                 return FullyShardedDataParallel(child, comm=comm, sharding_strategy=sharding_strategy,
-                                                mixed_precision=mixed_precision, **overlap, _nested_in_wrap=True)
+                                                mixed_precision=mixed_precision, device=device, **overlap,
+                                                _nested_in_wrap=True)
 
             apply_wrap_policy(module, auto_wrap_policy, wrap_nested, FullyShardedDataParallel)
         self.add_module(WRAPPED_MODULE, module)
-        self._unit = ShardedUnit(module, comm, sharding_strategy, overlap, mixed_precision)
+        self._unit = ShardedUnit(module, comm, sharding_strategy, overlap, mixed_precision, device)
+        if deferred and not _nested_in_wrap:
+            materialize_into_shards(module, self._unit.units, param_init_fn, comm, sync_module_states)
 
     def forward(self, *args, **kwargs):
         """Calls the wrapped module; its unit's hooks gather the parameters around the call."""
@@ -184,12 +197,20 @@ FSDP = FullyShardedDataParallel
 
 
 def _broadcast_module_states(module: nn.Module, comm: Communicator) -> None:
-    """Copies rank 0's parameters and buffers (outside existing units) to every rank."""
+    """Copies rank 0's parameters and buffers (outside existing units; not those still on meta) to every rank."""
     with torch.no_grad():
         for _, submodule in modules_outside_units(module):
             for tensor in [*submodule._parameters.values(), *submodule._buffers.values()]:
-                if tensor is not None:
+                if tensor is not None and not tensor.is_meta:
                     comm.broadcast_(tensor.data)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Moves buffers only: the parameters of a model on meta are materialised into shards on `device`."""
+    for submodule in module.modules():
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None:
+                submodule._buffers[name] = buffer.to(device)
 
 
 def _cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:

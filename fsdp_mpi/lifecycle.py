@@ -72,10 +72,11 @@ class ShardedUnit:
         sharding_strategy: ``FULL_SHARD`` or ``SHARD_GRAD_OP``.
         overlap: ``forward_prefetch``, ``backward_prefetch``, ``async_reduce_scatter`` flags.
         mixed_precision: the dtypes to gather, compute and reduce in.
+        device: where shards of parameters on the meta device are created (deferred initialisation).
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, sharding_strategy: ShardingStrategy, overlap: dict,
-                 mixed_precision: MixedPrecision):
+                 mixed_precision: MixedPrecision, device: torch.device | None = None):
         self.module = module
         self.comm = comm
         self.sharding_strategy = sharding_strategy
@@ -83,7 +84,7 @@ class ShardedUnit:
         self.mixed_precision = mixed_precision
         unit_name = type(module).__name__
         self.handles = [FlatParamHandle(group, comm, unit_name, mixed_precision.param_dtype,
-                                        mixed_precision.reduce_dtype) for group in _group_unit_params(module)]
+                                        mixed_precision.reduce_dtype, device) for group in _group_unit_params(module)]
         for handle in self.handles:
             if handle.requires_grad:
                 handle.full_flat.register_post_accumulate_grad_hook(

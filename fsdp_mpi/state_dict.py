@@ -7,10 +7,12 @@ module and used without fsdp_mpi.
 
 from collections import namedtuple
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from fsdp_mpi.flat_param import FlatParamHandle, ParamSlot
 from fsdp_mpi.lifecycle import ShardedUnit, TrainingState, original_name, units_with_names
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
@@ -27,7 +29,24 @@ def _units_by_prefix(module: nn.Module) -> list[tuple[str, ShardedUnit]]:
     return units
 
 
-def _persistent_buffers(module: nn.Module):
+@dataclass(frozen=True)
+class ShardedParameter:
+    """One original parameter of a wrapped model: its names, where it lives, and this rank's view of it."""
+
+    names: tuple[str, ...]  # original names, more than one for tied parameters
+    handle: FlatParamHandle
+    slot: ParamSlot
+    view: nn.Parameter  # this rank's part, a 1-D slice of handle.shard
+
+
+def sharded_parameters(module: nn.Module) -> list[ShardedParameter]:
+    """Every parameter of every unit in `module`, outermost unit first, in flattening order."""
+    return [ShardedParameter(tuple(_join(prefix, use.name) for use in slot.uses), handle, slot, view)
+            for prefix, unit in _units_by_prefix(module) for handle in unit.handles
+            for slot, view in zip(handle.slots, handle.sharded_views)]
+
+
+def persistent_buffers(module: nn.Module):
     """Yields (original name, buffer) for every buffer that belongs in a state dict."""
     for module_name, submodule in module.named_modules():
         for buffer_name, buffer in submodule._buffers.items():
@@ -81,7 +100,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
                     for use in slot.uses:
                         state[_join(prefix, use.name)] = saved
     if keep:
-        for name, buffer in _persistent_buffers(module):
+        for name, buffer in persistent_buffers(module):
             state[name] = buffer.detach().to("cpu", copy=True)
     return state
 
@@ -98,7 +117,7 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, strict: bool = Tru
             for slot in handle.slots:
                 for use in slot.uses:
                     targets[_join(prefix, use.name)] = (handle, slot)
-    for name, buffer in _persistent_buffers(module):
+    for name, buffer in persistent_buffers(module):
         targets[name] = buffer
     missing = sorted(set(targets) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(targets))
@@ -124,18 +143,10 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, strict: bool = Tru
             if isinstance(target, torch.Tensor):
                 target.copy_(state_dict[name])
             else:
-                _copy_into_shard(*target, state_dict[name])
+                target[0].copy_into_shard(target[1], state_dict[name])
     return IncompatibleKeys(missing, unexpected)
 
 
 def _shape_of(target) -> torch.Size:
     return target.shape if isinstance(target, torch.Tensor) else target[1].shape
 
-
-def _copy_into_shard(handle, slot, full_value: torch.Tensor) -> None:
-    """Copies the part of one parameter that falls inside this rank's shard."""
-    shard_start, shard_stop = handle.shard_offset, handle.shard_offset + handle.shard_numel
-    start, stop = max(slot.offset, shard_start), min(slot.offset + slot.numel, shard_stop)
-    if start < stop:
-        values = full_value.reshape(-1)[start - slot.offset:stop - slot.offset]
-        handle.shard[start - shard_start:stop - shard_start].copy_(values)

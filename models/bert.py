@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.checkpoint import load_into, read_checkpoint, save
+from models.initialization import finish_construction
 
 IGNORE_INDEX = -100  # masked-LM labels of positions that are not predicted
 
@@ -231,7 +232,13 @@ class _BertPreTrainedModel(nn.Module):
     config: BertConfig
     bert: BertModel
 
-    def _init_weights(self, module: nn.Module) -> None:
+    def init_module(self, module: nn.Module) -> None:
+        """Initialises `module`'s own parameters (not its submodules') as BERT does.
+
+        Weights normal(0, 0.02), biases zero, LayerNorm weight one. The model builds on
+        meta and calls this per module (``models/initialization.py``); fsdp_mpi's deferred
+        initialisation takes it as ``param_init_fn``.
+        """
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
@@ -239,6 +246,11 @@ class _BertPreTrainedModel(nn.Module):
         if isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+        if isinstance(module, BertLMPredictionHead):
+            nn.init.zeros_(module.bias)
+
+    def _tie_weights(self) -> None:
+        """The masked-LM decoder shares the word embedding (pre-training heads only)."""
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **overrides):
@@ -249,7 +261,7 @@ class _BertPreTrainedModel(nn.Module):
         tensors, hf_config = read_checkpoint(path)
         config = config_from_hf(hf_config) if hf_config else _config_from_tensors(tensors)
         model = cls(replace(config, **overrides))
-        load_into(model, tensors, model._normalize_checkpoint_key, may_be_missing=model._fresh_heads)
+        load_into(model, tensors, model.checkpoint_key_to_name, may_be_missing=model._fresh_heads)
         return model
 
     def save_pretrained(self, directory: str | Path) -> Path:
@@ -258,7 +270,7 @@ class _BertPreTrainedModel(nn.Module):
 
     _fresh_heads: tuple[str, ...] = ()
 
-    def _normalize_checkpoint_key(self, key: str) -> str | None:
+    def checkpoint_key_to_name(self, key: str) -> str | None:
         key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
         if key.endswith(("position_ids", "token_type_ids")):
             return None  # index buffers older checkpoints saved
@@ -286,10 +298,15 @@ class BertForPreTraining(_BertPreTrainedModel):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config)
-        self.cls = BertPreTrainingHeads(config)
-        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
-        self.apply(self._init_weights)
+        with torch.device("meta"):
+            self.bert = BertModel(config)
+            self.cls = BertPreTrainingHeads(config)
+        finish_construction(self, self._tie_weights)
+
+    def _tie_weights(self) -> None:
+        predictions = self.cls.predictions
+        predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+        predictions.decoder.bias = predictions.bias
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, mlm_labels=None, nsp_labels=None):
         """Returns (masked-LM logits (B, T, vocab), NSP logits (B, 2), loss or None).
@@ -315,15 +332,16 @@ class BertForSequenceClassification(_BertPreTrainedModel):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.apply(self._init_weights)
+        with torch.device("meta"):
+            self.bert = BertModel(config)
+            self.dropout = nn.Dropout(config.hidden_dropout_prob)
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        finish_construction(self, self._tie_weights)
 
-    def _normalize_checkpoint_key(self, key: str) -> str | None:
+    def checkpoint_key_to_name(self, key: str) -> str | None:
         if key.startswith("cls."):
             return None  # pre-training heads are not part of a classifier
-        return super()._normalize_checkpoint_key(key)
+        return super().checkpoint_key_to_name(key)
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
         """Returns (logits (B, num_labels), cross-entropy against `labels` (B,) or None)."""

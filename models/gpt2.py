@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.checkpoint import load_into, read_checkpoint, save
+from models.initialization import finish_construction
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def _config_from_tensors(tensors: dict) -> GPT2Config:
                       n_layer=len(layers), n_head=max(n_embd // 64, 1))
 
 
-def _normalize_checkpoint_key(key: str) -> str | None:
+def checkpoint_key_to_name(key: str) -> str | None:
     """Maps a published checkpoint's key to ours; None for the causal-mask buffers older files carry."""
     if key.endswith((".attn.bias", ".attn.masked_bias")):
         return None
@@ -95,6 +96,8 @@ def _normalize_checkpoint_key(key: str) -> str | None:
 
 class Conv1D(nn.Module):
     """A linear layer whose weight is stored (in_features, out_features), as OpenAI's GPT-2 stores it."""
+
+    is_residual_projection = False  # GPT-2 initialises the projections back into the residual stream smaller
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -114,6 +117,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.c_attn = Conv1D(config.n_embd, 3 * config.n_embd)  # query, key, value together
         self.c_proj = Conv1D(config.n_embd, config.n_embd)
+        self.c_proj.is_residual_projection = True
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +137,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = Conv1D(config.n_embd, 4 * config.n_embd)
         self.c_proj = Conv1D(4 * config.n_embd, config.n_embd)
+        self.c_proj.is_residual_projection = True
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,25 +185,37 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    """GPT-2 with its language-modelling head, tied to the token embedding."""
+    """GPT-2 with its language-modelling head, tied to the token embedding.
+
+    Built under ``torch.device("meta")`` it stays there, for fsdp_mpi's deferred
+    initialisation with ``param_init_fn=model.init_module`` (see ``models/initialization.py``).
+    """
 
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.config = config
-        self.transformer = GPT2Model(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight
-        self.apply(self._init_weights)
-        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer).
-        for name, param in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        with torch.device("meta"):
+            self.transformer = GPT2Model(config)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        finish_construction(self, self._tie_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _tie_weights(self) -> None:
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialises `module`'s own parameters (not its submodules') as GPT-2 does.
+
+        Weights normal(0, 0.02), the residual projections' scaled by 1/sqrt(2 n_layer);
+        biases zero; LayerNorm weight one.
+        """
         if isinstance(module, (nn.Linear, nn.Embedding, Conv1D)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            residual = getattr(module, "is_residual_projection", False)
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, (nn.Linear, Conv1D)) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
     @classmethod
@@ -210,7 +227,7 @@ class GPT2LMHeadModel(nn.Module):
         tensors, hf_config = read_checkpoint(path)
         config = config_from_hf(hf_config) if hf_config else _config_from_tensors(tensors)
         model = cls(replace(config, **overrides))
-        load_into(model, tensors, _normalize_checkpoint_key)
+        load_into(model, tensors, checkpoint_key_to_name)
         return model
 
     def save_pretrained(self, directory: str | Path) -> Path:

@@ -25,12 +25,26 @@ NAMES = "tests/test_equivalence.py::test_wrapped_models_generate_and_show_origin
 STAGING_VARIABLE = "tests/test_comm.py::test_force_staging_variable_routes_collectives_through_host_buffers"
 MIXED = "tests/test_mixed_precision.py"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
+DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
+RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
+RESUME = "tests/test_checkpoint.py::test_resume_on_the_same_ranks_continues_bit_for_bit"
+DAMAGE = "tests/test_checkpoint.py::test_a_damaged_file_is_named[corrupt]"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
-    "load ignores the shard offset": (
-        "fsdp_mpi/state_dict.py", "handle.shard[start - shard_start:stop - shard_start].copy_(values)",
-        "handle.shard[start:stop].copy_(values)", [STATE]),
+    "values copied into shards ignore the shard offset": (
+        "fsdp_mpi/flat_param.py", "start = self.shard_offset + slot.shard_start - slot.offset  # into",
+        "start = slot.shard_start  # into", [STATE]),
+    "deferred init ignores rank 0's generator": (
+        "fsdp_mpi/deferred_init.py", "torch.set_rng_state(comm.allgather_object(torch.get_rng_state())[0])",
+        "torch.get_rng_state()", [DEFERRED]),
+    "checkpoint pieces read from the wrong offset": (
+        "fsdp_mpi/checkpoint.py", "get_slice(key)[lo - piece_start:hi - piece_start]", "get_slice(key)[lo:hi]",
+        [RESHARD]),
+    "resume leaves the random generators alone": (
+        "fsdp_mpi/checkpoint.py", '_set_rng_states(state["rng"][comm.rank])', "pass", [RESUME]),
+    "checksums not verified": (
+        "fsdp_mpi/checkpoint.py", 'if _sha256(path) != expected["sha256"]:', "if False:", [DAMAGE]),
     "summon never writes back": (
         "fsdp_mpi/flat_param.py", "self.shard.copy_(full[self.shard_offset:self.shard_offset + self.shard_numel])",
         "pass", [STATE]),
