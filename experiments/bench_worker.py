@@ -127,7 +127,7 @@ def main() -> None:
         if args.strategy == "plain":
             autocast, scaler = torch_amp("cpu", args.precision)
             prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
-                                autocast=autocast)
+                                allreduce_max=float, autocast=autocast)  # one process: its own value
         else:
             options = {name: True for name in args.overlap.split("+") if name}
             prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, args.precision, **options)

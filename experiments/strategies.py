@@ -41,6 +41,7 @@ class Prepared:
     no_sync: Callable[[], AbstractContextManager]  # a backward in it keeps gradients for a later one to reduce
     shards_gradients: bool  # whether reduced gradients are sharded (1/N of them per rank)
     scaler: object  # scale(loss), unscale_(optimizer), step(optimizer), update(); a pass-through unless 16-mixed
+    allreduce_max: Callable[[float], float]  # the maximum of a number over all ranks (a stop signal on any rank)
     autocast: Callable[[], AbstractContextManager] = nullcontext  # around forward passes (DDP's mixed precision)
     comm_bytes: Callable[[], int] = lambda: 0  # bytes moved by collectives so far (0 if unknown)
 
@@ -85,9 +86,11 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
         return Prepared(sharded, lambda: communicator.seconds_in_mpi,
                         lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True,
                         scaler=ShardedGradScaler(communicator, enabled=scaling),
+                        allreduce_max=communicator.allreduce_max_float,
                         comm_bytes=lambda: sum(communicator.bytes_moved.values()))
     init_torch_distributed(comm, device)
     clip_torch = partial(_clip_grad_norm_torch, model)
+    allreduce_max = partial(comm.allreduce, op=MPI.MAX)
     autocast, torch_scaler = torch_amp(device.type, precision)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -95,7 +98,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
         device_ids = [device.index] if device.type == "cuda" else None
         replicated = DistributedDataParallel(model, device_ids=device_ids)
         return Prepared(replicated, _unknown_comm_seconds, clip_torch, replicated.no_sync, shards_gradients=False,
-                        scaler=torch_scaler, autocast=autocast)
+                        scaler=torch_scaler, allreduce_max=allreduce_max, autocast=autocast)
     if strategy == "torch-fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -105,7 +108,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
                 fully_shard(module, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True,
-                        scaler=torch_scaler)
+                        scaler=torch_scaler, allreduce_max=allreduce_max)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 

@@ -6,14 +6,19 @@ its datasets (``train``, ``val``: ``len()`` and ``batch(indices, epoch)``),
 ``sample_losses(model, batch)`` (one loss per sample), ``eval_sums(model, batch)``
 (sums to add over ranks), ``val_columns(sums)`` (the CSV's validation columns) and,
 optionally, ``save_extras(directory)`` (files to keep beside a saved model).
+
+The loop stops between optimizer steps on SIGTERM or SIGUSR1 and, under fsdp-mpi,
+checkpoints and resumes bit for bit; what a checkpoint holds is in ``resume``.
 """
 
 import argparse
 import math
+import signal
 import sys
 import time
 import uuid
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
@@ -24,9 +29,11 @@ from mpi4py import MPI
 from data import DataError
 from recipe import optimizer_and_schedule
 from results import CsvWriter, git_commit, measured_peak_flops, model_state_bytes, peak_rss_mb
+from resume import LATEST, EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
 from sampling import global_batch_size, rank_batches, steps_per_epoch
-from strategies import PRECISIONS, STRATEGIES, full_state_dict_on_rank0, local_rank, prepare
+from strategies import PRECISIONS, STRATEGIES, Prepared, full_state_dict_on_rank0, local_rank, prepare
 
+from fsdp_mpi import CheckpointError as ShardedCheckpointError
 from fsdp_mpi import abort_job_on_uncaught_exception
 from models.checkpoint import CheckpointError
 
@@ -64,7 +71,25 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add("--run-id", default=None, help="default: experiment, strategy, ranks and a random suffix")
     add("--save-dir", default=None, help="save the trained model here (Hugging Face layout)")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--checkpoint-dir", default=None,
+        help="fsdp-mpi: save resumable checkpoints here (DIR/step-NNNNNNNN/, DIR/latest), at the end and on "
+             "SIGTERM or SIGUSR1")
+    add("--checkpoint-every", type=int, default=0,
+        help="optimizer steps between checkpoints; 0: only at the end and on a signal (default: %(default)s)")
+    add("--resume", action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir; start fresh if there is none")
     return parser
+
+
+def check_checkpoint_options(parser: argparse.ArgumentParser, args) -> None:
+    """Refuses checkpoint options that cannot work (argparse's usage error: exit code 2)."""
+    if args.checkpoint_dir is None and (args.resume or args.checkpoint_every):
+        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.checkpoint_dir is not None and args.strategy != "fsdp-mpi":
+        parser.error(f"--checkpoint-dir needs --strategy fsdp-mpi: {args.strategy} runs cannot be checkpointed "
+                     "and resumed here (leave out --checkpoint-dir, --checkpoint-every and --resume)")
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be 0 (only at the end and on a signal) or positive")
 
 
 def check_arguments(args) -> None:
@@ -78,6 +103,9 @@ def check_arguments(args) -> None:
     for name in ("warmup_steps", "weight_decay", "clip_norm"):
         if (getattr(args, name) or 0) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
+    if args.checkpoint_dir and not args.resume and (Path(args.checkpoint_dir) / LATEST).exists():
+        raise UsageError(f"{args.checkpoint_dir} already holds checkpoints: pass --resume to continue from the "
+                         "latest, or choose another --checkpoint-dir")
 
 
 def pick_device(choice: str, comm: MPI.Comm) -> torch.device:
@@ -106,9 +134,15 @@ def _set_up(task_type, args, comm: MPI.Comm):
 
 
 def main(task_type, parser: argparse.ArgumentParser, experiment: str) -> int:
-    """Runs one experiment under mpiexec; returns the exit code (2 for bad input, on every rank)."""
+    """Runs one experiment under mpiexec; returns the exit code, the same on every rank.
+
+    2: bad input or an unusable checkpoint; resume.STOPPED_WITH_CHECKPOINT (3) and
+    STOPPED_WITHOUT_CHECKPOINT (4): stopped by SIGTERM or SIGUSR1 between two optimizer steps.
+    """
     args = parser.parse_args()
+    check_checkpoint_options(parser, args)
     comm = MPI.COMM_WORLD
+    stop = listen_for_stop_signals(args.strategy)
     # Rank 0 sets up first (and downloads what is missing); the others follow only if it succeeded,
     # so every rank reports the same error instead of some waiting for a rank that failed.
     task = device = error = None
@@ -124,19 +158,39 @@ def main(task_type, parser: argparse.ArgumentParser, experiment: str) -> int:
         return 2
     if comm.Get_size() > 1:
         abort_job_on_uncaught_exception(comm)
+    stopped = None
     if args.strategy.startswith("lightning"):
         from lightning_runner import train_with_lightning
 
         path = train_with_lightning(task, args, comm, device, experiment)
     else:
-        path = train(task, args, comm, device, experiment)
+        try:
+            path, stopped = train(task, args, comm, device, experiment, stop)
+        except (ShardedCheckpointError, ResumeError) as failure:  # raised on every rank alike
+            if comm.Get_rank() == 0:
+                print(f"{parser.prog}: error: {failure}", file=sys.stderr)
+            return 2
     if comm.Get_rank() == 0:
-        print(f"wrote {path}")
-    return 0
+        print(f"wrote {path}" + (" (the epochs completed so far)" if stopped else ""))
+        if stopped:
+            print(stopped.message(), flush=True)
+    return stopped.exit_code if stopped else 0
+
+
+def listen_for_stop_signals(strategy: str) -> StopSignals:
+    """Our training loop stops between optimizer steps on SIGTERM or SIGUSR1.
+
+    Lightning's loop cannot: there SIGUSR1 (the hpc/ scripts' warning before the time
+    limit) is ignored, so that the run goes on until the limit, and SIGTERM ends it as usual.
+    """
+    if strategy.startswith("lightning"):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        return StopSignals()
+    return StopSignals().install()
 
 
 class RunRecorder:
-    """Turns one epoch's measurements into a CSV row (rank 0 writes)."""
+    """Turns one epoch's measurements into a CSV row (rank 0 writes), and keeps the rows for checkpoints."""
 
     def __init__(self, task, args, comm: MPI.Comm, device: torch.device, experiment: str, model):
         self.comm, self.task, self.args = comm, task, args
@@ -151,9 +205,8 @@ class RunRecorder:
             "device": device.type, "precision": args.precision, "global_batch": args.batch_size * world * args.grad_accum,
             "grad_accum": args.grad_accum, "seq_len": task.seq_len, "git_commit": git_commit(),
         }
-        self.writer = None
-        if comm.Get_rank() == 0:
-            self.writer = CsvWriter(Path(args.out_dir) / f"{self.run_id}.csv")
+        self.rows: list[dict] = []
+        self.writer = None  # rank 0's, opened at the first row: a resumed run takes its run id before
 
     def add_epoch(self, epoch: int, steps: int, samples: int, seconds: float, train_loss: float, val: dict,
                   state_bytes: int, comm_seconds: float, device: torch.device, comm_mb_per_step: float = 0.0) -> None:
@@ -174,11 +227,24 @@ class RunRecorder:
             "compute_time_s": "" if math.isnan(maxima[3]) else round(seconds - maxima[3], 4),
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        if self.writer:
-            self.writer.add(row)
+        if self.comm.Get_rank() == 0:
+            self._writer().add(row)
+        self.rows.append(row)
+
+    def resume(self, run_id: str, rows: list[dict]) -> None:
+        """Continues a stopped run's CSV: its run id, and its rows so far ahead of the new ones."""
+        self.run_id = self.fixed["run_id"] = run_id
+        self.rows = list(rows)
 
     def finish(self) -> Path | None:
-        return self.writer.finish() if self.writer else None
+        return self._writer().finish() if self.comm.Get_rank() == 0 else None
+
+    def _writer(self) -> CsvWriter:
+        if self.writer is None:
+            self.writer = CsvWriter(Path(self.args.out_dir) / f"{self.run_id}.csv")
+            for row in self.rows:
+                self.writer.add(row)
+        return self.writer
 
 
 def build_model(task, args, comm: MPI.Comm):
@@ -273,44 +339,118 @@ def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], 
     return loss_sum, losses
 
 
-def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str) -> Path | None:
-    """The training loop for fsdp-mpi, ddp and torch-fsdp."""
-    from tqdm import tqdm
+class EpochClock:
+    """Adds the wall time, communication time and bytes of training steps to an EpochTally; paused while saving."""
 
+    def __init__(self, prepared: Prepared, tally: EpochTally):
+        self.prepared, self.tally = prepared, tally
+        self.marks = None
+
+    def start(self) -> None:
+        self.marks = (time.perf_counter(), self.prepared.comm_seconds(), self.prepared.comm_bytes())
+
+    def pause(self) -> None:
+        start, comm_seconds, comm_bytes = self.marks
+        self.tally.seconds += time.perf_counter() - start
+        self.tally.comm_seconds += self.prepared.comm_seconds() - comm_seconds
+        self.tally.comm_bytes += self.prepared.comm_bytes() - comm_bytes
+
+
+@dataclass
+class Run:
+    """What the training loop's parts share: the task and options, the wrapped model, its optimizer and schedule."""
+
+    task: object
+    args: argparse.Namespace
+    comm: MPI.Comm
+    device: torch.device
+    prepared: Prepared
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    recorder: RunRecorder
+    total_steps: int  # optimizer steps in the whole run
+
+
+def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str,
+          stop: StopSignals) -> tuple[Path | None, Stopped | None]:
+    """The training loop for fsdp-mpi, ddp and torch-fsdp: (the CSV's path on rank 0, how a signal stopped it).
+
+    Under --resume it continues from the latest checkpoint. After every optimizer step
+    the ranks agree whether a stop signal arrived; if so they save a checkpoint (with
+    --checkpoint-dir), write the rows of the epochs completed, and return.
+    """
     model = build_model(task, args, comm)
     recorder = RunRecorder(task, args, comm, device, experiment, model)
     prepared = prepare(args.strategy, model, task.block_class, device, comm, args.precision)
-    optimizer, schedule = optimizer_and_schedule(prepared.model, args,
-                                                 total_optimizer_steps(len(task.train), args, comm.Get_size()))
-    for epoch in range(args.epochs):
-        steps = epoch_steps(len(task.train), args, comm, epoch, args.seed)
-        progress = tqdm(steps, desc=f"epoch {epoch}", disable=args.no_progress or comm.Get_rank() != 0,
-                        file=sys.stdout, dynamic_ncols=True)
-        loss_sum, samples = 0.0, 0
-        comm.Barrier()
-        comm_before, bytes_before, start = prepared.comm_seconds(), prepared.comm_bytes(), time.perf_counter()
-        for step in progress:
-            step_loss, losses = optimizer_step(task, prepared, optimizer, schedule, step, args, epoch, device)
-            loss_sum += step_loss
-            samples += sum(micro.samples for micro in step)
-            if comm.Get_rank() == 0:
-                progress.set_postfix(loss=f"{losses.mean().item():.3f}")
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        comm.Barrier()
-        seconds = time.perf_counter() - start
-        comm_seconds = prepared.comm_seconds() - comm_before
-        comm_mb_per_step = (prepared.comm_bytes() - bytes_before) / len(steps) / 2**20
-        train_loss = comm.allreduce(loss_sum, op=MPI.SUM) / samples
-        val = evaluate(task, prepared.model, args, comm, device, prepared.autocast)
-        if comm.Get_rank() == 0:
-            print(f"epoch {epoch}: train loss {train_loss:.4f}, " + ", ".join(f"{k} {v}" for k, v in val.items())
-                  + f", {seconds:.1f} s", flush=True)
-        recorder.add_epoch(epoch, len(steps), samples, seconds, train_loss, val,
-                           model_state_bytes(prepared.model, optimizer), comm_seconds, device, comm_mb_per_step)
+    total_steps = total_optimizer_steps(len(task.train), args, comm.Get_size())
+    optimizer, schedule = optimizer_and_schedule(prepared.model, args, total_steps)
+    run = Run(task, args, comm, device, prepared, optimizer, schedule, recorder, total_steps)
+    checkpoints = RunCheckpoints(run) if args.checkpoint_dir else None
+    # Restored last: loading sets the random generators, which the set-up above draws from.
+    position = checkpoints.restore() if args.resume else Position()
+    while position.epoch < args.epochs:
+        stopped = train_epoch(run, position, stop, checkpoints)
+        if stopped:
+            return recorder.finish(), stopped
+        finish_epoch(run, position)
+    if checkpoints:
+        checkpoints.save(position)
     if args.save_dir:
         save_trained(task, full_state_dict_on_rank0(args.strategy, prepared.model, comm), Path(args.save_dir))
-    return recorder.finish()
+    return recorder.finish(), None
+
+
+def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: RunCheckpoints | None) -> Stopped | None:
+    """The optimizer steps left in `position`'s epoch, added to its tally.
+
+    Between steps: stops (saving first, with checkpoints) if some rank received a stop
+    signal, and saves when --checkpoint-every says so.
+    """
+    from tqdm import tqdm
+
+    args, comm, tally = run.args, run.comm, position.tally
+    steps = epoch_steps(len(run.task.train), args, comm, position.epoch, args.seed)
+    progress = tqdm(steps[tally.steps:], initial=tally.steps, total=len(steps), desc=f"epoch {position.epoch}",
+                    disable=args.no_progress or comm.Get_rank() != 0, file=sys.stdout, dynamic_ncols=True)
+    clock = EpochClock(run.prepared, tally)
+    comm.Barrier()
+    clock.start()
+    for step in progress:
+        step_loss, losses = optimizer_step(run.task, run.prepared, run.optimizer, run.schedule, step, args,
+                                           position.epoch, run.device)
+        tally.steps += 1
+        tally.loss_sum += step_loss
+        tally.samples += sum(micro.samples for micro in step)
+        position.step += 1
+        if comm.Get_rank() == 0:
+            progress.set_postfix(loss=f"{losses.mean().item():.3f}")
+        received = stop.agreed(run.prepared.allreduce_max)
+        if received or (checkpoints and checkpoints.due(position.step)):
+            clock.pause()
+            saved = checkpoints.save(position) if checkpoints else None
+            if received:
+                progress.close()
+                return Stopped(received.name, position.step, run.total_steps, saved)
+            clock.start()
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    comm.Barrier()
+    clock.pause()
+    return None
+
+
+def finish_epoch(run: Run, position: Position) -> None:
+    """Validates, writes the epoch's CSV row from its tally, and moves `position` to the next epoch."""
+    tally, epoch, comm = position.tally, position.epoch, run.comm
+    train_loss = comm.allreduce(tally.loss_sum, op=MPI.SUM) / tally.samples
+    val = evaluate(run.task, run.prepared.model, run.args, comm, run.device, run.prepared.autocast)
+    if comm.Get_rank() == 0:
+        print(f"epoch {epoch}: train loss {train_loss:.4f}, " + ", ".join(f"{k} {v}" for k, v in val.items())
+              + f", {tally.seconds:.1f} s", flush=True)
+    run.recorder.add_epoch(epoch, tally.steps, tally.samples, tally.seconds, train_loss, val,
+                           model_state_bytes(run.prepared.model, run.optimizer), tally.comm_seconds, run.device,
+                           tally.comm_bytes / tally.steps / 2**20)
+    position.epoch, position.tally = epoch + 1, EpochTally()
 
 
 def save_trained(task, state: dict | None, directory: Path) -> None:

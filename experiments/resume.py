@@ -1,0 +1,221 @@
+"""Stopping a training run between optimizer steps, and continuing it later bit for bit (fsdp-mpi only).
+
+``--checkpoint-dir DIR`` holds::
+
+    DIR/step-00000123/   one fsdp_mpi.save_checkpoint directory per saved step; the newest KEEP are kept
+    DIR/latest           the name of the newest complete one ("step-00000123")
+
+A save writes ``step-....tmp`` and renames it into place (fsdp_mpi.checkpoint), and
+``latest`` is replaced only after that, so a job killed at any moment leaves
+``latest`` naming a complete checkpoint.
+
+Besides the model's and AdamW's shards and every rank's random generators (which
+fsdp_mpi saves itself), a checkpoint holds everything else that the rest of the run
+depends on: the position (epoch, steps done in it and in the run), the learning-rate
+schedule, the loss scaler, each rank's running sums for the epoch's CSV row, the rows
+so far and the run id, and the options that determine the numbers. The data order
+needs nothing more: each epoch's order is a permutation seeded by (seed, epoch)
+(sampling.py), so the steps done in the epoch say which samples come next.
+Checkpoints are taken only between optimizer steps, never inside gradient accumulation.
+
+SIGTERM and SIGUSR1 (which SLURM can send ahead of a time limit: hpc/) only set a
+flag. After every optimizer step the ranks take the maximum of their flags, so a
+signal that reached only some ranks stops all of them after the same step.
+"""
+
+import os
+import re
+import shutil
+import signal
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mpi4py import MPI
+
+from fsdp_mpi import load_checkpoint, save_checkpoint
+
+STOPPED_WITH_CHECKPOINT = 3  # stopped by a signal and checkpointed: run again with --resume (hpc/ requeues)
+STOPPED_WITHOUT_CHECKPOINT = 4  # stopped by a signal without --checkpoint-dir: there is nothing to resume from
+KEEP = 2  # step checkpoints kept: the newest, and one more in case the newest turns out damaged
+LATEST = "latest"
+STEP_NAME = re.compile(r"step-\d{8}")
+# Options a resumed run may change: where files go and how fast it runs, not what it computes.
+MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume", "out_dir", "save_dir",
+                                  "no_progress", "threads", "device", "data_dir", "no_download"})
+
+
+class ResumeError(Exception):
+    """A checkpoint that this run cannot continue from (other options, or another number of ranks)."""
+
+
+class StopSignals:
+    """Notes SIGTERM and SIGUSR1 on this rank; the training loop asks after every optimizer step."""
+
+    def __init__(self):
+        self.received = 0  # the last signal's number, 0 if none
+
+    def install(self) -> "StopSignals":
+        for number in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(number, self._note)
+        return self
+
+    def _note(self, number: int, _frame) -> None:
+        self.received = number
+
+    def agreed(self, allreduce_max) -> signal.Signals | None:
+        """The signal that some rank received (the highest-numbered), or None. Every rank calls it after each step."""
+        number = int(allreduce_max(float(self.received)))
+        return signal.Signals(number) if number else None
+
+
+@dataclass
+class EpochTally:
+    """One epoch's training so far on this rank, as its CSV row sums it; carried across a stop and resume."""
+
+    steps: int = 0  # optimizer steps of the epoch done
+    loss_sum: float = 0.0  # this rank's per-sample losses, summed in step order
+    samples: int = 0  # over all ranks
+    seconds: float = 0.0  # in training steps: start-up, validation and checkpoint saves excluded
+    comm_seconds: float = 0.0  # this rank's time blocked in communication within those
+    comm_bytes: int = 0  # this rank's bytes moved by collectives within those
+
+
+@dataclass
+class Position:
+    """How far training has come: `step` optimizer steps of the whole run, in epoch `epoch`."""
+
+    step: int = 0
+    epoch: int = 0
+    tally: EpochTally = field(default_factory=EpochTally)
+
+
+@dataclass
+class Stopped:
+    """A run that a signal stopped after optimizer step `step`, with its checkpoint if it saved one."""
+
+    signal_name: str
+    step: int
+    total_steps: int
+    checkpoint: Path | None
+
+    @property
+    def exit_code(self) -> int:
+        return STOPPED_WITH_CHECKPOINT if self.checkpoint else STOPPED_WITHOUT_CHECKPOINT
+
+    def message(self) -> str:
+        stopped = f"stopped by {self.signal_name} after optimizer step {self.step} of {self.total_steps}"
+        if self.checkpoint:
+            return (f"{stopped}; checkpoint in {self.checkpoint}: run the same command with --resume to continue "
+                    f"(exit code {self.exit_code})")
+        return f"{stopped}, without a checkpoint (no --checkpoint-dir): it cannot continue (exit code {self.exit_code})"
+
+
+def determining_options(args) -> dict:
+    """The command-line options that a resumed run must share with the one that saved."""
+    return {name: value for name, value in sorted(vars(args).items()) if name not in MAY_CHANGE_ON_RESUME}
+
+
+class CheckpointDirectory:
+    """--checkpoint-dir's layout: step checkpoints, `latest` naming the newest, only the newest KEEP kept."""
+
+    def __init__(self, root: str | os.PathLike, comm: MPI.Comm):
+        self.root, self.comm = Path(root), comm
+
+    def latest(self) -> Path | None:
+        """The checkpoint that `latest` names, or None. Rank 0 reads it, so that every rank gets the same."""
+        name = None
+        if self.comm.Get_rank() == 0 and (self.root / LATEST).is_file():
+            name = (self.root / LATEST).read_text().strip()
+        name = self.comm.bcast(name, root=0)
+        return self.root / name if name else None
+
+    def save(self, step: int, model, optimizer, extra: dict) -> Path:
+        """Every rank saves its shards; then rank 0 points `latest` at them and removes older checkpoints."""
+        directory = self.root / f"step-{step:08d}"
+        save_checkpoint(directory, model, optimizer, extra)
+        if self.comm.Get_rank() == 0:
+            self._point_latest_at(directory)
+            self._remove_older_than_the_newest(directory)
+        return directory
+
+    def _point_latest_at(self, directory: Path) -> None:
+        temporary = self.root / (LATEST + ".tmp")
+        with open(temporary, "w") as file:
+            file.write(directory.name + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.root / LATEST)
+
+    def _remove_older_than_the_newest(self, current: Path) -> None:
+        """Removes the step checkpoints before `current` but the newest KEEP - 1.
+
+        Newer ones, left by an earlier attempt that was killed before it updated `latest`,
+        stay: this run saves over them as it gets there.
+        """
+        older = sorted(path for path in self.root.iterdir()
+                       if STEP_NAME.fullmatch(path.name) and path.is_dir() and path.name <= current.name)
+        for path in older[:-KEEP]:
+            shutil.rmtree(path)
+
+
+class RunCheckpoints:
+    """Saves one fsdp-mpi run's whole training state into --checkpoint-dir, and restores it under --resume."""
+
+    def __init__(self, run):
+        """`run`: training.Run, the model, optimizer, schedule and CSV recorder being trained, with the options."""
+        self.run = run
+        self.directory = CheckpointDirectory(run.args.checkpoint_dir, run.comm)
+
+    def due(self, step: int) -> bool:
+        """Whether --checkpoint-every asks for a checkpoint after `step` (the run's end saves one anyway)."""
+        every = self.run.args.checkpoint_every
+        return every > 0 and step % every == 0 and step < self.run.total_steps
+
+    def save(self, position: Position) -> Path:
+        return self.directory.save(position.step, self.run.prepared.model, self.run.optimizer, self._extra(position))
+
+    def _extra(self, position: Position) -> dict:
+        """What the run depends on besides model, optimizer and random generators. Rank 0's copy is written,
+        so the per-rank running sums are gathered into it."""
+        run = self.run
+        return {
+            "step": position.step, "epoch": position.epoch, "tallies": run.comm.allgather(asdict(position.tally)),
+            "schedule": run.schedule.state_dict(), "scaler": run.prepared.scaler.state_dict(),
+            "run_id": run.recorder.run_id, "rows": run.recorder.rows,
+            "options": determining_options(run.args), "world_size": run.comm.Get_size(),
+        }
+
+    def restore(self) -> Position:
+        """Loads `latest` into the model, optimizer, schedule, scaler and CSV rows; a fresh start if there is none.
+
+        Call it last before training: it sets the random generators to where they were when saved.
+        """
+        directory = self.directory.latest()
+        if directory is None:
+            self._announce(f"--resume: no checkpoint in {self.directory.root} yet; starting fresh")
+            return Position()
+        run = self.run
+        extra = load_checkpoint(directory, run.prepared.model, run.optimizer)
+        self._check_same_run(directory, extra)
+        run.schedule.load_state_dict(extra["schedule"])
+        run.prepared.scaler.load_state_dict(extra["scaler"])
+        run.recorder.resume(extra["run_id"], extra["rows"])
+        self._announce(f"resuming from {directory}: epoch {extra['epoch']}, after optimizer step {extra['step']} "
+                       f"of {run.total_steps}")
+        return Position(extra["step"], extra["epoch"], EpochTally(**extra["tallies"][run.comm.Get_rank()]))
+
+    def _announce(self, line: str) -> None:
+        if self.run.comm.Get_rank() == 0:
+            print(line, flush=True)
+
+    def _check_same_run(self, directory: Path, extra: dict) -> None:
+        """Refuses to continue a checkpoint whose run differs from this one (the same on every rank)."""
+        if extra["world_size"] != self.run.comm.Get_size():
+            raise ResumeError(f"{directory} was saved by {extra['world_size']} ranks; resume it on as many "
+                              "(each rank's samples and random stream depend on the number of ranks)")
+        saved, ours = extra["options"], determining_options(self.run.args)
+        changed = [f"--{name.replace('_', '-')} {saved.get(name)!r} (now {ours.get(name)!r})"
+                   for name in sorted(set(saved) | set(ours)) if saved.get(name) != ours.get(name)]
+        if changed:
+            raise ResumeError(f"{directory} was saved by a run with other options: " + ", ".join(changed)
+                              + "; resume with the same ones, or start afresh with another --checkpoint-dir")

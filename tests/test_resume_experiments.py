@@ -1,0 +1,171 @@
+"""Experiments stopped by a signal and resumed from their checkpoints: the same numbers as a run never stopped.
+
+The runs go under mpiexec; the pytest process only sends signals and reads the CSVs
+and checkpoints (``consolidate_checkpoint`` needs no MPI).
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mpi_launch import mpiexec
+from resume import STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT
+from test_experiments import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
+
+from fsdp_mpi import consolidate_checkpoint
+
+# BERT, for its dropout: a resumed rank must draw the masks it would have drawn. 8 steps of about 0.3 s
+# leave time for a signal sent after the first checkpoint to arrive well before the end.
+BERT_STEPS_PER_EPOCH = 4
+BERT = [*QUICK, "--steps-per-epoch", BERT_STEPS_PER_EPOCH]
+BERT_TOTAL_STEPS = 2 * BERT_STEPS_PER_EPOCH
+STOP_LINE = re.compile(r"stopped by SIGUSR1 after optimizer step (\d+) of (\d+)")
+
+
+class Started:
+    """An experiment on 2 ranks, started without waiting; its output goes to files (an unread pipe could block it)."""
+
+    def __init__(self, script: str, out: Path, *args):
+        self.script = script
+        env = dict(os.environ, OMP_NUM_THREADS="1", FSDP_MPI_DATA_DIR=str(SHARED_DATA), PYTHONUNBUFFERED="1")
+        self.stdout, self.stderr = out / "stdout.txt", out / "stderr.txt"
+        with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:
+            self.process = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(EXPERIMENTS / script),
+                                             *map(str, args)], env=env, stdout=stdout, stderr=stderr)
+
+    def wait_until(self, ready, timeout: float = 120) -> None:
+        """Polls `ready()` until it holds; fails if the run ends first or takes longer than `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.process.poll() is None, f"ended first (exit {self.process.returncode}):\n{self.output()}"
+            assert time.monotonic() < deadline, f"not ready after {timeout} s:\n{self.output()}"
+            time.sleep(0.02)
+
+    def rank_pids(self) -> list[int]:
+        """The ranks' processes: hydra starts each in a session of its own, so they are found as descendants."""
+        found, parents = [], [self.process.pid]
+        while parents:
+            for task in Path(f"/proc/{parents.pop()}/task").glob("*"):
+                try:
+                    children = [int(pid) for pid in (task / "children").read_text().split()]
+                    parents += children
+                    found += [pid for pid in children
+                              if self.script.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                except (FileNotFoundError, ProcessLookupError):
+                    continue  # ended meanwhile
+        return found
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                for pid in self.rank_pids():
+                    os.kill(pid, signal.SIGKILL)
+                self.process.kill()
+
+    def output(self) -> str:
+        return f"stdout:\n{self.stdout.read_text()}\nstderr:\n{self.stderr.read_text()[-3000:]}"
+
+
+def step_directories(root: Path) -> list[str]:
+    return sorted(path.name for path in root.glob("step-*"))
+
+
+def assert_same_training_state(ours: dict, reference: dict) -> None:
+    """Two consolidated checkpoints hold the same parameters, AdamW state and schedule, bit for bit."""
+    assert ours["model"].keys() == reference["model"].keys()
+    for name, tensor in reference["model"].items():
+        assert torch.equal(ours["model"][name], tensor), name
+    assert ours["optimizer"]["state"].keys() == reference["optimizer"]["state"].keys()
+    for name, state in reference["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(ours["optimizer"]["state"][name][key]), torch.as_tensor(value)), name
+    assert ours["extra"]["schedule"] == reference["extra"]["schedule"]
+
+
+@needs_data
+def test_a_run_stopped_by_a_signal_on_one_rank_and_resumed_ends_as_if_never_stopped(tmp_path):
+    # Never stopped; --resume with an empty --checkpoint-dir starts fresh and says so.
+    whole = launch("run_bert.py", 2, *BERT, "--out-dir", tmp_path / "whole-csv", "--checkpoint-dir",
+                   tmp_path / "whole", "--resume")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert f"--resume: no checkpoint in {tmp_path / 'whole'} yet; starting fresh" in whole.stdout
+    assert step_directories(tmp_path / "whole") == [f"step-{BERT_TOTAL_STEPS:08d}"]
+
+    # The same run, sent SIGUSR1 on one rank once its first checkpoint is complete: the ranks agree on a step.
+    parts, csv_dir = tmp_path / "parts", tmp_path / "parts-csv"
+    (tmp_path / "stopped").mkdir()
+    started = Started("run_bert.py", tmp_path / "stopped", *BERT, "--out-dir", csv_dir, "--checkpoint-dir", parts,
+                      "--checkpoint-every", 1)
+    started.wait_until(lambda: (parts / "latest").exists())
+    ranks = started.rank_pids()
+    assert len(ranks) == 2
+    os.kill(ranks[-1], signal.SIGUSR1)
+    assert started.finish() == STOPPED_WITH_CHECKPOINT, started.output()
+    stop = STOP_LINE.search(started.stdout.read_text())
+    assert stop and int(stop[2]) == BERT_TOTAL_STEPS, started.output()
+    step = int(stop[1])
+    assert f"checkpoint in {parts / f'step-{step:08d}'}: run the same command with --resume" in stop.string
+    assert (parts / "latest").read_text() == f"step-{step:08d}\n"
+    assert step_directories(parts) == [f"step-{s:08d}" for s in (step - 1, step) if s > 0]  # the newest 2 kept
+    assert len(read_rows(csv_dir)) == (step - 1) // BERT_STEPS_PER_EPOCH  # the epochs validated before the stop
+
+    # A resume with other options is refused, and changes nothing.
+    refused = launch("run_bert.py", 2, *BERT, "--seed", 1, "--out-dir", csv_dir, "--checkpoint-dir", parts, "--resume")
+    assert refused.returncode == 2 and "--seed 0 (now 1); resume with the same ones" in refused.stderr
+    assert (parts / "latest").read_text() == f"step-{step:08d}\n"
+
+    resumed = launch("run_bert.py", 2, *BERT, "--out-dir", csv_dir, "--checkpoint-dir", parts, "--checkpoint-every", 1,
+                     "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {parts / f'step-{step:08d}'}: epoch {(step - 1) // BERT_STEPS_PER_EPOCH}, " \
+           f"after optimizer step {step} of {BERT_TOTAL_STEPS}" in resumed.stdout
+    assert step_directories(parts) == [f"step-{s:08d}" for s in (BERT_TOTAL_STEPS - 1, BERT_TOTAL_STEPS)]
+
+    # Every epoch's row, also one trained partly before the stop, and the final state, bit for bit.
+    expected, rows = read_rows(tmp_path / "whole-csv"), read_rows(csv_dir)
+    assert len(rows) == len(expected) == 2 and rows[0]["run_id"] == rows[1]["run_id"]
+    for row, reference in zip(rows, expected):
+        for column in ("epoch", "steps", "train_loss", "val_loss", "val_mlm_accuracy", "val_nsp_accuracy"):
+            assert row[column] == reference[column], column
+    final = f"step-{BERT_TOTAL_STEPS:08d}"
+    assert_same_training_state(consolidate_checkpoint(parts / final),
+                               consolidate_checkpoint(tmp_path / "whole" / final))
+
+
+@needs_data
+def test_a_signal_without_a_checkpoint_dir_stops_between_steps_with_the_rows_so_far(tmp_path):
+    # mpiexec (MPICH's hydra) passes SIGUSR1 on to every rank. 2 x 150 steps of about 10 ms: the signal,
+    # sent once epoch 0 is done, lands in epoch 1.
+    started = Started("run_gpt2.py", tmp_path, *QUICK, "--steps-per-epoch", 150, "--out-dir", tmp_path / "csv")
+    started.wait_until(lambda: "epoch 0:" in started.stdout.read_text())
+    started.process.send_signal(signal.SIGUSR1)
+    assert started.finish() == STOPPED_WITHOUT_CHECKPOINT, started.output()
+    stop = STOP_LINE.search(started.stdout.read_text())
+    assert stop and 150 < int(stop[1]) <= int(stop[2]) == 300, started.output()
+    assert "without a checkpoint (no --checkpoint-dir): it cannot continue (exit code 4)" in stop.string
+    assert [row["epoch"] for row in read_rows(tmp_path / "csv")] == ["0"]
+    assert "Traceback" not in started.stderr.read_text()
+
+
+@needs_data
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "ddp", "--checkpoint-dir", "{tmp}/ck"], "--checkpoint-dir needs --strategy fsdp-mpi"),
+    (["--strategy", "lightning-ddp", "--checkpoint-dir", "{tmp}/ck"], "--checkpoint-dir needs --strategy fsdp-mpi"),
+    (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
+    (["--checkpoint-dir", "{tmp}/full"], "{tmp}/full already holds checkpoints: pass --resume"),
+])
+def test_checkpoint_options_that_cannot_work_fail_cleanly(tmp_path, args, message):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "latest").write_text("step-00000003\n")
+    result = launch("run_gpt2.py", 2, *[arg.format(tmp=tmp_path) for arg in args], "--out-dir", tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert message.format(tmp=tmp_path) in result.stderr and "Traceback" not in result.stderr
+    assert not list(tmp_path.glob("*.csv")) and not (tmp_path / "ck").exists()
