@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from data import default_data_dir
 from datasets import IGNORE_INDEX, cornell_pairs
 from tokenization import BertTokenizer
-from training import UsageError, argument_parser, main
+from options import UsageError, argument_parser
+from training import main
 
 from models.bert import BERT_CONFIGS, BertForPreTraining, BertLayer, bert_config
 

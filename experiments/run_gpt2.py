@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from data import default_data_dir
 from datasets import shakespeare_windows
 from tokenization import CharTokenizer, GPT2Tokenizer, save_description
-from training import UsageError, argument_parser, main
+from options import UsageError, argument_parser
+from training import main
 
 from models.gpt2 import GPT2_CONFIGS, GPT2Block, GPT2LMHeadModel, gpt2_config
 

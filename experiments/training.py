@@ -1,4 +1,4 @@
-"""What both experiments share: command line, start-up checks, the training loop and the CSV rows.
+"""What both experiments share: start-up, the training loop and the CSV rows (the command line is ``options``).
 
 An experiment supplies a *task* (``run_gpt2.GPT2Task``, ``run_bert.BertTask``):
 its datasets (``train``, ``val``: ``len()`` and ``batch(indices, epoch)``),
@@ -27,85 +27,16 @@ import torch
 from mpi4py import MPI
 
 from data import DataError
+from options import UsageError, check_arguments, check_checkpoint_options
 from recipe import optimizer_and_schedule
 from results import CsvWriter, git_commit, measured_peak_flops, model_state_bytes, peak_rss_mb
-from resume import LATEST, EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
+from resume import EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
 from sampling import global_batch_size, rank_batches, steps_per_epoch
-from strategies import PRECISIONS, STRATEGIES, Prepared, full_state_dict_on_rank0, local_rank, prepare
+from strategies import Prepared, full_state_dict_on_rank0, local_rank, prepare
 
 from fsdp_mpi import CheckpointError as ShardedCheckpointError
 from fsdp_mpi import abort_job_on_uncaught_exception
 from models.checkpoint import CheckpointError
-
-
-class UsageError(Exception):
-    """A combination of options that cannot run here."""
-
-
-def argument_parser(description: str, model_choices, defaults: dict) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    add = parser.add_argument
-    add("--model", default=defaults["model"], choices=model_choices, help="named model configuration")
-    add("--strategy", default="fsdp-mpi", choices=STRATEGIES, help="who trains (default: %(default)s)")
-    add("--epochs", type=int, default=defaults["epochs"])
-    add("--steps-per-epoch", type=int, default=defaults["steps_per_epoch"], help="optimizer steps; 0: the whole epoch")
-    add("--batch-size", type=int, default=defaults["batch_size"], help="samples per rank per micro-batch")
-    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: %(default)s)")
-    add("--accum-no-sync", action="store_true",
-        help="reduce gradients only on an optimizer step's last micro-batch (sharded strategies otherwise reduce each)")
-    add("--seq-len", type=int, default=defaults["seq_len"])
-    add("--precision", default="32", choices=list(PRECISIONS),
-        help="32, or 16-bit compute over fp32 weights: bf16-mixed, 16-mixed (fp16, loss scaling) (default: %(default)s)")
-    add("--lr", type=float, default=defaults["lr"], help="peak learning rate (default: %(default)s)")
-    add("--warmup-steps", type=int, default=None,
-        help="optimizer steps of linear warm-up (default: a tenth of the run's steps)")
-    add("--weight-decay", type=float, default=0.1, help="AdamW's, on weights and embeddings (default: %(default)s)")
-    add("--clip-norm", type=float, default=1.0, help="gradient-norm clipping threshold; 0: none (default: %(default)s)")
-    add("--seed", type=int, default=0)
-    add("--val-steps", type=int, default=10, help="validation batches per rank after each epoch")
-    add("--threads", type=int, default=1, help="torch threads per rank")
-    add("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: one GPU per rank if any")
-    add("--data-dir", default=None, help="default: $FSDP_MPI_DATA_DIR, else ~/.cache/fsdp_mpi/data")
-    add("--no-download", action="store_true", help="never fetch missing data files")
-    add("--out-dir", default="results", help="where the CSV goes (default: %(default)s)")
-    add("--run-id", default=None, help="default: experiment, strategy, ranks and a random suffix")
-    add("--save-dir", default=None, help="save the trained model here (Hugging Face layout)")
-    add("--no-progress", action="store_true", help="no progress bar")
-    add("--checkpoint-dir", default=None,
-        help="fsdp-mpi: save resumable checkpoints here (DIR/step-NNNNNNNN/, DIR/latest), at the end and on "
-             "SIGTERM or SIGUSR1")
-    add("--checkpoint-every", type=int, default=0,
-        help="optimizer steps between checkpoints; 0: only at the end and on a signal (default: %(default)s)")
-    add("--resume", action="store_true",
-        help="continue from the latest checkpoint in --checkpoint-dir; start fresh if there is none")
-    return parser
-
-
-def check_checkpoint_options(parser: argparse.ArgumentParser, args) -> None:
-    """Refuses checkpoint options that cannot work (argparse's usage error: exit code 2)."""
-    if args.checkpoint_dir is None and (args.resume or args.checkpoint_every):
-        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
-    if args.checkpoint_dir is not None and args.strategy != "fsdp-mpi":
-        parser.error(f"--checkpoint-dir needs --strategy fsdp-mpi: {args.strategy} runs cannot be checkpointed "
-                     "and resumed here (leave out --checkpoint-dir, --checkpoint-every and --resume)")
-    if args.checkpoint_every < 0:
-        parser.error("--checkpoint-every must be 0 (only at the end and on a signal) or positive")
-
-
-def check_arguments(args) -> None:
-    for name in ("epochs", "batch_size", "grad_accum", "seq_len", "threads", "val_steps"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.steps_per_epoch < 0:
-        raise UsageError("--steps-per-epoch must be 0 (whole epoch) or positive")
-    if not args.lr > 0:
-        raise UsageError("--lr must be positive")
-    for name in ("warmup_steps", "weight_decay", "clip_norm"):
-        if (getattr(args, name) or 0) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
-    if args.checkpoint_dir and not args.resume and (Path(args.checkpoint_dir) / LATEST).exists():
-        raise UsageError(f"{args.checkpoint_dir} already holds checkpoints: pass --resume to continue from the "
-                         "latest, or choose another --checkpoint-dir")
 
 
 def pick_device(choice: str, comm: MPI.Comm) -> torch.device:

@@ -129,7 +129,7 @@ def _split_optimizer_state(optimizer, params: list[ShardedParameter]):
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == view_of[name].shape:
                 tensors[f"optim/{name}/{key}"] = value
                 keys.setdefault(name, []).append(key)
-            elif isinstance(value, (torch.Tensor, int, float, bool)) and getattr(value, "dim", lambda: 0)() == 0:
+            elif isinstance(value, (int, float, bool)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
                 scalars.setdefault(name, {})[key] = value.cpu() if isinstance(value, torch.Tensor) else value
             else:
                 raise CheckpointError(f"optimizer state {key!r} of {name} is neither one value per element nor a "
@@ -313,14 +313,14 @@ def consolidate_checkpoint(directory: str | os.PathLike) -> dict:
     state = reader.state()
     model, optimizer = dict(state["buffers"]), None
     for name, entry in reader.index["parameters"].items():
-        full = reader.read(name, 0, _numel(entry["shape"])).view(entry["shape"])
+        full = reader.read(name, 0, torch.Size(entry["shape"]).numel()).view(entry["shape"])
         for alias in [name, *entry["aliases"]]:
             model[alias] = full
     if "optimizer" in state:
         optimizer = {"param_groups": state["optimizer"]["param_groups"], "state": {}}
         for name, entry in reader.index["parameters"].items():
             keys = reader.index["optimizer_keys"].get(name, [])
-            per_element = {key: reader.read(name, 0, _numel(entry["shape"]), state_key=key).view(entry["shape"])
+            per_element = {key: reader.read(name, 0, torch.Size(entry["shape"]).numel(), state_key=key).view(entry["shape"])
                            for key in keys}
             if per_element or name in state["optimizer"]["scalars"]:
                 optimizer["state"][name] = {**state["optimizer"]["scalars"].get(name, {}), **per_element}
@@ -378,13 +378,6 @@ def _fsync_directory(directory: Path) -> None:
 
 def _listing(names: list[str], most: int = 8) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _on_every_rank(comm: Communicator, work):

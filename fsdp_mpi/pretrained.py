@@ -110,9 +110,7 @@ def _read_range(file, key: str, shape: list[int], start: int, stop: int) -> torc
         return torch.empty(0)
     if len(shape) <= 1:
         return file.get_slice(key)[start:stop].reshape(-1)
-    row = 1
-    for size in shape[1:]:
-        row *= size
+    row = torch.Size(shape[1:]).numel()
     first, last = start // row, -(-stop // row)
     rows = file.get_slice(key)[first:last].reshape(-1)  # at most two rows more than asked for
     return rows[start - first * row:stop - first * row]

@@ -111,12 +111,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, strict: bool = Tru
     Raises RuntimeError naming missing, unexpected or mis-shaped entries before
     changing anything (missing and unexpected ones only when `strict`).
     """
-    targets = {}  # original name -> (handle, slot) or buffer
-    for prefix, unit in _units_by_prefix(module):
-        for handle in unit.handles:
-            for slot in handle.slots:
-                for use in slot.uses:
-                    targets[_join(prefix, use.name)] = (handle, slot)
+    # original name -> (handle, slot) or buffer
+    targets = {name: (param.handle, param.slot) for param in sharded_parameters(module) for name in param.names}
     for name, buffer in persistent_buffers(module):
         targets[name] = buffer
     missing = sorted(set(targets) - set(state_dict))

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from mpi_launch import mpiexec
 from resume import STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT
+from test_checkpoint import assert_same_parameters_and_optimizer_state
 from test_experiments import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
 
 from fsdp_mpi import consolidate_checkpoint
@@ -80,13 +80,7 @@ def step_directories(root: Path) -> list[str]:
 
 def assert_same_training_state(ours: dict, reference: dict) -> None:
     """Two consolidated checkpoints hold the same parameters, AdamW state and schedule, bit for bit."""
-    assert ours["model"].keys() == reference["model"].keys()
-    for name, tensor in reference["model"].items():
-        assert torch.equal(ours["model"][name], tensor), name
-    assert ours["optimizer"]["state"].keys() == reference["optimizer"]["state"].keys()
-    for name, state in reference["optimizer"]["state"].items():
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(ours["optimizer"]["state"][name][key]), torch.as_tensor(value)), name
+    assert_same_parameters_and_optimizer_state(ours, reference)
     assert ours["extra"]["schedule"] == reference["extra"]["schedule"]
 
 

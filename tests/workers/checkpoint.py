@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 
 import torch
-from common import bert_batch, gpt_batch, local_part, write_json
+from common import gpt_batch, local_part, write_json
 
 from fsdp_mpi import (CheckpointError, Communicator, FullyShardedDataParallel, ModuleWrapPolicy, export_pretrained,
                       full_state_dict, load_checkpoint, load_pretrained, save_checkpoint)
