@@ -35,16 +35,20 @@ _SUM_IN_FP32 = (torch.float16, torch.bfloat16)
 
 
 class Pending:
-    """A collective started without waiting; ``wait()`` completes it (once; later calls do nothing)."""
+    """A collective started without waiting; ``wait()`` completes it (once; later calls do nothing).
 
-    def __init__(self, comm: "Communicator", request=None, then=None):
-        self._comm, self._request, self._then = comm, request, then
+    Holds the buffers MPI is still reading or writing, so that a caller dropping its
+    own references (a temporary send buffer, say) cannot free them under MPI.
+    """
+
+    def __init__(self, comm: "Communicator", request=None, buffers=(), then=None):
+        self._comm, self._request, self._buffers, self._then = comm, request, buffers, then
 
     def wait(self) -> None:
         if self._request is not None:
             with self._comm._in_mpi(None):
                 self._request.Wait()
-            self._request = None
+            self._request, self._buffers = None, ()
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -137,7 +141,7 @@ class Communicator:
         self.bytes_moved["all_gather"] += full.numel() * full.element_size()
         with self._in_mpi(shard):
             request = self.mpi_comm.Iallgather(_bits(shard), _bits(full))
-        return Pending(self, request)
+        return Pending(self, request, buffers=(full, shard))
 
     def start_reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> Pending:
         """Like ``reduce_scatter_mean``, returning at once: `shard` holds the mean after ``wait()``.
@@ -152,7 +156,7 @@ class Communicator:
         self.bytes_moved["reduce_scatter"] += full.numel() * full.element_size()
         with self._in_mpi(full):
             request = self.mpi_comm.Ireduce_scatter_block(_numbers(full), _numbers(shard), op=MPI.SUM)
-        return Pending(self, request, then=lambda: shard.div_(self.world_size))
+        return Pending(self, request, buffers=(full, shard), then=lambda: shard.div_(self.world_size))
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Overwrites `tensor` on every rank with root's."""
