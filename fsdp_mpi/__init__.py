@@ -3,14 +3,15 @@
     model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
 
-Read in this order: comm -> flat_param -> mixed_precision -> lifecycle -> state_dict -> clip -> grad_scaler
--> deferred_init -> fully_sharded -> wrap; then checkpoint and pretrained (files on disk).
+Read in this order: collective_log -> comm -> flat_param -> mixed_precision -> lifecycle -> state_dict -> clip -> grad_scaler
+-> deferred_init -> fully_sharded -> wrap; then checkpoint and pretrained (files on disk) and even_batches.
 """
 
 from fsdp_mpi.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_mpi.clip import clip_grad_norm_
-from fsdp_mpi.comm import Communicator
+from fsdp_mpi.comm import CollectiveMismatchError, Communicator
+from fsdp_mpi.even_batches import even_batches
 from fsdp_mpi.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.grad_scaler import ShardedGradScaler
 from fsdp_mpi.lifecycle import TrainingState
@@ -23,6 +24,7 @@ from fsdp_mpi.wrap import ModuleWrapPolicy, SizeBasedWrapPolicy
 __all__ = [
     "FSDP",
     "CheckpointError",
+    "CollectiveMismatchError",
     "Communicator",
     "FullyShardedDataParallel",
     "MixedPrecision",
@@ -35,6 +37,7 @@ __all__ = [
     "abort_job_on_uncaught_exception",
     "clip_grad_norm_",
     "consolidate_checkpoint",
+    "even_batches",
     "export_pretrained",
     "full_state_dict",
     "load_checkpoint",

@@ -19,6 +19,15 @@ SECONDS_TO_FLUSH_BEFORE_ABORT = 1.0
 _installed = False
 
 
+def abort_job(message: str, mpi_comm=None) -> None:
+    """Prints `message` on this rank's stderr, lets it reach the launcher, then ends every rank of the job."""
+    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()
+    time.sleep(SECONDS_TO_FLUSH_BEFORE_ABORT)
+    comm.Abort(1)
+
+
 def abort_job_on_uncaught_exception(mpi_comm=None) -> None:
     """Makes an uncaught exception on any thread of this rank abort the whole MPI job.
 
@@ -34,10 +43,7 @@ def abort_job_on_uncaught_exception(mpi_comm=None) -> None:
     print_thread_exception = threading.excepthook
 
     def end_job(exc_type) -> None:
-        sys.stderr.write(f"fsdp_mpi: rank {comm.Get_rank()} raised {exc_type.__name__}; aborting the MPI job\n")
-        sys.stderr.flush()
-        time.sleep(SECONDS_TO_FLUSH_BEFORE_ABORT)
-        comm.Abort(1)
+        abort_job(f"fsdp_mpi: rank {comm.Get_rank()} raised {exc_type.__name__}; aborting the MPI job", comm)
 
     def abort(exc_type, exc_value, exc_traceback):
         print_exception(exc_type, exc_value, exc_traceback)

@@ -8,8 +8,13 @@ CPU tensors too, so that tests exercise that path without a GPU.
 
 Callers that hand in tensors autograd saved for backward pass ``tensor.data``
 aliases: MPI writes do not bump version counters, but staging's copy-back would.
+
+Every call is recorded in the process's collective log and watched for hangs
+(``collective_log``); in verify mode the ranks first check that they are all
+entering the same collective.
 """
 
+import hashlib
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -17,6 +22,7 @@ from contextlib import contextmanager
 import torch
 from mpi4py import MPI
 
+from fsdp_mpi.collective_log import PROCESS_LOG, VERIFY_ENV, CollectiveRecord, timeout_from_environment
 from fsdp_mpi.gpu_support import FORCE_STAGING_ENV, HostStagingBuffers, env_flag, mpi_is_cuda_aware
 
 # MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
@@ -41,12 +47,13 @@ class Pending:
     own references (a temporary send buffer, say) cannot free them under MPI.
     """
 
-    def __init__(self, comm: "Communicator", request=None, buffers=(), then=None):
-        self._comm, self._request, self._buffers, self._then = comm, request, buffers, then
+    def __init__(self, comm: "Communicator", request=None, record: CollectiveRecord | None = None, buffers=(),
+                 then=None):
+        self._comm, self._request, self._record, self._buffers, self._then = comm, request, record, buffers, then
 
     def wait(self) -> None:
         if self._request is not None:
-            with self._comm._in_mpi(None):
+            with self._comm._waiting(self._record):
                 self._request.Wait()
             self._request, self._buffers = None, ()
         if self._then is not None:
@@ -67,6 +74,10 @@ def _numbers(tensor: torch.Tensor) -> list:
     return [tensor.detach(), _SUM_TYPES[tensor.dtype]]
 
 
+class CollectiveMismatchError(RuntimeError):
+    """Verify mode: the ranks were about to enter different collectives."""
+
+
 class Communicator:
     """Collectives on torch tensors over one MPI communicator (``MPI.COMM_WORLD`` by default).
 
@@ -76,14 +87,27 @@ class Communicator:
             MPI could read it in place. Defaults to ``FSDP_MPI_FORCE_STAGING``.
         cuda_aware: whether MPI accepts device buffers. Defaults to asking the
             library (``FSDP_MPI_CUDA_AWARE`` overrides).
+        timeout: seconds a rank may wait in one collective before it reports what
+            it waits in and aborts the job; 0 never. Defaults to ``FSDP_MPI_TIMEOUT``, else 600.
+        verify: before every collective, check that all ranks enter the same one
+            (one extra small reduction each) and raise ``CollectiveMismatchError``,
+            naming them, if not. Defaults to ``FSDP_MPI_VERIFY``.
     """
 
-    def __init__(self, mpi_comm=None, *, force_staging: bool | None = None, cuda_aware: bool | None = None):
+    def __init__(self, mpi_comm=None, *, force_staging: bool | None = None, cuda_aware: bool | None = None,
+                 timeout: float | None = None, verify: bool | None = None):
+        if not MPI.Is_initialized():  # a program that set mpi4py.rc.initialize = False and has not yet
+            raise RuntimeError("MPI is not initialised: call mpi4py's MPI.Init_thread() before building a Communicator")
         self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
         self.cuda_aware = mpi_is_cuda_aware() if cuda_aware is None else cuda_aware
         self.force_staging = bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None else force_staging
+        self.timeout = timeout_from_environment() if timeout is None else float(timeout)
+        self.verify = bool(env_flag(VERIFY_ENV)) if verify is None else verify
+        # Open MPI's nonblocking reductions crash on device buffers: there they run blocking.
+        self.device_reductions_in_background = "Open MPI" not in MPI.Get_library_version()
+        self.collectives_started = 0  # the next collective's sequence number, the same on every rank
         self.max_elements_per_message = MAX_ELEMENTS_PER_MESSAGE
         self.seconds_in_mpi = 0.0  # wall time blocked inside MPI calls, for profiling
         # Bytes of the full buffer each collective fills (all-gather) or reads (reduce-scatter) on this rank,
@@ -92,42 +116,43 @@ class Communicator:
         self._staging = HostStagingBuffers()
 
     # ----------------------------------------------------------------- collectives
+    # `unit` names the sharded unit a collective serves, for the collective log and verify mode.
 
-    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> None:
         """full (world_size * S,) <- every rank's shard (S,), in rank order."""
         shard_numel = shard.numel()
         self._check_pair(full, shard, "all_gather_into")
         chunk = self.max_elements_per_message
         if shard_numel <= chunk:
-            self._allgather(full, shard)
+            self._allgather(full, shard, unit)
             return
         full_by_rank = full.view(self.world_size, shard_numel)
         for start in range(0, shard_numel, chunk):
             stop = min(start + chunk, shard_numel)
             gathered = torch.empty(self.world_size, stop - start, dtype=full.dtype, device=full.device)
-            self._allgather(gathered, shard[start:stop])
+            self._allgather(gathered, shard[start:stop], unit)
             full_by_rank[:, start:stop].copy_(gathered)
 
-    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> None:
         """shard (S,) <- mean over ranks of their full[rank * S:(rank + 1) * S]."""
         self._check_pair(full, shard, "reduce_scatter_mean")
         if shard.dtype in _SUM_IN_FP32:
             shard_fp32 = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
-            self.reduce_scatter_mean(shard_fp32, full.float())
+            self.reduce_scatter_mean(shard_fp32, full.float(), unit)
             shard.copy_(shard_fp32)
             return
         shard_numel = shard.numel()
         chunk = self.max_elements_per_message
         if shard_numel <= chunk:
-            self._reduce_scatter(shard, full)
+            self._reduce_scatter(shard, full, unit)
         else:
             full_by_rank = full.view(self.world_size, shard_numel)
             for start in range(0, shard_numel, chunk):
                 stop = min(start + chunk, shard_numel)
-                self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous())
+                self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)
         shard.div_(self.world_size)
 
-    def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
+    def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> Pending:
         """Like ``all_gather_into``, returning before the data has arrived: ``wait()`` before reading `full`.
 
         Only a direct (unstaged, unchunked) transfer is left running; the others complete here.
@@ -136,27 +161,24 @@ class Communicator:
         """
         self._check_pair(full, shard, "start_all_gather_into")
         if self._needs_staging(full) or shard.numel() > self.max_elements_per_message:
-            self.all_gather_into(full, shard)
+            self.all_gather_into(full, shard, unit)
             return Pending(self)
         self.bytes_moved["all_gather"] += full.numel() * full.element_size()
-        with self._in_mpi(shard):
+        with self._collective("all_gather", shard, unit, finishes=False) as record:
             request = self.mpi_comm.Iallgather(_bits(shard), _bits(full))
-        return Pending(self, request, buffers=(full, shard))
+        return Pending(self, request, record, buffers=(full, shard))
 
-    def start_reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> Pending:
-        """Like ``reduce_scatter_mean``, returning at once: `shard` holds the mean after ``wait()``.
-
-        `full` must not be changed or freed before then.
-        """
+    def start_reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> Pending:
+        """Like ``reduce_scatter_mean``, returning at once: `shard` holds the mean after ``wait()``."""
         self._check_pair(full, shard, "start_reduce_scatter_mean")
         direct = not self._needs_staging(full) and shard.numel() <= self.max_elements_per_message
-        if not direct or shard.dtype in _SUM_IN_FP32:
-            self.reduce_scatter_mean(shard, full)
+        if not direct or shard.dtype in _SUM_IN_FP32 or (full.is_cuda and not self.device_reductions_in_background):
+            self.reduce_scatter_mean(shard, full, unit)
             return Pending(self)
         self.bytes_moved["reduce_scatter"] += full.numel() * full.element_size()
-        with self._in_mpi(full):
+        with self._collective("reduce_scatter", full, unit, finishes=False) as record:
             request = self.mpi_comm.Ireduce_scatter_block(_numbers(full), _numbers(shard), op=MPI.SUM)
-        return Pending(self, request, buffers=(full, shard), then=lambda: shard.div_(self.world_size))
+        return Pending(self, request, record, buffers=(full, shard), then=lambda: shard.div_(self.world_size))
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Overwrites `tensor` on every rank with root's."""
@@ -167,46 +189,51 @@ class Communicator:
             part = flat[start:start + self.max_elements_per_message]
             host = self._host_copy(part, "broadcast", load=self.rank == root)
             self.bytes_moved["broadcast"] += part.numel() * part.element_size()
-            with self._in_mpi(part):
+            with self._collective("broadcast", part):
                 self.mpi_comm.Bcast(_bits(host), root=root)
             if host is not part:
                 part.copy_(host)
 
     def allgather_object(self, obj) -> list:
         """Every rank's small picklable `obj`, in rank order (for checks, not tensors)."""
-        with self._in_mpi(None):
+        with self._collective("allgather_object"):
             return self.mpi_comm.allgather(obj)
 
     def allreduce_sum_float(self, value: float) -> float:
         """Sum of a Python float over ranks (losses, counters)."""
-        with self._in_mpi(None):
+        with self._collective("allreduce_sum", numel=1, dtype="float64"):
             return self.mpi_comm.allreduce(float(value), op=MPI.SUM)
 
     def allreduce_max_float(self, value: float) -> float:
         """Maximum of a Python float over ranks."""
-        with self._in_mpi(None):
+        with self._collective("allreduce_max", numel=1, dtype="float64"):
             return self.mpi_comm.allreduce(float(value), op=MPI.MAX)
 
+    def allreduce_min_float(self, value: float) -> float:
+        """Minimum of a Python float over ranks."""
+        with self._collective("allreduce_min", numel=1, dtype="float64"):
+            return self.mpi_comm.allreduce(float(value), op=MPI.MIN)
+
     def barrier(self) -> None:
-        with self._in_mpi(None):
+        with self._collective("barrier"):
             self.mpi_comm.Barrier()
 
     # ----------------------------------------------------------------- internals
 
-    def _allgather(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+    def _allgather(self, recv: torch.Tensor, send: torch.Tensor, unit: str) -> None:
         send_host = self._host_copy(send, "allgather_send", load=True)
         recv_host = self._host_copy(recv, "allgather_recv", load=False)
         self.bytes_moved["all_gather"] += recv.numel() * recv.element_size()
-        with self._in_mpi(send):
+        with self._collective("all_gather", send, unit):
             self.mpi_comm.Allgather(_bits(send_host), _bits(recv_host))
         if recv_host is not recv:
             recv.copy_(recv_host)
 
-    def _reduce_scatter(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+    def _reduce_scatter(self, recv: torch.Tensor, send: torch.Tensor, unit: str) -> None:
         send_host = self._host_copy(send, "reduce_scatter_send", load=True)
         recv_host = self._host_copy(recv, "reduce_scatter_recv", load=False)
         self.bytes_moved["reduce_scatter"] += send.numel() * send.element_size()
-        with self._in_mpi(send):
+        with self._collective("reduce_scatter", send, unit):
             self.mpi_comm.Reduce_scatter_block(_numbers(send_host), _numbers(recv_host), op=MPI.SUM)
         if recv_host is not recv:
             recv.copy_(recv_host)
@@ -224,15 +251,61 @@ class Communicator:
         return host.view_as(tensor)
 
     @contextmanager
-    def _in_mpi(self, tensor: torch.Tensor | None):
-        """Times an MPI call; first lets the GPU finish writing a device buffer MPI will read."""
-        if tensor is not None and tensor.is_cuda:
-            torch.cuda.current_stream(tensor.device).synchronize()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds_in_mpi += time.perf_counter() - start
+    def _collective(self, operation: str, sent: torch.Tensor | None = None, unit: str = "", *, numel: int = 0,
+                    dtype: str = "", finishes: bool = True):
+        """Every MPI call runs inside this: logged, checked across ranks in verify mode, watched and timed.
+
+        `sent` is the tensor this rank contributes (its size and dtype are logged);
+        a device tensor is first synchronised so that MPI reads what the GPU wrote.
+        A nonblocking call passes ``finishes=False``: its ``Pending.wait()`` completes the record.
+        """
+        if sent is not None:
+            numel, dtype = sent.numel(), str(sent.dtype).removeprefix("torch.")
+        record = PROCESS_LOG.begin(self.collectives_started, operation, unit, numel, dtype)
+        self.collectives_started += 1
+        with PROCESS_LOG.blocking(record, self.timeout, self.rank, finishes):
+            if self.verify:
+                self._verify_every_rank_enters(record)
+            if sent is not None and sent.is_cuda:
+                torch.cuda.current_stream(sent.device).synchronize()
+            start = time.perf_counter()
+            try:
+                yield record
+            finally:
+                self.seconds_in_mpi += time.perf_counter() - start
+
+    @contextmanager
+    def _waiting(self, record: CollectiveRecord):
+        """Completing a nonblocking collective: watched and timed like a blocking one."""
+        with PROCESS_LOG.blocking(record, self.timeout, self.rank):
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.seconds_in_mpi += time.perf_counter() - start
+
+    def _verify_every_rank_enters(self, record: CollectiveRecord) -> None:
+        """Raises CollectiveMismatchError on every rank unless all ranks are entering the same collective.
+
+        Every rank calls this before every collective, so its own two calls always
+        match each other in MPI whatever the ranks were about to do.
+        """
+        digest = int.from_bytes(hashlib.blake2b(record.fingerprint().encode(), digest_size=7).digest(), "little")
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64)  # max and -min of the digests over ranks
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, [extremes, MPI.INT64_T], op=MPI.MAX)
+        if extremes[0] == -extremes[1]:
+            return
+        entering = self.mpi_comm.allgather(record.describe())
+        ranks_by_collective: dict[str, list[int]] = {}
+        for rank, description in enumerate(entering):
+            ranks_by_collective.setdefault(description, []).append(rank)
+        lines = [f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {description}"
+                 for description, ranks in ranks_by_collective.items()]
+        raise CollectiveMismatchError(
+            f"ranks are entering different collectives ({VERIFY_ENV}):\n" + "\n".join(lines) + "\n"
+            "Every rank must run the same units in the same order with the same shapes: look for control flow "
+            "that depends on the rank or its data, a unit skipped on some ranks, or different model code.\n"
+            f"Last collectives on rank {self.rank}, oldest first:\n{PROCESS_LOG.recent()}")
 
     def _check_pair(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> None:
         if full.numel() != shard.numel() * self.world_size:

@@ -73,7 +73,8 @@ class FlatParamHandle:
         params: each original parameter with every place it is used, in an order
             that is identical on every rank.
         comm: the communicator whose ranks share the shards.
-        unit_name: for error messages (which unit owns a parameter).
+        unit_name: for error messages (which unit owns a parameter) and the collective log; the
+            root renames it to the unit's module path once the whole model is wrapped.
         param_dtype: the dtype gathered and computed with (None: the parameters' own).
         reduce_dtype: the dtype gradients are averaged in (None: the parameters' own).
         device: where the shard lives. Parameters on the ``meta`` device (deferred
@@ -87,6 +88,7 @@ class FlatParamHandle:
         first = params[0][0]
         device = first.device if device is None or not first.is_meta else device
         self.comm = comm
+        self.unit_name = unit_name
         self.requires_grad = first.requires_grad
         low_precision_applies = first.is_floating_point()
         self.param_dtype = param_dtype if param_dtype and low_precision_applies else first.dtype
@@ -119,8 +121,8 @@ class FlatParamHandle:
         # True from a forward that autograd records until this handle's gradient is reduced.
         self.awaiting_gradient = False
         self._full_views: list[torch.Tensor] | None = None  # the last forward's views, one per slot
-        self._pending_gather = None  # (Pending, the cast shard it sends) of a prefetch in flight
-        self._pending_reduction = None  # (Pending, shard_grad, full_grad) of an asynchronous reduce-scatter
+        self._pending_gather = None  # the Pending of a prefetch in flight
+        self._pending_reduction = None  # (Pending, shard_grad) of an asynchronous reduce-scatter
 
         # The sharded views replace the original parameters under their names (tied ones stay one object).
         self.sharded_views: list[nn.Parameter] = []
@@ -147,23 +149,23 @@ class FlatParamHandle:
     def unshard(self) -> None:
         """All-gathers the full parameters into ``full_flat`` (a no-op if they are there)."""
         if self._pending_gather is not None:
-            self._pending_gather[0].wait()
+            self._pending_gather.wait()
             self._pending_gather = None
         elif not self.is_unsharded:
             self._allocate_full_storage()
-            self.comm.all_gather_into(self.full_flat.data, self.shard.to(self.param_dtype))
+            self.comm.all_gather_into(self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
 
     def start_unshard(self) -> None:
         """Starts gathering without waiting (a prefetch); ``unshard()`` completes it."""
         if self._pending_gather is None and not self.is_unsharded:
             self._allocate_full_storage()
-            sent = self.shard.to(self.param_dtype)  # kept alive until MPI has read it
-            self._pending_gather = (self.comm.start_all_gather_into(self.full_flat.data, sent), sent)
+            self._pending_gather = self.comm.start_all_gather_into(
+                self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
 
     def gather_shard_dtype(self) -> torch.Tensor:
         """A new (padded_numel,) buffer of every rank's shard, in the shard's own dtype (for state dicts)."""
         full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
-        self.comm.all_gather_into(full, self.shard)
+        self.comm.all_gather_into(full, self.shard, self.unit_name)
         return full
 
     def reshard(self) -> None:
@@ -234,17 +236,16 @@ class FlatParamHandle:
             return
         shard_grad = torch.empty_like(self.shard, dtype=self.reduce_dtype)  # (shard_numel,)
         if asynchronous:
-            # The Pending keeps no reference to full_grad; this tuple does, until MPI has read it.
-            pending = self.comm.start_reduce_scatter_mean(shard_grad, full_grad.contiguous())
-            self._pending_reduction = (pending, shard_grad, full_grad)
+            pending = self.comm.start_reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)
+            self._pending_reduction = (pending, shard_grad)
         else:
-            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous())
+            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)
             self._accumulate(shard_grad)
 
     def finish_gradient_reduction(self) -> None:
         """Waits for an asynchronous reduce-scatter and adds its result to ``shard_grad``."""
         if self._pending_reduction is not None:
-            pending, shard_grad, _full_grad = self._pending_reduction
+            pending, shard_grad = self._pending_reduction
             pending.wait()
             self._pending_reduction = None
             self._accumulate(shard_grad)

@@ -97,9 +97,12 @@ class ShardedUnit:
         module.register_forward_hook(self._post_forward)
 
         # This unit is the root until an outer unit is built around it; the root knows every unit below it.
-        self.units = [unit for _, unit in units_with_names(module)]
-        for unit in self.units:
+        named_units = units_with_names(module)
+        self.units = [unit for _, unit in named_units]
+        for name, unit in named_units:
             unit.root = self
+            for handle in unit.handles:
+                handle.unit_name = name or "<root>"
         self._end_of_backward_queued = False
         self._execution_order = ExecutionOrder()
         self._reduction_in_flight: FlatParamHandle | None = None

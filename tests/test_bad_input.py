@@ -26,6 +26,7 @@ def test_parameters_on_mixed_devices():
         FullyShardedDataParallel(module)
 
 
+@pytest.mark.one_rank
 def test_wrapping_twice():
     wrapped = FullyShardedDataParallel(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="already wrapped"):

@@ -21,6 +21,7 @@ def test_cuda_awareness_can_be_overridden(monkeypatch):
         env_flag("FSDP_MPI_CUDA_AWARE")
 
 
+@pytest.mark.one_rank
 def test_library_is_asked_when_not_overridden(monkeypatch):
     monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
     from mpi4py import MPI
@@ -40,6 +41,7 @@ def test_staging_buffers_are_reused_and_grown():
     assert bigger.numel() == 100 and bigger.dtype == torch.bfloat16
 
 
+@pytest.mark.one_rank
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("force_staging", [False, True])
 def test_single_rank_collectives(dtype, force_staging):
@@ -53,6 +55,7 @@ def test_single_rank_collectives(dtype, force_staging):
     assert torch.equal(reduced, shard * 2)
 
 
+@pytest.mark.one_rank
 @pytest.mark.parametrize("value,staged", [("1", True), ("0", False), ("", False)])
 def test_force_staging_variable_routes_collectives_through_host_buffers(monkeypatch, value, staged):
     monkeypatch.setenv("FSDP_MPI_FORCE_STAGING", value)
@@ -63,12 +66,14 @@ def test_force_staging_variable_routes_collectives_through_host_buffers(monkeypa
     assert comm.force_staging is staged and bool(comm._staging._buffers) is staged
 
 
+@pytest.mark.one_rank
 def test_mismatched_buffers_are_refused():
     comm = Communicator()
     with pytest.raises(ValueError, match="full buffer has 3 elements, expected 1 x 2"):
         comm.all_gather_into(torch.empty(3), torch.empty(2))
 
 
+@pytest.mark.one_rank
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("force_staging", [False, True])
 def test_device_buffers_direct_and_staged(force_staging):

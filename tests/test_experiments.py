@@ -10,7 +10,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from mpi_launch import REPO_ROOT, mpiexec
 from torch import nn
 
@@ -59,6 +58,7 @@ def shard_on_one_rank(model: nn.Module, block_class: type) -> nn.Module:
     return sharded
 
 
+@pytest.mark.one_rank
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp-mpi"])
 def test_gpt2_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
     model = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))  # 2 blocks; lm_head.weight is transformer.wte.weight
@@ -77,6 +77,7 @@ def test_gpt2_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
     assert sum(p.numel() for group in parameter_groups(model, 0.1) for p in group["params"]) == count
 
 
+@pytest.mark.one_rank
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp-mpi"])
 def test_bert_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
     model = BertForPreTraining(bert_config("bert-tiny"))  # 2 layers; the decoder is tied to the word embeddings

@@ -29,6 +29,9 @@ DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
 RESUME = "tests/test_checkpoint.py::test_resume_on_the_same_ranks_continues_bit_for_bit"
 DAMAGE = "tests/test_checkpoint.py::test_a_damaged_file_is_named[corrupt]"
+UNEVEN = "tests/test_hangs.py::test_uneven_steps_end_with_the_watchdog_report_after_the_timeout"
+UNIT_ORDER = "tests/test_hangs.py::test_verify_mode_names_the_ranks_and_units_that_diverge"
+EVEN_BATCHES = "tests/test_hangs.py::test_even_batches_stops_every_rank_when_the_first_runs_out"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
@@ -69,15 +72,15 @@ MUTANTS = {
         "models/gpt2.py", "if self.gradient_checkpointing and self.training", "if False and self.training",
         [SWITCHES]),
     "no gradient communication": (
-        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous())",
+        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)",
         "            shard_grad.copy_(full_grad[self.shard_offset:self.shard_offset + self.shard_numel])",
         [KNOWN_ANSWER]),
     "no division by world size": (
         "fsdp_mpi/comm.py", "        shard.div_(self.world_size)\n", "        shard.div_(1)\n",
         [COLLECTIVES]),
     "gradient reduced into the wrong shard": (
-        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous())",
-        "            self.comm.reduce_scatter_mean(shard_grad, full_grad.roll(-self.shard_numel).contiguous())",
+        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)",
+        "            self.comm.reduce_scatter_mean(shard_grad, full_grad.roll(-self.shard_numel).contiguous(), self.unit_name)",
         [EQUIVALENCE]),
     "reshard frees nothing": (
         "fsdp_mpi/flat_param.py", "        if self.is_unsharded and not self.aliases_shard:\n            self._free_full_storage()",
@@ -111,11 +114,21 @@ MUTANTS = {
         "fsdp_mpi/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if True:", [HOST_MEMORY]),
     "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (
         "fsdp_mpi/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if False:", [HOST_MEMORY]),
+    "the watchdog never fires": (
+        "fsdp_mpi/collective_log.py", "if timeout > 0 and waited >= timeout:", "if False:", [UNEVEN]),
+    "verify mode compares nothing": (
+        "fsdp_mpi/comm.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
+    "verify mode ignores which unit": (
+        "fsdp_mpi/collective_log.py", 'return f"{self.sequence}|{self.operation}|{self.unit}|',
+        'return f"{self.sequence}|{self.operation}|', [UNIT_ORDER]),
+    "even_batches stops only the rank that ran out": (
+        "fsdp_mpi/even_batches.py", "if comm.allreduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
+        [EVEN_BATCHES]),
 }
 
 
 def copy_of_repository(destination: Path) -> Path:
-    ignored = shutil.ignore_patterns(".git", ".venv", "results", "runs", "__pycache__", "*.egg-info", ".pytest_cache")
+    ignored = shutil.ignore_patterns(".git", ".venv*", "results", "runs", "__pycache__", "*.egg-info", ".pytest_cache")
     shutil.copytree(REPO, destination, ignore=ignored)
     return destination
 

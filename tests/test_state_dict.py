@@ -11,16 +11,17 @@ from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy, summon_full_par
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
-@pytest.fixture
 def plain_and_wrapped():
+    """A gpt2-tiny and its wrapped copy on one rank (call it inside a `one_rank` test: it needs MPI)."""
     torch.manual_seed(0)
     plain = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
     wrapped = FullyShardedDataParallel(copy.deepcopy(plain), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
     return plain, wrapped
 
 
-def test_state_dict_has_original_names_and_values(plain_and_wrapped):
-    plain, wrapped = plain_and_wrapped
+@pytest.mark.one_rank
+def test_state_dict_has_original_names_and_values():
+    plain, wrapped = plain_and_wrapped()
     expected = plain.state_dict()
     state = wrapped.state_dict()
     assert set(state) == set(expected)
@@ -29,16 +30,18 @@ def test_state_dict_has_original_names_and_values(plain_and_wrapped):
     assert state["lm_head.weight"] is state["transformer.wte.weight"]  # still tied
 
 
-def test_saved_state_loads_into_a_plain_model(plain_and_wrapped):
-    plain, wrapped = plain_and_wrapped
+@pytest.mark.one_rank
+def test_saved_state_loads_into_a_plain_model():
+    plain, wrapped = plain_and_wrapped()
     fresh = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
     fresh.load_state_dict(wrapped.state_dict())
     tokens = torch.randint(0, 128, (2, 8))
     assert torch.equal(fresh(tokens)[0], plain(tokens)[0])
 
 
-def test_load_state_dict_round_trip(plain_and_wrapped):
-    plain, wrapped = plain_and_wrapped
+@pytest.mark.one_rank
+def test_load_state_dict_round_trip():
+    plain, wrapped = plain_and_wrapped()
     other = GPT2LMHeadModel(gpt2_config("gpt2-tiny")).state_dict()
     result = wrapped.load_state_dict(other)
     assert result.missing_keys == [] and result.unexpected_keys == []
@@ -48,8 +51,9 @@ def test_load_state_dict_round_trip(plain_and_wrapped):
     assert torch.equal(wrapped(tokens)[0], reference(tokens)[0])
 
 
-def test_load_state_dict_names_bad_entries_and_changes_nothing(plain_and_wrapped):
-    _, wrapped = plain_and_wrapped
+@pytest.mark.one_rank
+def test_load_state_dict_names_bad_entries_and_changes_nothing():
+    _, wrapped = plain_and_wrapped()
     before = wrapped.state_dict()
     bad = dict(before)
     bad["transformer.ln_f.weight"] = torch.zeros(5)
@@ -65,8 +69,9 @@ def test_load_state_dict_names_bad_entries_and_changes_nothing(plain_and_wrapped
     assert all(torch.equal(after[name], before[name]) for name in before)
 
 
-def test_summon_full_params_exposes_and_writes_back(plain_and_wrapped):
-    plain, wrapped = plain_and_wrapped
+@pytest.mark.one_rank
+def test_summon_full_params_exposes_and_writes_back():
+    plain, wrapped = plain_and_wrapped()
     with summon_full_params(wrapped):
         ln_f = wrapped.module.transformer.ln_f
         assert torch.equal(ln_f.weight, plain.transformer.ln_f.weight)

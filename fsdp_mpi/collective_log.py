@@ -1,0 +1,135 @@
+"""What each rank is doing in MPI: a log of its recent collectives, and a watchdog for the one it is stuck in.
+
+A job whose ranks diverge (one runs an extra step, skips a unit, or has
+finished) does not fail: the ranks still inside a collective wait for partners
+that never come. So every collective of a ``Communicator`` is recorded here
+(sequence number, operation, unit, size, times) in a small ring buffer, and a
+rank blocked in one collective longer than its timeout prints what it is
+waiting in and what came before, then aborts the whole job.
+
+The watchdog is one daemon thread per process, started with the first
+collective that has a timeout. mpi4py releases the GIL inside blocking MPI
+calls, so the thread runs while the main thread waits.
+"""
+
+import os
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from fsdp_mpi.abort import abort_job
+
+TIMEOUT_ENV = "FSDP_MPI_TIMEOUT"
+VERIFY_ENV = "FSDP_MPI_VERIFY"
+DEFAULT_TIMEOUT_SECONDS = 600.0
+RECORDS_KEPT = 32  # per process; the watchdog prints the last RECORDS_PRINTED of them
+RECORDS_PRINTED = 12
+
+
+def timeout_from_environment() -> float:
+    """``FSDP_MPI_TIMEOUT`` in seconds (0 turns the watchdog off), else the default of 600."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: expected a number of seconds >= 0 (0 turns the watchdog off)")
+    return seconds
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective as this rank entered it; the same `sequence` on every rank of the communicator."""
+
+    sequence: int  # collectives started on this communicator before this one
+    operation: str  # all_gather, reduce_scatter, broadcast, allreduce_sum, ...
+    unit: str  # the sharded unit it serves ("" for the root module or a non-unit collective)
+    numel: int  # elements this rank sends (0 for pickled objects)
+    dtype: str
+    started: float  # time.monotonic()
+    finished: float | None = None
+
+    def describe(self) -> str:
+        unit = f" of unit '{self.unit}'" if self.unit else ""
+        size = f", sending {self.numel:,} {self.dtype}" if self.dtype else ""
+        return f"#{self.sequence} {self.operation}{unit}{size}"
+
+    def fingerprint(self) -> str:
+        """What every rank must agree on when entering this collective (verify mode)."""
+        return f"{self.sequence}|{self.operation}|{self.unit}|{self.numel}|{self.dtype}"
+
+
+class CollectiveLog:
+    """This process's last collectives, and the one (if any) it is blocked in now."""
+
+    def __init__(self, capacity: int = RECORDS_KEPT):
+        self.records: deque[CollectiveRecord] = deque(maxlen=capacity)
+        self.blocked: tuple[CollectiveRecord, float, float, int] | None = None  # record, since, timeout, rank
+        self._watchdog: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def begin(self, sequence: int, operation: str, unit: str, numel: int, dtype: str) -> CollectiveRecord:
+        record = CollectiveRecord(sequence, operation, unit, numel, dtype, time.monotonic())
+        self.records.append(record)
+        return record
+
+    @contextmanager
+    def blocking(self, record: CollectiveRecord, timeout: float, rank: int, finishes: bool = True):
+        """Marks this rank as waiting in `record` (watched if `timeout` > 0); `finishes` stamps its end time."""
+        if timeout > 0:
+            self._start_watchdog()
+        self.blocked = (record, time.monotonic(), timeout, rank)
+        try:
+            yield
+        finally:
+            self.blocked = None
+            if finishes:
+                record.finished = time.monotonic()
+
+    def recent(self, count: int = RECORDS_PRINTED) -> str:
+        """The last `count` collectives, oldest first, one per line, with how long each took."""
+        now = time.monotonic()
+        lines = []
+        for record in list(self.records)[-count:]:
+            took = (f"took {1e3 * (record.finished - record.started):.2f} ms" if record.finished is not None
+                    else f"not finished, started {now - record.started:.1f} s ago")
+            lines.append(f"  {record.describe()}: {took}")
+        return "\n".join(lines)
+
+    def _start_watchdog(self) -> None:
+        with self._lock:
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="fsdp_mpi watchdog", daemon=True)
+                self._watchdog.start()
+
+    def _watch(self) -> None:
+        while True:
+            blocked = self.blocked
+            if blocked is None:
+                time.sleep(0.5)
+                continue
+            record, since, timeout, rank = blocked
+            waited = time.monotonic() - since
+            if timeout > 0 and waited >= timeout:
+                abort_job(self._timeout_message(record, waited, timeout, rank))
+            time.sleep(min(0.5, max(timeout - waited, 0.01)) if timeout > 0 else 0.5)
+
+    def _timeout_message(self, record: CollectiveRecord, waited: float, timeout: float, rank: int) -> str:
+        return (
+            f"fsdp_mpi watchdog: rank {rank} has waited {waited:.1f} s in collective {record.describe()}; "
+            f"its partners never arrived.\n"
+            f"Another rank has left the training loop (uneven data: give every rank the same number of steps, "
+            f"e.g. with fsdp_mpi.even_batches), is stuck outside MPI, or is waiting in a different collective "
+            f"(run with {VERIFY_ENV}=1 to find where ranks diverge).\n"
+            f"Last collectives on rank {rank}, oldest first:\n{self.recent()}\n"
+            f"The limit is {timeout:g} s: {TIMEOUT_ENV} or Communicator(timeout=...) sets it (0 turns it off).")
+
+
+# One log per process: every communicator of this rank records into it, so that the
+# watchdog's report shows the rank's whole recent history in order.
+PROCESS_LOG = CollectiveLog()

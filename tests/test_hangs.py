@@ -1,0 +1,131 @@
+"""No silent hangs: ranks that diverge get a clear error, and a rank that dies ends the whole job.
+
+Each test runs workers/hangs.py under mpiexec (under whichever MPI is installed)
+and measures how long the job took to end: a hang would hit the test's timeout.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec, run_mpi
+
+from fsdp_mpi.collective_log import TIMEOUT_ENV, CollectiveLog, timeout_from_environment
+
+# MPI start-up, importing torch and building the model take a few seconds per rank on a loaded 2-core machine.
+START_UP_SECONDS = 30
+
+
+def run_timed(mode: str, nprocs: int, out: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Runs hangs.py in `mode` with `env` added; every mode ends (or fails) well within a minute."""
+    start = time.monotonic()
+    result = run_mpi("hangs.py", nprocs, out, mode, timeout=60, env=env)
+    return result, time.monotonic() - start
+
+
+def test_uneven_steps_end_with_the_watchdog_report_after_the_timeout(tmp_path):
+    timeout = 5
+    result, elapsed = run_timed("uneven", 2, tmp_path / "out.json", **{TIMEOUT_ENV: str(timeout)})
+    assert result.returncode != 0
+    assert "rank 1 left the training loop" in result.stdout
+    report = result.stderr
+    assert f"rank 0 has waited {timeout}." in report, report
+    # What it waits in (the next step's first gather: the root unit), and the history before it.
+    assert "in collective #46 all_gather of unit '<root>', sending 6,208 float32" in report, report
+    assert "#45 reduce_scatter of unit '<root>'" in report and "not finished" in report
+    assert elapsed < timeout + START_UP_SECONDS, f"took {elapsed:.0f} s"
+
+
+def test_verify_mode_names_the_ranks_and_units_that_diverge(tmp_path):
+    result, elapsed = run_timed("unit_order", 3, tmp_path / "out.json")
+    assert result.returncode != 0
+    assert "CollectiveMismatchError: ranks are entering different collectives" in result.stderr
+    assert "ranks 0, 2: #5 all_gather of unit 'blocks.0', sending 24 float32" in result.stderr
+    assert "rank 1: #5 all_gather of unit 'blocks.1', sending 24 float32" in result.stderr
+    assert elapsed < START_UP_SECONDS, f"took {elapsed:.0f} s"
+
+
+def test_verify_mode_passes_every_switch_and_changes_no_result(tmp_path):
+    out = tmp_path / "out.json"
+    check_ok(run_mpi("hangs.py", 2, out, "verified"))
+    report = json.loads(out.read_text())
+    assert report["verified"] == report["plain"]
+
+
+def test_even_batches_stops_every_rank_when_the_first_runs_out(tmp_path):
+    out = tmp_path / "out.json"
+    check_ok(run_timed("even_batches", 3, out, **{TIMEOUT_ENV: "10"})[0])
+    report = json.loads(out.read_text())
+    assert report["taken"] == [[0, 1, 2]] * 3  # ranks held 5, 3 and 4 batches
+    assert report["warnings"] == ["fsdp_mpi.even_batches: a rank ran out of batches after 3; ranks [0, 2] had more, "
+                                  "which were skipped so that no rank waits for the others"]
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    result, elapsed = run_timed("kill", 3, tmp_path / "out.json", **{TIMEOUT_ENV: "0"})  # the launcher, not the watchdog
+    assert result.returncode != 0
+    assert elapsed < START_UP_SECONDS, f"took {elapsed:.0f} s"
+
+
+def test_sigterm_to_the_launcher_ends_every_rank(tmp_path):
+    out = tmp_path / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+    launcher = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(WORKERS / "hangs.py"), str(out), "forever"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid_files = [Path(f"{out}.pids.{rank}") for rank in range(2)]
+        deadline = time.monotonic() + 120
+        while not all(path.exists() and path.read_text() for path in pid_files):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate(timeout=10)
+            time.sleep(0.2)
+        pids = [int(path.read_text()) for path in pid_files]
+        sent = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        returncode = launcher.wait(timeout=60)
+        while any(_alive(pid) for pid in pids) and time.monotonic() < sent + 30:
+            time.sleep(0.1)
+        gone = time.monotonic() - sent
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    assert returncode != 0
+    assert not any(_alive(pid) for pid in pids), f"ranks {pids} still running {gone:.0f} s after SIGTERM"
+    assert gone < 15, f"ranks took {gone:.0f} s to end"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie has ended; only its parent has not collected it yet
+        return stat.read().split(") ")[-1][0] != "Z"
+
+
+@pytest.mark.parametrize("value, seconds", [("", 600.0), ("0", 0.0), ("2.5", 2.5)])
+def test_timeout_variable(monkeypatch, value, seconds):
+    monkeypatch.setenv(TIMEOUT_ENV, value)
+    assert timeout_from_environment() == seconds
+
+
+@pytest.mark.parametrize("value", ["-1", "ten", "nan"])
+def test_a_bad_timeout_is_refused_with_the_variable_named(monkeypatch, value):
+    monkeypatch.setenv(TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=f"{TIMEOUT_ENV}='{value}'"):
+        timeout_from_environment()
+
+
+def test_the_log_keeps_only_the_last_records_in_order():
+    log = CollectiveLog(capacity=3)
+    for sequence in range(5):
+        record = log.begin(sequence, "all_gather", "h.0", 10, "float32")
+        with log.blocking(record, timeout=0, rank=0):
+            pass
+    assert [record.sequence for record in log.records] == [2, 3, 4]
+    assert log.recent().splitlines()[0].startswith("  #2 all_gather of unit 'h.0', sending 10 float32: took ")
+    assert log.blocked is None
