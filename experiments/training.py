@@ -36,6 +36,7 @@ from strategies import Prepared, full_state_dict_on_rank0, local_rank, prepare
 
 from fsdp_mpi import CheckpointError as ShardedCheckpointError
 from fsdp_mpi import abort_job_on_uncaught_exception
+from fsdp_mpi.launcher import LauncherMismatchError, check_launcher_agrees
 from models.checkpoint import CheckpointError
 
 
@@ -73,6 +74,11 @@ def main(task_type, parser: argparse.ArgumentParser, experiment: str) -> int:
     args = parser.parse_args()
     check_checkpoint_options(parser, args)
     comm = MPI.COMM_WORLD
+    try:  # before anything is written: N one-rank worlds would each write a run of their own
+        check_launcher_agrees(comm.Get_size())
+    except LauncherMismatchError as mismatch:
+        print(f"{parser.prog}: error: {mismatch}", file=sys.stderr)
+        return 2
     stop = listen_for_stop_signals(args.strategy)
     # Rank 0 sets up first (and downloads what is missing); the others follow only if it succeeded,
     # so every rank reports the same error instead of some waiting for a rank that failed.

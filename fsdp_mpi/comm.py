@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from fsdp_mpi.collective_log import PROCESS_LOG, VERIFY_ENV, CollectiveRecord, timeout_from_environment
 from fsdp_mpi.gpu_support import FORCE_STAGING_ENV, HostStagingBuffers, env_flag, mpi_is_cuda_aware
+from fsdp_mpi.launcher import check_launcher_agrees
 
 # MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
 MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1
@@ -102,6 +103,8 @@ class Communicator:
         self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
+        if self.mpi_comm == MPI.COMM_WORLD:
+            check_launcher_agrees(self.world_size)
         self.cuda_aware = mpi_is_cuda_aware() if cuda_aware is None else cuda_aware
         self.force_staging = bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None else force_staging
         self.timeout = timeout_from_environment() if timeout is None else float(timeout)

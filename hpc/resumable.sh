@@ -16,8 +16,18 @@ run_resumable() {
   if [ -n "$checkpoint_dir" ]; then
     set -- "$@" --checkpoint-dir "$checkpoint_dir" --resume
   fi
-  local status=0
-  "$@" || status=$?                          # not set -e's exit: the exit code decides what comes next
+  # SLURM's warning (#SBATCH --signal=B:USR1@...) reaches this shell; pass it, and SIGTERM, to the launcher,
+  # which passes it to every rank (srun, MPICH's and Open MPI's mpiexec all do). COMMAND runs in a subshell
+  # of its own (launch_ranks is a function): the launcher is that subshell's child.
+  "$@" &
+  local command_pid=$! status
+  trap 'pkill -USR1 -P "$command_pid"' USR1
+  trap 'pkill -TERM -P "$command_pid"' TERM
+  while :; do
+    wait "$command_pid" && status=0 || status=$?   # not set -e's exit: the exit code decides what comes next
+    kill -0 "$command_pid" 2>/dev/null || break      # wait also returns when a trapped signal arrives
+  done
+  trap - USR1 TERM
   if [ "$status" -eq "$STOPPED_WITH_CHECKPOINT" ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_REQUEUES" ]; then
     echo "requeueing job $SLURM_JOB_ID to continue from $checkpoint_dir (restart ${SLURM_RESTART_COUNT:-0})"
     scontrol requeue "$SLURM_JOB_ID"       # allowed by #SBATCH --requeue

@@ -4,16 +4,18 @@
 #   bash hpc/sweep.sh [cpu|gpu] [extra run_*.py arguments...]
 set -uo pipefail
 kind="${1:-cpu}"; shift || true
-launcher="${LAUNCHER:-srun}"                    # srun -n N, or LAUNCHER=mpiexec for mpiexec -n N
-out="results/sweep-$(date +%Y%m%d-%H%M%S)"
+launcher="${FSDP_MPI_LAUNCHER:-srun}"           # as in hpc/launch.sh: srun, srun --mpi=pmi2, mpiexec, ...
+out="${SWEEP_OUT:-results/sweep-$(date +%Y%m%d-%H%M%S)}"
 strategies="fsdp-mpi ddp torch-fsdp lightning-ddp"
 device="cpu"
 if [ "$kind" = gpu ]; then strategies="$strategies lightning-fsdp"; device="cuda"; fi
+strategies="${STRATEGIES:-$strategies}"         # a subset, e.g. STRATEGIES="fsdp-mpi ddp"
+rank_counts="${RANKS:-1 2 4}"
 for experiment in run_gpt2 run_bert; do
-  for ranks in 1 2 4; do
+  for ranks in $rank_counts; do
     for strategy in $strategies; do
       echo "== $experiment $strategy on $ranks ranks"
-      "$launcher" -n "$ranks" python "experiments/$experiment.py" --strategy "$strategy" --device "$device" \
+      $launcher -n "$ranks" python "experiments/$experiment.py" --strategy "$strategy" --device "$device" \
         --no-progress --out-dir "$out" "$@" || echo "!! $experiment $strategy on $ranks ranks failed"
     done
   done

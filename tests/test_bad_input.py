@@ -1,10 +1,16 @@
-"""Bad input fails at wrap time with a clear message and leaves the module untouched."""
+"""Bad input fails at wrap time with a clear message and leaves the module untouched; so does a bad launch."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from mpi_launch import REPO_ROOT
 from torch import nn
 
 from fsdp_mpi import FullyShardedDataParallel, ShardingStrategy
+from fsdp_mpi.launcher import LauncherMismatchError, check_launcher_agrees
 
 
 def test_module_without_parameters():
@@ -39,3 +45,24 @@ def test_not_a_module_and_bad_strategy():
     with pytest.raises(TypeError, match="sharding_strategy must be a ShardingStrategy"):
         FullyShardedDataParallel(nn.Linear(2, 2), sharding_strategy="full")
     assert ShardingStrategy.FULL_SHARD.value == "full_shard"
+
+
+@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"])
+def test_a_launcher_that_started_more_tasks_than_mpi_sees_is_named(monkeypatch, variable):
+    monkeypatch.setenv(variable, "4")
+    with pytest.raises(LauncherMismatchError, match=f"the launcher started 4 tasks \\({variable}=4\\), but MPI sees a "
+                                                    "world of 1 rank"):
+        check_launcher_agrees(world_size=1)
+    check_launcher_agrees(world_size=4)  # the same variable with a matching world: fine
+    monkeypatch.setenv(variable, "1")
+    check_launcher_agrees(world_size=1)
+
+
+def test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing(tmp_path):
+    env = dict(os.environ, SLURM_STEP_NUM_TASKS="2", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))  # plain srun -n 2
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "run_gpt2.py"), "--out-dir",
+                             str(tmp_path / "results")], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "run_gpt2.py: error: the launcher started 2 tasks (SLURM_STEP_NUM_TASKS=2)" in result.stderr
+    assert "srun --mpi=pmi2" in result.stderr and "mpiexec -n 2" in result.stderr
+    assert not (tmp_path / "results").exists()

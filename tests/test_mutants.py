@@ -32,6 +32,7 @@ DAMAGE = "tests/test_checkpoint.py::test_a_damaged_file_is_named[corrupt]"
 UNEVEN = "tests/test_hangs.py::test_uneven_steps_end_with_the_watchdog_report_after_the_timeout"
 UNIT_ORDER = "tests/test_hangs.py::test_verify_mode_names_the_ranks_and_units_that_diverge"
 EVEN_BATCHES = "tests/test_hangs.py::test_even_batches_stops_every_rank_when_the_first_runs_out"
+LAUNCHER = "tests/test_bad_input.py::test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
@@ -124,6 +125,8 @@ MUTANTS = {
     "even_batches stops only the rank that ran out": (
         "fsdp_mpi/even_batches.py", "if comm.allreduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
         [EVEN_BATCHES]),
+    "a launcher mismatch goes unnoticed": (
+        "fsdp_mpi/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),
 }
 
 

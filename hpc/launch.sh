@@ -1,0 +1,18 @@
+# Sourced by the hpc/ scripts. `launch_ranks COMMAND...` starts COMMAND once per SLURM task, as the
+# ranks of one MPI job. How depends on the MPI library; FSDP_MPI_LAUNCHER chooses:
+#
+#   srun              (default) the site's MPI, built for this SLURM's default process-management interface
+#   srun --mpi=pmi2   MPICH from pip, Intel MPI, Cray MPICH (`srun --mpi=list` shows what this SLURM offers)
+#   srun --mpi=pmix   Open MPI from pip or a site build, where this SLURM has the pmix plugin
+#   mpiexec           the launcher of the MPI in the environment, inside the allocation (pip MPICH or Open MPI)
+#
+# A launcher that does not match the MPI starts N one-rank jobs; fsdp_mpi refuses to run then and
+# names these choices.
+
+launch_ranks() {
+  local launcher="${FSDP_MPI_LAUNCHER:-srun}"
+  case "$launcher" in
+    mpiexec*|mpirun*) $launcher -n "$SLURM_NTASKS" "$@" ;;
+    *) $launcher "$@" ;;
+  esac
+}

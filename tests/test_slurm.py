@@ -1,0 +1,138 @@
+"""The hpc/ scripts under a real SLURM: one MPI job of the requested size, a refused launcher mismatch, a requeue.
+
+Needs a running SLURM whose jobs may use this checkout and its Python environment
+(tests/slurm/start_local_slurm.sh starts a one-node one as root; CI runs it).
+Elsewhere these tests skip, saying why.
+"""
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+from mpi_launch import REPO_ROOT
+
+SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
+TINY_RUN = ["--epochs", "1", "--steps-per-epoch", "3", "--val-steps", "2"]
+
+
+def slurm_is_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    answer = subprocess.run(["sinfo", "--noheader", "--states=idle,mix,alloc"], capture_output=True, text=True)
+    return answer.returncode == 0 and bool(answer.stdout.strip())
+
+
+pytestmark = pytest.mark.skipif(not slurm_is_up(), reason="no SLURM answers here (tests/slurm/start_local_slurm.sh "
+                                                          "starts a one-node one, as root)")
+
+# mpiexec works inside an allocation with either pip MPI; srun needs the interface the MPI speaks:
+# MPICH's wheel speaks PMI-2, Open MPI's wheel PMIx, which Debian's SLURM cannot load.
+MPICH = "MPICH" in MPI.Get_library_version()
+LAUNCHERS = ["mpiexec"] + (["srun --mpi=pmi2"] if MPICH else [])
+
+
+def job_environment(launcher: str, **extra: str) -> dict:
+    return dict(os.environ, FSDP_MPI_VENV=sys.prefix, FSDP_MPI_LAUNCHER=launcher,
+                FSDP_MPI_DATA_DIR=str(SHARED_DATA), **extra)
+
+
+def submit_and_wait(script: str, tmp_path: Path, *args: str, launcher: str = "mpiexec") -> tuple[int, str]:
+    """Submits hpc/<script> with 2 tasks from the repository root; returns its exit code and output."""
+    output = tmp_path / "job.out"
+    command = ["sbatch", "--wait", "--ntasks=2", "--cpus-per-task=1", f"--output={output}", f"hpc/{script}",
+               *args]
+    finished = subprocess.run(command, cwd=REPO_ROOT, env=job_environment(launcher, CHECKPOINT_DIR=""),
+                              capture_output=True, text=True, timeout=600)
+    return finished.returncode, output.read_text() if output.exists() else finished.stderr
+
+
+def world_sizes(results: Path) -> list[int]:
+    return [int(row["world_size"]) for path in sorted(results.glob("*.csv")) for row in csv.DictReader(open(path))]
+
+
+@pytest.mark.parametrize("script, launcher", [("run_gpt2_cpu.sbatch", launcher) for launcher in LAUNCHERS]
+                         + [("run_bert_cpu.sbatch", "mpiexec")])
+def test_each_experiment_script_runs_one_job_of_two_ranks(script, launcher, tmp_path):
+    results = tmp_path / "results"
+    status, output = submit_and_wait(script, tmp_path, *TINY_RUN, "--out-dir", str(results), launcher=launcher)
+    assert status == 0, output
+    assert world_sizes(results) == [2], output  # one CSV, one epoch, both ranks in it
+
+
+def test_quickstart_script_trains_on_two_ranks(tmp_path):
+    status, output = submit_and_wait("quickstart_cpu.sbatch", tmp_path)
+    assert status == 0, output
+    assert "2 ranks, " in output and "loss" in output, output
+
+
+def test_srun_that_does_not_match_the_mpi_is_refused_and_writes_nothing(tmp_path):
+    results = tmp_path / "results"
+    status, output = submit_and_wait("run_gpt2_cpu.sbatch", tmp_path, *TINY_RUN, "--out-dir", str(results),
+                                     launcher="srun")  # this SLURM's default: no PMI at all
+    assert status != 0
+    assert "the launcher started 2 tasks (SLURM_STEP_NUM_TASKS=2), but MPI sees a world of 1 rank" in output
+    assert "srun --mpi=pmi2" in output and "mpiexec -n 2" in output
+    assert not results.exists() or not list(results.iterdir())
+
+
+def test_sweep_under_salloc_reports_every_run(tmp_path):
+    out = tmp_path / "sweep"
+    env = job_environment("mpiexec", STRATEGIES="fsdp-mpi ddp", RANKS="1 2", SWEEP_OUT=str(out))
+    finished = subprocess.run(["salloc", "--ntasks=2", "--cpus-per-task=1", "bash", "-c",
+                               f"source {sys.prefix}/bin/activate && bash hpc/sweep.sh cpu {' '.join(TINY_RUN)}"],
+                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "failed" not in finished.stdout, finished.stdout
+    assert sorted(world_sizes(out)) == [1, 1, 1, 1, 2, 2, 2, 2]  # 2 experiments x 2 strategies x 1 and 2 ranks
+    assert (out / "report" / "summary.md").exists() and (out / "report" / "loss_curves.png").exists()
+
+
+def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(tmp_path):
+    """The warning is sent as `#SBATCH --signal=B:USR1@120` sends it (to the batch script, which passes it
+    on), but by `scancel --batch --signal=USR1` once epoch 0 is done: SLURM's own timer is only accurate
+    to about a minute.
+    The requeued job's two-minute start delay is lifted so that the test need not wait for it.
+    """
+    results, checkpoints, output = tmp_path / "results", tmp_path / "checkpoints", tmp_path / "job.out"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--ntasks=2", "--cpus-per-task=1", "--time=10", f"--output={output}",
+         "hpc/run_gpt2_cpu.sbatch", "--epochs", "2", "--steps-per-epoch", "300", "--val-steps", "2",
+         "--out-dir", str(results)],
+        cwd=REPO_ROOT, env=job_environment("mpiexec", CHECKPOINT_DIR=str(checkpoints)),
+        capture_output=True, text=True, check=True)
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_for(job, lambda state: (output.exists() and "epoch 0:" in output.read_text())
+                 or state["JobState"] in FINISHED, 300)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+        wait_for(job, lambda state: state["Restarts"] != "0" or state["JobState"] in FINISHED, 300)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        state = wait_for(job, lambda state: state["JobState"] in FINISHED, 600)
+    finally:
+        subprocess.run(["scancel", job])
+    log = output.read_text()
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (state, log)
+    assert "stopped by SIGUSR1 after optimizer step" in log and f"requeueing job {job}" in log, log
+    assert "resuming from" in log, log
+    epochs = [int(row["epoch"]) for path in results.glob("*.csv") for row in csv.DictReader(open(path))]
+    assert sorted(epochs) == [0, 1], log  # one CSV, which the resumed run continued
+
+
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def wait_for(job: str, done, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True).stdout
+        state = dict(field.split("=", 1) for field in shown.split() if "=" in field)
+        if state and done(state):
+            return state
+        assert time.monotonic() < deadline, f"job {job} still {state.get('JobState')} after {timeout:.0f} s"
+        time.sleep(2)
