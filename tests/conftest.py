@@ -1,10 +1,17 @@
 import os
+import signal
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 
 import mpi4py
 import pytest
+
+# One OpenMP thread in pytest's own process: GNU OpenMP's thread pool does not survive fork(), and a
+# one_rank test's child would hang in its first parallel torch operation (workers set their own threads).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 # pytest's own process never initialises MPI: a process that has cannot always launch mpiexec (Open MPI).
 # Multi-rank tests run under mpiexec; a one-rank test that needs MPI is marked `one_rank` and gets it in a child.
@@ -31,34 +38,41 @@ def pytest_runtest_makereport(item, call):
             report.longrepr = f"skipped where every test must run (FSDP_MPI_STRICT_SKIPS=1): {reason}"
 
 
+ONE_RANK_TIMEOUT_SECONDS = 300
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """Runs a test marked `one_rank` in a forked child that initialises MPI as a world of one rank.
 
-    Fixtures are set up in pytest's process (so they must not use MPI); the test body runs in the child.
+    Fixtures are set up in pytest's process (so they must not use MPI); the test body runs in the child,
+    which writes its traceback, if any, to a file. A child that does not end in time is killed and fails.
     """
     if not pyfuncitem.get_closest_marker("one_rank"):
         return None
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        failure = b""
-        try:
-            from mpi4py import MPI
-            MPI.Init_thread(MPI.THREAD_MULTIPLE)
-            pyfuncitem.obj(**{name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames})
-        except BaseException:
-            failure = traceback.format_exc().encode()
-        with os.fdopen(write_end, "wb") as pipe:
-            pipe.write(failure)
-        os._exit(1 if failure else 0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        failure = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        pytest.fail(f"in the test's child process:\n{failure or f'it ended with wait status {status}'}", pytrace=False)
+    with tempfile.NamedTemporaryFile(mode="r", suffix=".traceback") as report:
+        pid = os.fork()
+        if pid == 0:
+            status = 0
+            try:
+                from mpi4py import MPI
+                MPI.Init_thread(MPI.THREAD_MULTIPLE)
+                pyfuncitem.obj(**{name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames})
+            except BaseException:
+                status = 1
+                with open(report.name, "w") as out:
+                    out.write(traceback.format_exc())
+            os._exit(status)
+        deadline = time.monotonic() + ONE_RANK_TIMEOUT_SECONDS
+        while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"the test's child process did not end within {ONE_RANK_TIMEOUT_SECONDS} s", pytrace=False)
+            time.sleep(0.05)
+        if ended[1] != 0:
+            failure = report.read() or f"it ended with wait status {ended[1]}"
+            pytest.fail(f"in the test's child process:\n{failure}", pytrace=False)
     return True
 
 
