@@ -48,7 +48,7 @@ class CollectiveRecord:
 
     sequence: int  # collectives started on this communicator before this one
     operation: str  # all_gather, reduce_scatter, broadcast, allreduce_sum, ...
-    unit: str  # the sharded unit it serves ("" for the root module or a non-unit collective)
+    unit: str  # the module path of the unit it serves ("<root>" for the top), "" if it serves none
     numel: int  # elements this rank sends (0 for pickled objects)
     dtype: str
     started: float  # time.monotonic()
@@ -102,6 +102,8 @@ class CollectiveLog:
         return "\n".join(lines)
 
     def _start_watchdog(self) -> None:
+        if self._watchdog is not None:  # every collective asks: no lock once the thread runs
+            return
         with self._lock:
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="fsdp_mpi watchdog", daemon=True)

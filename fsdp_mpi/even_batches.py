@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 
 from fsdp_mpi.comm import Communicator
 
+_EXHAUSTED = object()  # what next() returns once this rank's batches are used up
+
 
 def even_batches(batches: Iterable, comm=None) -> Iterator:
     """Yields `batches`' items while every rank of `comm` still has one; all ranks stop together.
@@ -43,5 +45,3 @@ def even_batches(batches: Iterable, comm=None) -> Iterator:
         warnings.warn(f"fsdp_mpi.even_batches: a rank ran out of batches after {taken}; ranks {had_more} had more, "
                       f"which were skipped so that no rank waits for the others", stacklevel=2)
 
-
-_EXHAUSTED = object()
