@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy
 import torch
 from mpi4py import MPI
 
@@ -245,8 +246,9 @@ def evaluate(task, model, args, comm: MPI.Comm, device: torch.device, autocast=n
             totals[key] = totals.get(key, 0.0) + (value if micro.weight else 0.0)
     model.train()
     keys = sorted(totals)
-    summed = comm.allreduce([totals[k] for k in keys], op=MPI.SUM)
-    return task.val_columns(dict(zip(keys, summed)))
+    summed = numpy.array([totals[k] for k in keys], dtype=numpy.float64)
+    comm.Allreduce(MPI.IN_PLACE, summed, op=MPI.SUM)  # element-wise (a pickled list's "sum" would concatenate)
+    return task.val_columns(dict(zip(keys, summed.tolist())))
 
 
 def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], args, epoch: int,
