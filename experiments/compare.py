@@ -2,9 +2,12 @@
 
     python experiments/compare.py results/*.csv [--out-dir results/report]
 
-Writes summary.md and summary.csv (mean epoch time, throughput speed-up over the
-same strategy on 1 rank, peak memory per rank, model-state memory, final losses
-and metrics) and epoch_time.png, peak_memory.png and loss_curves.png.
+Training CSVs (run_gpt2.py, run_bert.py) give summary.md and summary.csv (mean
+epoch time, throughput speed-up over the same strategy on 1 rank, peak memory per
+rank, model-state memory, final losses and metrics) and epoch_time.png,
+peak_memory.png and loss_curves.png. eval.py's CSVs, given among them or alone,
+give evaluation.md and evaluation.csv (quality, size and speed per precision and
+batch size) and evaluation.png.
 """
 
 import argparse
@@ -13,17 +16,20 @@ from pathlib import Path
 
 import pandas as pd
 
-from results import COLUMNS
+from results import COLUMNS, EVAL_COLUMNS
 
 GROUP = ["experiment", "model", "strategy", "precision", "world_size"]
+EVAL_SHOWN = ["run_id", "model", "world_size", "precision", "batch_size", "size_mb", "val_loss", "val_perplexity",
+              "val_mlm_accuracy", "val_nsp_accuracy", "latency_p50_ms", "latency_p99_ms", "tokens_per_s"]
 
 
 class CompareError(Exception):
     pass
 
 
-def load(paths: list[str]) -> pd.DataFrame:
-    frames = []
+def load(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(training rows, evaluation rows) of the given CSVs; each file must be one kind or the other."""
+    frames = {"training": [], "evaluation": []}
     for path in paths:
         if not Path(path).is_file():
             raise CompareError(f"{path}: no such file")
@@ -31,14 +37,16 @@ def load(paths: list[str]) -> pd.DataFrame:
             frame = pd.read_csv(path)
         except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as error:
             raise CompareError(f"{path}: not a results CSV ({error})") from error
-        missing = [c for c in COLUMNS if c not in frame.columns]
+        kind, columns = ("evaluation", EVAL_COLUMNS) if "latency_p50_ms" in frame.columns else ("training", COLUMNS)
+        missing = [c for c in columns if c not in frame.columns]
         if missing:
             raise CompareError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
-        frames.append(frame)
-    rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
-    if rows.empty:
+        frames[kind].append(frame)
+    training, evaluation = (pd.concat(frames[kind], ignore_index=True) if frames[kind] else pd.DataFrame()
+                            for kind in ("training", "evaluation"))
+    if training.empty and evaluation.empty:
         raise CompareError("no result rows in the given files")
-    return rows
+    return training, evaluation
 
 
 def summarize(rows: pd.DataFrame) -> pd.DataFrame:
@@ -74,7 +82,7 @@ def markdown(table: pd.DataFrame) -> str:
     """A GitHub-flavoured markdown table (numbers rounded for reading)."""
     def cell(value):
         if isinstance(value, float):
-            return "" if pd.isna(value) else f"{value:.4g}"
+            return "" if pd.isna(value) else f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
         return str(value)
 
     header = "| " + " | ".join(table.columns) + " |"
@@ -122,25 +130,54 @@ def plot(rows: pd.DataFrame, table: pd.DataFrame, out_dir: Path) -> list[Path]:
     return written
 
 
+def plot_evaluation(rows: pd.DataFrame, out_dir: Path) -> Path:
+    """Size and throughput at the largest batch, per precision, one group of bars per evaluated run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    largest = rows[rows["batch_size"] == rows.groupby("run_id")["batch_size"].transform("max")]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for axis, column, title in ((axes[0], "size_mb", "Weights (MiB)"), (axes[1], "tokens_per_s", "Tokens/s, largest batch")):
+        table = largest.pivot_table(index=["run_id", "world_size"], columns="precision", values=column)
+        table.plot.bar(ax=axis, rot=20, fontsize=7)
+        axis.set_title(title)
+        axis.set_xlabel("")
+    figure.tight_layout()
+    figure.savefig(out_dir / "evaluation.png", dpi=120)
+    plt.close(figure)
+    return out_dir / "evaluation.png"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("csv", nargs="+", help="CSV files written by run_gpt2.py / run_bert.py")
+    parser.add_argument("csv", nargs="+", help="CSV files written by run_gpt2.py / run_bert.py / eval.py")
     parser.add_argument("--out-dir", default="results/report")
     args = parser.parse_args()
     try:
-        rows = load(args.csv)
+        training, evaluation = load(args.csv)
     except CompareError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
-    table = summarize(rows)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = markdown(table)
-    (out_dir / "summary.md").write_text(text)
-    table.to_csv(out_dir / "summary.csv", index=False)
-    plots = plot(rows, table, out_dir)
-    print(text)
-    print("wrote " + ", ".join(str(p) for p in [out_dir / "summary.md", out_dir / "summary.csv", *plots]))
+    written = []
+    if not training.empty:
+        table = summarize(training)
+        text = markdown(table)
+        (out_dir / "summary.md").write_text(text)
+        table.to_csv(out_dir / "summary.csv", index=False)
+        print(text)
+        written += [out_dir / "summary.md", out_dir / "summary.csv", *plot(training, table, out_dir)]
+    if not evaluation.empty:
+        table = evaluation[EVAL_SHOWN].dropna(axis=1, how="all")
+        text = markdown(table)
+        (out_dir / "evaluation.md").write_text(text)
+        evaluation.to_csv(out_dir / "evaluation.csv", index=False)
+        print(text)
+        written += [out_dir / "evaluation.md", out_dir / "evaluation.csv", plot_evaluation(evaluation, out_dir)]
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

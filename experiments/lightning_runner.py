@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from recipe import optimizer_and_schedule
 from results import model_state_bytes
-from training import RunRecorder, build_model, epoch_steps, evaluate, total_optimizer_steps
+from strategies import full_state_dict_on_rank0
+from training import RunRecorder, build_model, epoch_steps, evaluate, save_trained, total_optimizer_steps
 
 
 class _EpochMicroBatches(Dataset):
@@ -134,4 +135,6 @@ def train_with_lightning(task, args, comm: MPI.Comm, device: torch.device, exper
         callbacks=[_EpochRecorder(recorder, device)],
     )
     trainer.fit(TaskModule(task, model, args, comm))
+    if args.save_dir:  # DDP trained `model` in place, whole on every rank (--save-dir is refused for lightning-fsdp)
+        save_trained(task, full_state_dict_on_rank0(args.strategy, model, comm), args, recorder)
     return recorder.finish()

@@ -1,4 +1,4 @@
-"""The CSV every experiment writes: one row per epoch, one schema for all strategies."""
+"""The CSVs the experiments write: training's one row per epoch (one schema for all strategies), and eval.py's."""
 
 import csv
 import os
@@ -15,6 +15,13 @@ COLUMNS = [
     "tflops", "mfu", "train_loss", "val_loss", "val_perplexity", "val_mlm_accuracy", "val_nsp_accuracy",
     "peak_memory_mb", "peak_rss_mb", "model_state_mb", "comm_time_s", "compute_time_s",
     "comm_mb_per_step", "git_commit", "timestamp",
+]
+# eval.py: one row per precision and batch size of a saved model (precision: fp32, bf16, int8)
+EVAL_COLUMNS = [
+    "run_id", "experiment", "model", "parameters", "trained_strategy", "world_size", "threads_per_rank", "device",
+    "precision", "size_mb", "val_samples", "val_loss", "val_perplexity", "val_mlm_accuracy", "val_nsp_accuracy",
+    "batch_size", "seq_len", "latency_p50_ms", "latency_p90_ms", "latency_p99_ms", "tokens_per_s", "timed_passes",
+    "git_commit", "timestamp",
 ]
 
 
@@ -75,19 +82,19 @@ class CsvWriter:
     A run that fails leaves no .csv behind, so nothing partial is ever read as a result.
     """
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, columns: list[str] = COLUMNS):
+        self.path, self.columns = path, columns
         self.partial = path.with_name(path.name + ".partial")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.partial, "w", newline="") as f:
-            csv.DictWriter(f, fieldnames=COLUMNS).writeheader()
+            csv.DictWriter(f, fieldnames=self.columns).writeheader()
 
     def add(self, row: dict) -> None:
-        unknown = set(row) - set(COLUMNS)
+        unknown = set(row) - set(self.columns)
         if unknown:
             raise KeyError(f"not in the CSV schema: {sorted(unknown)}")
         with open(self.partial, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=COLUMNS).writerow(row)
+            csv.DictWriter(f, fieldnames=self.columns).writerow(row)
 
     def finish(self) -> Path:
         os.replace(self.partial, self.path)

@@ -32,6 +32,7 @@ from options import UsageError, check_arguments, check_checkpoint_options
 from recipe import optimizer_and_schedule
 from results import CsvWriter, git_commit, measured_peak_flops, model_state_bytes, peak_rss_mb
 from resume import EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
+from saved_run import write_run_file
 from sampling import global_batch_size, rank_batches, steps_per_epoch
 from strategies import Prepared, full_state_dict_on_rank0, local_rank, prepare
 
@@ -58,6 +59,9 @@ def _set_up(task_type, args, comm: MPI.Comm):
         if args.strategy == "lightning-fsdp" and device.type != "cuda":
             raise UsageError("lightning-fsdp needs a GPU (Lightning's FSDP does not run on CPU); "
                              "use fsdp-mpi, torch-fsdp or lightning-ddp here")
+        if args.strategy == "lightning-fsdp" and args.save_dir:
+            raise UsageError("--save-dir is not supported with lightning-fsdp (its weights stay sharded in "
+                             "Lightning's layout); train with fsdp-mpi or torch-fsdp to save the model")
         if args.strategy.startswith("lightning") and args.precision == "16-mixed" and device.type != "cuda":
             raise UsageError("Lightning has no fp16 mixed precision on CPU (it would train in bf16-mixed "
                              "instead); use --precision bf16-mixed here")
@@ -335,7 +339,7 @@ def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str,
     if checkpoints:
         checkpoints.save(position)
     if args.save_dir:
-        save_trained(task, full_state_dict_on_rank0(args.strategy, prepared.model, comm), Path(args.save_dir))
+        save_trained(task, full_state_dict_on_rank0(args.strategy, prepared.model, comm), args, recorder)
     return recorder.finish(), None
 
 
@@ -392,12 +396,14 @@ def finish_epoch(run: Run, position: Position) -> None:
     position.epoch, position.tally = epoch + 1, EpochTally()
 
 
-def save_trained(task, state: dict | None, directory: Path) -> None:
-    """Rank 0 writes the trained weights in Hugging Face's layout, plus the task's extras."""
+def save_trained(task, state: dict | None, args, recorder: RunRecorder) -> None:
+    """Rank 0 writes the trained weights in Hugging Face's layout to --save-dir, the task's extras and run.json."""
     if state is None:
         return
+    directory = Path(args.save_dir)
     model = task.build_model()
     model.load_state_dict(state)
     model.save_pretrained(directory)
     if hasattr(task, "save_extras"):
         task.save_extras(directory)
+    write_run_file(directory, recorder.fixed["experiment"], vars(args), recorder.fixed)

@@ -107,6 +107,15 @@ class Conv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
 
+    def to_linear(self) -> nn.Linear:
+        """The same map as an ``nn.Linear`` (weight transposed to (out, in)), e.g. for tools that quantize Linear layers."""
+        in_features, out_features = self.weight.shape
+        linear = nn.Linear(in_features, out_features, device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.weight.t())
+            linear.bias.copy_(self.bias)
+        return linear
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config):

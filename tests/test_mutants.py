@@ -33,6 +33,8 @@ UNEVEN = "tests/test_hangs.py::test_uneven_steps_end_with_the_watchdog_report_af
 UNIT_ORDER = "tests/test_hangs.py::test_verify_mode_names_the_ranks_and_units_that_diverge"
 EVEN_BATCHES = "tests/test_hangs.py::test_even_batches_stops_every_rank_when_the_first_runs_out"
 LAUNCHER = "tests/test_bad_input.py::test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing"
+EVAL_RANKS = "tests/test_eval.py::test_two_ranks_evaluate_the_whole_split_as_one_process_does"
+EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
@@ -127,6 +129,11 @@ MUTANTS = {
         [EVEN_BATCHES]),
     "a launcher mismatch goes unnoticed": (
         "fsdp_mpi/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),
+    "validation reports one rank's share": (
+        "experiments/training.py", "comm.Allreduce(MPI.IN_PLACE, summed, op=MPI.SUM)", "pass", [EVAL_RANKS]),
+    "int8 quantizes nothing": (
+        "experiments/eval.py", "return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8)",
+        "return model", [EVAL_SIZES]),
 }
 
 
