@@ -41,7 +41,7 @@ from torch import nn
 
 from fsdp_mpi.comm import Communicator
 from fsdp_mpi.safetensors_file import write_safetensors
-from fsdp_mpi.state_dict import ShardedParameter, persistent_buffers, sharded_parameters
+from fsdp_mpi.state_dict import ShardedParameter, model_comm, persistent_buffers, sharded_parameters
 
 FORMAT = "fsdp_mpi-sharded-checkpoint"
 VERSION = 1
@@ -69,7 +69,11 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     """
     directory = Path(directory)
     params = sharded_parameters(model)
-    comm = params[0].handle.comm
+    comm = model_comm(model)
+    # Under HYBRID_SHARD and NO_SHARD, ranks in other replicas of a shard hold the same elements: only the
+    # first replica writes them (the others write an empty file, and their RNG states like every rank).
+    replicas = params[0].handle.replicas
+    writes_elements = replicas is None or replicas.rank == 0
     temporary = directory.with_name(directory.name + ".tmp")
     _on_every_rank(comm, lambda: _prepare_empty(temporary) if comm.rank == 0 else None)
 
@@ -78,14 +82,14 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     if optimizer is not None:
         per_element, optimizer_state = _split_optimizer_state(optimizer, params)
         tensors.update(per_element)
-    written = comm.allgather_object(
-        _on_every_rank(comm, lambda: write_safetensors(temporary / rank_file(comm.rank), tensors)))
+    written = comm.allgather_object(_on_every_rank(
+        comm, lambda: write_safetensors(temporary / rank_file(comm.rank), tensors if writes_elements else {})))
     scalar_states = comm.allgather_object(optimizer_state and optimizer_state["scalars"])
     rng_states = comm.allgather_object(_rng_states())
     # Which element range of each parameter every rank holds: [[rank, start, stop], ...], non-empty ones.
-    held = comm.allgather_object([p.handle.part_held(p.slot) for p in params])
-    pieces = [[[rank, *held[rank][i]] for rank in range(comm.world_size) if held[rank][i][1] > held[rank][i][0]]
-              for i in range(len(params))]
+    held = comm.allgather_object([p.handle.part_held(p.slot) for p in params] if writes_elements else None)
+    pieces = [[[rank, *held[rank][i]] for rank in range(comm.world_size)
+               if held[rank] is not None and held[rank][i][1] > held[rank][i][0]] for i in range(len(params))]
 
     def finish_on_rank_0():
         state = {"buffers": {name: b.detach().cpu() for name, b in persistent_buffers(model)}, "extra": extra,
@@ -153,7 +157,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     where they were.
     """
     params = sharded_parameters(model)
-    comm = params[0].handle.comm
+    comm = model_comm(model)
     reader = _on_every_rank(comm, lambda: CheckpointReader(directory))
     _on_every_rank(comm, lambda: reader.check_fits(params, optimizer is not None))
     # Read everything first, so that a bad file changes nothing.

@@ -1,8 +1,10 @@
 """Gradient-norm clipping over every rank's shards.
 
-Each rank holds a disjoint part of every gradient (its sharded views' ``.grad``;
-padding belongs to no view), so the global p-norm is the p-th root of the sum
-over ranks of each rank's sum of |g|^p, and the inf-norm the maximum over ranks.
+Within a shard group each rank holds a disjoint part of every gradient (its
+sharded views' ``.grad``; padding belongs to no view), so the global p-norm is
+the p-th root of the sum over the group of each rank's sum of |g|^p, and the
+inf-norm the maximum. Replica groups (HYBRID_SHARD, NO_SHARD) hold the same
+averaged gradients, so each group finds the same norm on its own.
 """
 
 import math
@@ -23,7 +25,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     units = units_with_names(model)
     if not units:
         raise ValueError("clip_grad_norm_ needs a model that contains a FullyShardedDataParallel unit")
-    comm = units[0][1].comm
+    comm = units[0][1].groups.shard
     norm_type = float(norm_type)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     dtype = grads[0].dtype if grads else torch.float32

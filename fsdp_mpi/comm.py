@@ -156,6 +156,34 @@ class Communicator:
                 self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)
         shard.div_(self.world_size)
 
+    def all_reduce_mean_(self, tensor: torch.Tensor, unit: str = "") -> None:
+        """tensor (S,) <- its mean over ranks, in place (the replicas of HYBRID_SHARD and NO_SHARD)."""
+        if tensor.dtype in _SUM_IN_FP32:
+            tensor_fp32 = tensor.float()
+            self.all_reduce_mean_(tensor_fp32, unit)
+            tensor.copy_(tensor_fp32)
+            return
+        for start in range(0, tensor.numel(), self.max_elements_per_message):
+            part = tensor[start:start + self.max_elements_per_message]
+            host = self._host_copy(part, "allreduce", load=True)
+            self.bytes_moved["all_reduce"] += part.numel() * part.element_size()
+            with self._collective("all_reduce", part, unit):
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, _numbers(host), op=MPI.SUM)
+            if host is not part:
+                part.copy_(host)
+        tensor.div_(self.world_size)
+
+    def split(self, color: int | None) -> "Communicator":
+        """A communicator over the ranks that pass the same `color` (None: the ranks of this node), in rank
+        order, with this one's settings."""
+        with self._collective("split"):
+            if color is None:
+                sub = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank)
+            else:
+                sub = self.mpi_comm.Split(color, self.rank)
+        return Communicator(sub, force_staging=self.force_staging, cuda_aware=self.cuda_aware, timeout=self.timeout,
+                            verify=self.verify)
+
     def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> Pending:
         """Like ``all_gather_into``, returning before the data has arrived: ``wait()`` before reading `full`.
 

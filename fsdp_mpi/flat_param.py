@@ -72,7 +72,7 @@ class FlatParamHandle:
     Args:
         params: each original parameter with every place it is used, in an order
             that is identical on every rank.
-        comm: the communicator whose ranks share the shards.
+        comm: the communicator whose ranks share the shards (the shard group).
         unit_name: for error messages (which unit owns a parameter) and the collective log; the
             root renames it to the unit's module path once the whole model is wrapped.
         param_dtype: the dtype gathered and computed with (None: the parameters' own).
@@ -80,14 +80,17 @@ class FlatParamHandle:
         device: where the shard lives. Parameters on the ``meta`` device (deferred
             initialisation) need it; their shard starts as zeros, to be filled by
             ``copy_into_shard()``.
+        replicas: the ranks holding this same shard in other shard groups (HYBRID_SHARD,
+            NO_SHARD), over which each reduced gradient is then averaged; None: none.
     """
 
     def __init__(self, params: list[tuple[nn.Parameter, list[ParamUse]]], comm: Communicator, unit_name: str,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, replicas: Communicator | None = None):
         first = params[0][0]
         device = first.device if device is None or not first.is_meta else device
         self.comm = comm
+        self.replicas = replicas
         self.unit_name = unit_name
         self.requires_grad = first.requires_grad
         low_precision_applies = first.is_floating_point()
@@ -221,9 +224,10 @@ class FlatParamHandle:
     def reduce_gradient(self, asynchronous: bool = False) -> None:
         """Averages ``full_flat.grad`` over ranks into this rank's ``shard_grad`` and frees it.
 
-        A handle that got no gradient this backward contributes zeros, so every
-        rank takes part in the same collectives. `asynchronous` only starts the
-        reduce-scatter; ``finish_gradient_reduction()`` completes it.
+        Reduce-scattered within the shard group, then all-reduced over the replicas
+        if there are any. A handle that got no gradient this backward contributes
+        zeros, so every rank takes part in the same collectives. `asynchronous` only
+        starts the reduce-scatter; ``finish_gradient_reduction()`` completes it.
         """
         full_grad = self.full_flat.grad  # (padded_numel,) of param_dtype
         if full_grad is None:
@@ -231,8 +235,8 @@ class FlatParamHandle:
         self.full_flat.grad = None
         self.awaiting_gradient = False
         full_grad = full_grad.to(self.reduce_dtype)
-        if self.aliases_shard:
-            self._accumulate(full_grad)  # one rank: the mean over ranks is the gradient itself
+        if self.aliases_shard:  # a shard group of one rank: its mean is the gradient itself
+            self._average_over_replicas_and_accumulate(full_grad)
             return
         shard_grad = torch.empty_like(self.shard, dtype=self.reduce_dtype)  # (shard_numel,)
         if asynchronous:
@@ -240,7 +244,7 @@ class FlatParamHandle:
             self._pending_reduction = (pending, shard_grad)
         else:
             self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)
-            self._accumulate(shard_grad)
+            self._average_over_replicas_and_accumulate(shard_grad)
 
     def finish_gradient_reduction(self) -> None:
         """Waits for an asynchronous reduce-scatter and adds its result to ``shard_grad``."""
@@ -248,13 +252,18 @@ class FlatParamHandle:
             pending, shard_grad = self._pending_reduction
             pending.wait()
             self._pending_reduction = None
-            self._accumulate(shard_grad)
+            self._average_over_replicas_and_accumulate(shard_grad)
 
     @property
     def unsharded_gradient_bytes(self) -> int:
         """Memory held by a full-size gradient kept for a later reduction (``no_sync``)."""
         grad = self.full_flat.grad
         return 0 if grad is None or self.aliases_shard else grad.numel() * grad.element_size()
+
+    def _average_over_replicas_and_accumulate(self, shard_grad: torch.Tensor) -> None:
+        if self.replicas is not None:
+            self.replicas.all_reduce_mean_(shard_grad, self.unit_name)
+        self._accumulate(shard_grad)
 
     def _accumulate(self, shard_grad: torch.Tensor) -> None:
         """Adds a reduced gradient to what the sharded views still hold, then exposes it through them."""

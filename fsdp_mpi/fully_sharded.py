@@ -21,7 +21,7 @@ from fsdp_mpi.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, Tra
                                 original_name, units_with_names)
 from fsdp_mpi.mixed_precision import MixedPrecision
 from fsdp_mpi.state_dict import full_state_dict, load_full_state_dict
-from fsdp_mpi.strategy import ShardingStrategy
+from fsdp_mpi.strategy import ShardGroups, ShardingStrategy
 from fsdp_mpi.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
 from fsdp_mpi.wrap import apply_wrap_policy
 
@@ -33,7 +33,10 @@ class FullyShardedDataParallel(nn.Module):
         module: the model (or part of it) to shard. It must be built identically on every rank.
         comm: an mpi4py communicator or a ``fsdp_mpi.Communicator``; ``MPI.COMM_WORLD`` by default.
         auto_wrap_policy: e.g. ``ModuleWrapPolicy({Block})``: which submodules become nested units.
-        sharding_strategy: ``FULL_SHARD`` (default) or ``SHARD_GRAD_OP``.
+        sharding_strategy: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP``, ``HYBRID_SHARD`` or ``NO_SHARD``
+            (see ``strategy.py``).
+        hybrid_group_size: under ``HYBRID_SHARD``, ranks per shard group (consecutive ranks); by default
+            ``FSDP_MPI_HYBRID_GROUP_SIZE``, else the ranks of each node.
         mixed_precision: ``MixedPrecision(param_dtype=torch.bfloat16)`` gathers and computes in bf16
             over fp32 master shards (see ``mixed_precision.py``). None: everything in the parameters' dtype.
         device: where the unit computes; the module is moved there. Defaults to the parameters' device.
@@ -61,7 +64,8 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch: bool = False,
         async_reduce_scatter: bool = False,
         param_init_fn=None,
-        _nested_in_wrap: bool = False,
+        hybrid_group_size: int | None = None,
+        _groups: ShardGroups | None = None,
     ):
         super().__init__()
         if isinstance(module, FullyShardedDataParallel) or UNIT_ATTRIBUTE in getattr(module, "__dict__", {}):
@@ -83,7 +87,9 @@ class FullyShardedDataParallel(nn.Module):
         elif device is not None:
             module.to(device)
 
-        if not _nested_in_wrap:
+        nested_in_wrap = _groups is not None
+        if not nested_in_wrap:
+            _groups = ShardGroups(comm, sharding_strategy, hybrid_group_size)
             if comm.world_size > 1:
                 abort_job_on_uncaught_exception(comm.mpi_comm)
             if (device or next(module.parameters()).device).type == "cpu":
@@ -97,12 +103,12 @@ class FullyShardedDataParallel(nn.Module):
             def wrap_nested(child: nn.Module) -> FullyShardedDataParallel:
                 return FullyShardedDataParallel(child, comm=comm, sharding_strategy=sharding_strategy,
                                                 mixed_precision=mixed_precision, device=device, **overlap,
-                                                _nested_in_wrap=True)
+                                                _groups=_groups)
 
             apply_wrap_policy(module, auto_wrap_policy, wrap_nested, FullyShardedDataParallel)
         self.add_module(WRAPPED_MODULE, module)
-        self._unit = ShardedUnit(module, comm, sharding_strategy, overlap, mixed_precision, device)
-        if deferred and not _nested_in_wrap:
+        self._unit = ShardedUnit(module, comm, _groups, sharding_strategy, overlap, mixed_precision, device)
+        if deferred and not nested_in_wrap:
             materialize_into_shards(module, self._unit.units, param_init_fn, comm, sync_module_states)
 
     def forward(self, *args, **kwargs):

@@ -38,7 +38,7 @@ from fsdp_mpi.comm import Communicator
 from fsdp_mpi.execution_order import ExecutionOrder
 from fsdp_mpi.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
 from fsdp_mpi.mixed_precision import MixedPrecision, cast_floating_tensors
-from fsdp_mpi.strategy import ShardingStrategy
+from fsdp_mpi.strategy import ShardGroups, ShardingStrategy
 
 # The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
 UNIT_ATTRIBUTE = "_fsdp_mpi_unit"
@@ -68,23 +68,26 @@ class ShardedUnit:
 
     Args:
         module: the module to shard; nested units inside it must exist already.
-        comm: the communicator whose ranks share the shards.
-        sharding_strategy: ``FULL_SHARD`` or ``SHARD_GRAD_OP``.
+        comm: every rank of the model.
+        groups: the shard group and replica group of this rank under the strategy (``strategy.ShardGroups``).
+        sharding_strategy: a ``ShardingStrategy``.
         overlap: ``forward_prefetch``, ``backward_prefetch``, ``async_reduce_scatter`` flags.
         mixed_precision: the dtypes to gather, compute and reduce in.
         device: where shards of parameters on the meta device are created (deferred initialisation).
     """
 
-    def __init__(self, module: nn.Module, comm: Communicator, sharding_strategy: ShardingStrategy, overlap: dict,
-                 mixed_precision: MixedPrecision, device: torch.device | None = None):
+    def __init__(self, module: nn.Module, comm: Communicator, groups: ShardGroups, sharding_strategy: ShardingStrategy,
+                 overlap: dict, mixed_precision: MixedPrecision, device: torch.device | None = None):
         self.module = module
         self.comm = comm
+        self.groups = groups
         self.sharding_strategy = sharding_strategy
         self.overlap = overlap
         self.mixed_precision = mixed_precision
         unit_name = type(module).__name__
-        self.handles = [FlatParamHandle(group, comm, unit_name, mixed_precision.param_dtype,
-                                        mixed_precision.reduce_dtype, device) for group in _group_unit_params(module)]
+        self.handles = [FlatParamHandle(params, groups.shard, unit_name, mixed_precision.param_dtype,
+                                        mixed_precision.reduce_dtype, device, groups.replicas)
+                        for params in _group_unit_params(module)]
         for handle in self.handles:
             if handle.requires_grad:
                 handle.full_flat.register_post_accumulate_grad_hook(

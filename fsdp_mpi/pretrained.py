@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fsdp_mpi.safetensors_file import SafetensorsWriter
-from fsdp_mpi.state_dict import persistent_buffers, sharded_parameters
+from fsdp_mpi.state_dict import model_comm, persistent_buffers, sharded_parameters
 
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -128,7 +128,7 @@ def export_pretrained(model: nn.Module, directory: str | os.PathLike, config: di
     """
     directory = Path(directory)
     params = sharded_parameters(model)
-    comm = params[0].handle.comm
+    comm = model_comm(model)
     writing = comm.rank == 0
     buffers = list(persistent_buffers(model))
     # Plan the files from shapes: tensors in gathering order, each tied weight once under its first name.

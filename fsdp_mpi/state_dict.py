@@ -46,6 +46,11 @@ def sharded_parameters(module: nn.Module) -> list[ShardedParameter]:
             for slot, view in zip(handle.slots, handle.sharded_views)]
 
 
+def model_comm(module: nn.Module):
+    """The communicator of all the model's ranks (a handle's own may be a shard group: HYBRID_SHARD, NO_SHARD)."""
+    return _units_by_prefix(module)[0][1].comm
+
+
 def persistent_buffers(module: nn.Module):
     """Yields (original name, buffer) for every buffer that belongs in a state dict."""
     for module_name, submodule in module.named_modules():

@@ -33,6 +33,7 @@ UNEVEN = "tests/test_hangs.py::test_uneven_steps_end_with_the_watchdog_report_af
 UNIT_ORDER = "tests/test_hangs.py::test_verify_mode_names_the_ranks_and_units_that_diverge"
 EVEN_BATCHES = "tests/test_hangs.py::test_even_batches_stops_every_rank_when_the_first_runs_out"
 LAUNCHER = "tests/test_bad_input.py::test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing"
+STRATEGIES = "tests/test_strategies.py"
 EVAL_RANKS = "tests/test_eval.py::test_two_ranks_evaluate_the_whole_split_as_one_process_does"
 EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
 
@@ -129,6 +130,13 @@ MUTANTS = {
         [EVEN_BATCHES]),
     "a launcher mismatch goes unnoticed": (
         "fsdp_mpi/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),
+    "replicas never average their gradients": (
+        "fsdp_mpi/flat_param.py", "if self.replicas is not None:", "if False:", [STRATEGIES]),
+    "clipping sums the norm over replicas too": (
+        "fsdp_mpi/clip.py", "comm = units[0][1].groups.shard", "comm = units[0][1].comm", [STRATEGIES]),
+    "every replica writes its elements to a checkpoint": (
+        "fsdp_mpi/checkpoint.py", "writes_elements = replicas is None or replicas.rank == 0", "writes_elements = True",
+        [STRATEGIES]),
     "validation reports one rank's share": (
         "experiments/training.py", "comm.Allreduce(MPI.IN_PLACE, summed, op=MPI.SUM)", "pass", [EVAL_RANKS]),
     "int8 quantizes nothing": (

@@ -157,7 +157,7 @@ def full_gradients(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
                 continue
             shard_grad = handle.shard_grad if handle.shard_grad is not None else torch.zeros_like(handle.shard)
             full = torch.empty(handle.padded_numel, dtype=shard_grad.dtype)
-            unit.comm.all_gather_into(full, shard_grad)
+            handle.comm.all_gather_into(full, shard_grad)
             for slot in handle.slots:
                 for use in slot.uses:
                     grads[f"{prefix}.{use.name}" if prefix else use.name] = full[slot.offset:slot.offset + slot.numel
@@ -173,7 +173,9 @@ def reference_gradients(model: nn.Module, dtype) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------- one run
 
 def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communicator,
-        param_dtype: torch.dtype | None = None) -> dict:
+        param_dtype: torch.dtype | None = None, **wrap) -> dict:
+    """Steps of one training run, each checked against one process at the same parameters; `wrap`: more
+    FullyShardedDataParallel arguments (a sharding strategy)."""
     torch.manual_seed(0)
     initial, wrap_classes, batch_fn, loss_fn = MODELS[model_kind]()
     reference, reference64 = copy.deepcopy(initial), copy.deepcopy(initial).double()
@@ -182,7 +184,7 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
     policy_dtype = param_dtype or torch.float32
     u = torch.finfo(policy_dtype).eps / 2
     sharded = FullyShardedDataParallel(copy.deepcopy(initial), comm=comm, auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
-                                       mixed_precision=MixedPrecision(param_dtype=param_dtype))
+                                       mixed_precision=MixedPrecision(param_dtype=param_dtype), **wrap)
     optimizer = make_optimizer(optimizer_kind, sharded.named_parameters())
     reference_optimizer = make_optimizer(optimizer_kind, reference.named_parameters())
     micro_batches = 2 if accumulation != "none" else 1
