@@ -21,7 +21,6 @@ holds a whole int8 copy and evaluates its part of the data.
 """
 
 import argparse
-import copy
 import sys
 import time
 import warnings
@@ -41,7 +40,7 @@ from data import DataError
 from options import UsageError
 from results import EVAL_COLUMNS, CsvWriter, git_commit
 from saved_run import SavedRunError, read_run_file
-from training import evaluate, pick_device, to_device
+from training import evaluate, pick_device, set_up_rank_0_first, to_device
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy, PretrainedError, abort_job_on_uncaught_exception
 from fsdp_mpi import load_pretrained
@@ -88,6 +87,8 @@ class SavedRun:
         options.data_dir, options.no_download, options.gradient_checkpointing = args.data_dir, args.no_download, False
         self.seed = options.seed
         self.task = task_type(options, comm)
+        self.parameters = self.skeleton().num_parameters()
+        self.git_commit = git_commit()  # of the code evaluating
 
     def skeleton(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The run's model on the meta device: shapes and dtypes only."""
@@ -116,13 +117,12 @@ class SavedRun:
 
 
 def quantized_int8(model: nn.Module) -> nn.Module:
-    """A copy of `model` with torch's dynamic int8 quantization of its Linear layers (Conv1D made Linear first).
+    """`model`, changed in place: torch's dynamic int8 quantization of its Linear layers (Conv1D made Linear first).
 
     A Linear whose weight is tied to an embedding (GPT-2's lm_head, BERT's masked-LM
     decoder) stays fp32: quantizing it would add an int8 copy beside the fp32 table
     the embedding still needs, and the model would grow.
     """
-    model = copy.deepcopy(model)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, Conv1D):
@@ -134,7 +134,7 @@ def quantized_int8(model: nn.Module) -> nn.Module:
               if isinstance(module, nn.Linear) and len(names_of[id(module.weight)]) == 1}
     with warnings.catch_warnings():  # torch marks torch.ao.quantization deprecated in favour of torchao, whose
         warnings.simplefilter("ignore")  # CPU int8 path ran 30x slower than fp32 here (docs/design.md)
-        return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8)
+        return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8, inplace=True)
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -193,13 +193,13 @@ def evaluate_precision(run: SavedRun, precision: str, args, comm: MPI.Comm, devi
         p50, p90, p99 = numpy.percentile(latencies, [50, 90, 99]) * 1000
         rows.append({
             "run_id": trained.get("run_id", run.directory.name), "experiment": run.experiment,
-            "model": task.model_name, "parameters": run.skeleton().num_parameters(),
+            "model": task.model_name, "parameters": run.parameters,
             "trained_strategy": trained.get("strategy", ""), "world_size": world, "threads_per_rank": args.threads,
             "device": device.type, "precision": precision, "size_mb": round(size / 2**20, 4),
             "val_samples": val_samples, **quality, "batch_size": batch_size, "seq_len": task.seq_len,
             "latency_p50_ms": round(p50, 3), "latency_p90_ms": round(p90, 3), "latency_p99_ms": round(p99, 3),
             "tokens_per_s": round(world * batch_size * task.seq_len * len(latencies) / sum(latencies), 1),
-            "timed_passes": len(latencies), "git_commit": git_commit(),
+            "timed_passes": len(latencies), "git_commit": run.git_commit,
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         })
     return rows
@@ -236,18 +236,12 @@ def main() -> int:
     except LauncherMismatchError as mismatch:
         print(f"{argument_parser.prog}: error: {mismatch}", file=sys.stderr)
         return 2
-    # Rank 0 first (it may download data); the others only if it succeeded, so all report one error.
-    run = device = precisions = error = None
-    if comm.Get_rank() == 0:
-        run, device, precisions, error = _set_up(args, comm)
-    error = comm.bcast(error, root=0)
-    if error is None and comm.Get_rank() != 0:
-        run, device, precisions, error = _set_up(args, comm)
-    errors = [e for e in comm.allgather(error) if e]
-    if errors:
+    values, error = set_up_rank_0_first(lambda: _set_up(args, comm), comm)
+    if error:
         if comm.Get_rank() == 0:
-            print(f"{argument_parser.prog}: error: {errors[0]}", file=sys.stderr)
+            print(f"{argument_parser.prog}: error: {error}", file=sys.stderr)
         return 2
+    run, device, precisions = values
     if comm.Get_size() > 1:
         abort_job_on_uncaught_exception(comm)
     rows = []

@@ -85,19 +85,12 @@ def main(task_type, parser: argparse.ArgumentParser, experiment: str) -> int:
         print(f"{parser.prog}: error: {mismatch}", file=sys.stderr)
         return 2
     stop = listen_for_stop_signals(args.strategy)
-    # Rank 0 sets up first (and downloads what is missing); the others follow only if it succeeded,
-    # so every rank reports the same error instead of some waiting for a rank that failed.
-    task = device = error = None
-    if comm.Get_rank() == 0:
-        task, device, error = _set_up(task_type, args, comm)
-    error = comm.bcast(error, root=0)
-    if error is None and comm.Get_rank() != 0:
-        task, device, error = _set_up(task_type, args, comm)
-    errors = [e for e in comm.allgather(error) if e]
-    if errors:
+    values, error = set_up_rank_0_first(lambda: _set_up(task_type, args, comm), comm)
+    if error:
         if comm.Get_rank() == 0:
-            print(f"{parser.prog}: error: {errors[0]}", file=sys.stderr)
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
+    task, device = values
     if comm.Get_size() > 1:
         abort_job_on_uncaught_exception(comm)
     stopped = None
@@ -117,6 +110,20 @@ def main(task_type, parser: argparse.ArgumentParser, experiment: str) -> int:
         if stopped:
             print(stopped.message(), flush=True)
     return stopped.exit_code if stopped else 0
+
+
+def set_up_rank_0_first(set_up, comm: MPI.Comm) -> tuple[list | None, str | None]:
+    """Runs ``set_up()`` (which returns its values and, last, an error message or None) on rank 0 first,
+    which may download what is missing, then on the others only if it succeeded: every rank gets the
+    same first error instead of some waiting for a rank that failed. Returns (the values, that error)."""
+    values = error = None
+    if comm.Get_rank() == 0:
+        *values, error = set_up()
+    error = comm.bcast(error, root=0)
+    if error is None and comm.Get_rank() != 0:
+        *values, error = set_up()
+    errors = [e for e in comm.allgather(error) if e]
+    return values, (errors[0] if errors else None)
 
 
 def listen_for_stop_signals(strategy: str) -> StopSignals:

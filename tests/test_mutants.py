@@ -140,7 +140,7 @@ MUTANTS = {
     "validation reports one rank's share": (
         "experiments/training.py", "comm.Allreduce(MPI.IN_PLACE, summed, op=MPI.SUM)", "pass", [EVAL_RANKS]),
     "int8 quantizes nothing": (
-        "experiments/eval.py", "return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8)",
+        "experiments/eval.py", "return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8, inplace=True)",
         "return model", [EVAL_SIZES]),
 }
 
