@@ -18,6 +18,7 @@ import hashlib
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy
 import torch
@@ -80,6 +81,16 @@ class CollectiveMismatchError(RuntimeError):
     """Verify mode: the ranks were about to enter different collectives."""
 
 
+@dataclass
+class Traffic:
+    """What a rank's collectives cost it, for profiling: wall time blocked in MPI, and per operation the
+    bytes of the full buffer each collective fills (all-gather) or reads (reduce-scatter, all-reduce) and
+    of each broadcast tensor, in the dtype actually sent: what the wire carries, algorithms aside."""
+
+    seconds_in_mpi: float = 0.0
+    bytes_moved: Counter = field(default_factory=Counter)
+
+
 class Communicator:
     """Collectives on torch tensors over one MPI communicator (``MPI.COMM_WORLD`` by default).
 
@@ -113,11 +124,18 @@ class Communicator:
         self.device_reductions_in_background = "Open MPI" not in MPI.Get_library_version()
         self.collectives_started = 0  # the next collective's sequence number, the same on every rank
         self.max_elements_per_message = MAX_ELEMENTS_PER_MESSAGE
-        self.seconds_in_mpi = 0.0  # wall time blocked inside MPI calls, for profiling
-        # Bytes of the full buffer each collective fills (all-gather) or reads (reduce-scatter) on this rank,
-        # and of each broadcast tensor, in the dtype actually sent: what the wire carries, algorithms aside.
-        self.bytes_moved: Counter[str] = Counter()
+        self.traffic = Traffic()  # shared with the communicators split from this one
         self._staging = HostStagingBuffers()
+
+    @property
+    def seconds_in_mpi(self) -> float:
+        """Wall time this rank spent blocked in MPI calls here or in communicators split from here."""
+        return self.traffic.seconds_in_mpi
+
+    @property
+    def bytes_moved(self) -> Counter:
+        """Bytes per operation moved here or in communicators split from here (see ``Traffic``)."""
+        return self.traffic.bytes_moved
 
     # ----------------------------------------------------------------- collectives
     # `unit` names the sharded unit a collective serves, for the collective log and verify mode.
@@ -181,8 +199,10 @@ class Communicator:
                 sub = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank)
             else:
                 sub = self.mpi_comm.Split(color, self.rank)
-        return Communicator(sub, force_staging=self.force_staging, cuda_aware=self.cuda_aware, timeout=self.timeout,
-                            verify=self.verify)
+        child = Communicator(sub, force_staging=self.force_staging, cuda_aware=self.cuda_aware,
+                             timeout=self.timeout, verify=self.verify)
+        child.traffic = self.traffic
+        return child
 
     def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> Pending:
         """Like ``all_gather_into``, returning before the data has arrived: ``wait()`` before reading `full`.
@@ -304,7 +324,7 @@ class Communicator:
                     self._verify_every_rank_enters(record)
                 yield record
             finally:
-                self.seconds_in_mpi += time.perf_counter() - start
+                self.traffic.seconds_in_mpi += time.perf_counter() - start
 
     @contextmanager
     def _waiting(self, record: CollectiveRecord):
@@ -314,7 +334,7 @@ class Communicator:
             try:
                 yield
             finally:
-                self.seconds_in_mpi += time.perf_counter() - start
+                self.traffic.seconds_in_mpi += time.perf_counter() - start
 
     def _verify_every_rank_enters(self, record: CollectiveRecord) -> None:
         """Raises CollectiveMismatchError on every rank (rank 0 says which ranks entered what)
