@@ -67,7 +67,8 @@ def run_one(spec: str, ranks: int, args) -> dict:
                    str(Path(__file__).parent / "bench_worker.py"), "--strategy", strategy, "--json", str(output),
                    "--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision]
+                   "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision,
+                   "--sharding-strategy", args.sharding_strategy]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         if args.tune_malloc_for_all:
             env["GLIBC_TUNABLES"] = MALLOC_REUSE
@@ -125,6 +126,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--strategies", default="plain,fsdp-mpi@1,fsdp-mpi,torch-fsdp,ddp,lightning-ddp",
                         help="comma-separated; NAME@K runs NAME on K ranks instead of --ranks")
+    parser.add_argument("--sharding-strategy", default="FULL_SHARD",
+                        choices=("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
+                        help="fsdp-mpi's; HYBRID_SHARD groups by node unless FSDP_MPI_HYBRID_GROUP_SIZE is set "
+                             "(default: %(default)s)")
     parser.add_argument("--tune-malloc-for-all", action="store_true",
                         help="give every strategy fsdp-mpi's glibc memory-reuse setting")
     parser.add_argument("--out", default="results/bench.csv")

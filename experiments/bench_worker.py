@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from results import measured_peak_flops, model_state_bytes, peak_rss_mb
 from strategies import PRECISIONS, Prepared, prepare, torch_amp
 
+from fsdp_mpi import ShardingStrategy
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
@@ -30,6 +31,9 @@ def arguments():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--overlap", default="", help="fsdp-mpi options to switch on, '+'-separated")
+    parser.add_argument("--sharding-strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy],
+                        help="fsdp-mpi's (default: %(default)s)")
+    parser.add_argument("--hybrid-group-size", type=int, default=None, help="fsdp-mpi's HYBRID_SHARD group")
     parser.add_argument("--precision", default="32", choices=list(PRECISIONS))
     parser.add_argument("--json", required=True)
     return parser.parse_args()
@@ -130,6 +134,9 @@ def main() -> None:
                                 allreduce_max=float, autocast=autocast)  # one process: its own value
         else:
             options = {name: True for name in args.overlap.split("+") if name}
+            if args.strategy == "fsdp-mpi":
+                options.update(sharding_strategy=ShardingStrategy[args.sharding_strategy],
+                               hybrid_group_size=args.hybrid_group_size)
             prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, args.precision, **options)
         measured = prepared.model
         optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
@@ -143,6 +150,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({
                 "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]),
+                "sharding_strategy": args.sharding_strategy if args.strategy == "fsdp-mpi" else None,
                 "precision": args.precision, "ranks": comm.Get_size(), "parameters": parameters,
                 "step_s": step, "step_times_s": times, "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,

@@ -1,0 +1,255 @@
+"""A cost model of one fsdp-mpi training step: time and memory per rank, before anyone queues for a cluster.
+
+A step is the units' computation plus the collectives the lifecycle issues for
+them, which fsdp-mpi's strategies fix exactly (``collectives``): per unit of S
+parameter bytes, with shard groups of g ranks and r = ranks / g replicas,
+
+    forward    all-gather S within the group                      (if g > 1)
+    backward   all-gather S again, unless the unit is the root     (if g > 1)
+               reduce-scatter S within the group                   (if g > 1)
+               all-reduce S / g over the replicas                  (if r > 1)
+
+Computation comes from a ``Profile`` (measured on one rank, or computed from
+FLOPs for hardware that is not here); communication from a ``Network`` that
+prices one collective (``MeasuredNetwork``: measured here; ``RingNetwork``: a
+cluster's links on paper). ``predict`` adds them up serially (no overlap, what
+MPI without a progress thread does) or runs a two-lane timeline where
+communication proceeds beside computation (prefetching one unit ahead, gradient
+reductions left running), the bound that overlap can reach.
+"""
+
+from dataclasses import dataclass, field
+
+STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")
+ADAM_STATE_BYTES_PER_PARAMETER = 16  # fp32 shard, its gradient, two Adam moments
+
+
+@dataclass
+class Unit:
+    """One wrapped unit as the profile saw it, in forward order."""
+
+    name: str
+    numel: int  # parameters in its flat buffer
+    forward_s: float  # its own computation (nested units excluded)
+    backward_s: float
+    is_root: bool = False
+
+
+@dataclass
+class Profile:
+    """What one rank computes in a step, at a fixed per-rank batch."""
+
+    units: list[Unit]
+    optimizer_s: float  # the optimizer step over all parameters on one rank; it scales with the shard
+    activation_bytes: int  # saved for backward by one rank's batch
+    tokens_per_rank: int  # per step
+    param_bytes: int = 4  # per element gathered (2 under bf16 mixed precision)
+    grad_bytes: int = 4  # per element reduced (fp32 by default, also under mixed precision)
+
+    @property
+    def parameters(self) -> int:
+        return sum(unit.numel for unit in self.units)
+
+
+@dataclass
+class Layout:
+    """Where the ranks are and how a strategy groups them."""
+
+    strategy: str
+    nodes: int
+    ranks_per_node: int
+    group_size: int | None = None  # HYBRID_SHARD's shard group (default: a node)
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def shard_group(self) -> int:
+        if self.strategy == "FULL_SHARD":
+            return self.ranks
+        if self.strategy == "NO_SHARD":
+            return 1
+        return self.group_size or self.ranks_per_node
+
+    @property
+    def replicas(self) -> int:
+        return self.ranks // self.shard_group
+
+    def spans_nodes(self, group_size: int, stride: int = 1) -> bool:
+        """Whether a group of `group_size` ranks, `stride` apart (replicas are one shard group apart), leaves a node."""
+        return group_size * stride > self.ranks_per_node
+
+
+@dataclass
+class Collective:
+    phase: str  # forward or backward
+    operation: str  # all_gather, reduce_scatter or all_reduce
+    unit: str
+    bytes: int  # the full buffer: gathered, or reduced before scattering, or all-reduced
+    group: int  # ranks taking part
+    spans_nodes: bool
+
+
+def padded(unit: Unit, group: int) -> int:
+    """Elements of the unit's flat buffer: padded to a multiple of the shard group."""
+    return -(-unit.numel // group) * group
+
+
+def state_bytes(profile: Profile, layout: Layout) -> int:
+    """The sharded parameters, gradients and Adam moments one rank holds (fp32)."""
+    g = layout.shard_group
+    return ADAM_STATE_BYTES_PER_PARAMETER * sum(padded(unit, g) // g for unit in profile.units)
+
+
+def collectives(profile: Profile, layout: Layout) -> list[Collective]:
+    """Every collective of one step on one rank, in the order the lifecycle issues them."""
+    g, r = layout.shard_group, layout.replicas
+    group_leaves = layout.spans_nodes(g)
+    replicas_leave = layout.spans_nodes(r, stride=g)
+    issued = []
+    for unit in profile.units:
+        if g > 1:
+            issued.append(Collective("forward", "all_gather", unit.name, padded(unit, g) * profile.param_bytes, g,
+                                     group_leaves))
+    for unit in reversed(profile.units):
+        elements = padded(unit, g)
+        if g > 1 and not unit.is_root:
+            issued.append(Collective("backward", "all_gather", unit.name, elements * profile.param_bytes, g,
+                                     group_leaves))
+        if g > 1:
+            issued.append(Collective("backward", "reduce_scatter", unit.name, elements * profile.grad_bytes, g,
+                                     group_leaves))
+        if r > 1:
+            issued.append(Collective("backward", "all_reduce", unit.name, elements // g * profile.grad_bytes, r,
+                                     replicas_leave))
+    return issued
+
+
+@dataclass
+class MeasuredNetwork:
+    """Collective times measured on this machine (``experiments/predict.py time-comm``), per (operation,
+    world size, group size): a curve of (bytes, seconds) points, priced between them by the line through
+    the two nearest, beyond them by the end segment's line.
+
+    A line through all points (one latency, one bandwidth) misprices here: shared-memory
+    bandwidth falls once a buffer leaves the caches (2 ranks: 5 GB/s at 4 MiB, 1.3 GB/s
+    for a 64 MiB reduce-scatter), so each size range gets its own latency and bandwidth.
+    """
+
+    curves: dict[tuple[str, int, int], list[tuple[int, float]]]
+    world: int
+
+    def seconds(self, collective: Collective) -> float:
+        key = (collective.operation, self.world, collective.group)
+        if key not in self.curves:
+            raise KeyError(f"no measured {collective.operation} over {collective.group} of {self.world} ranks")
+        points = self.curves[key]
+        right = next((i for i, (size, _) in enumerate(points) if size >= collective.bytes), len(points) - 1)
+        (x0, y0), (x1, y1) = points[max(right - 1, 0)], points[max(right, 1)]
+        return max(y0 + (collective.bytes - x0) * (y1 - y0) / (x1 - x0), 0.0)
+
+
+@dataclass
+class Link:
+    latency_s: float  # per message step
+    bytes_per_s: float  # what one rank can send and receive at once over it (bus bandwidth)
+
+
+@dataclass
+class RingNetwork:
+    """A cluster on paper: ring algorithms over an intra-node link and an inter-node link.
+
+    A ring of p ranks takes p - 1 steps per pass and moves (p - 1) / p of the
+    buffer through each rank: all-gather and reduce-scatter make one pass,
+    all-reduce two. A ring that leaves the node runs at the slower link's speed.
+    """
+
+    intra: Link
+    inter: Link
+
+    def seconds(self, collective: Collective) -> float:
+        link = self.inter if collective.spans_nodes else self.intra
+        passes = 2 if collective.operation == "all_reduce" else 1
+        p = collective.group
+        return passes * ((p - 1) * link.latency_s + (p - 1) / p * collective.bytes / link.bytes_per_s)
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    compute_s: float
+    comm_s: float  # all collectives, end to end
+    exposed_comm_s: float  # what the step waits for beyond its computation
+    memory_bytes: int  # peak per rank: sharded state, gathered units, activations
+    bytes_moved: int  # by this rank's collectives per step (the full buffers, as comm.bytes_moved counts)
+    seconds_by_operation: dict = field(default_factory=dict)
+
+
+def predict(profile: Profile, network, layout: Layout, overlap: bool = False,
+            compute_slowdown: float = 1.0) -> Prediction:
+    """One step's time and peak memory per rank.
+
+    `compute_slowdown` stretches the profile's computation, e.g. ranks / cores
+    where more ranks than cores share a machine (as here with 3 or 4 ranks on 2 cores).
+    """
+    issued = collectives(profile, layout)
+    seconds = [network.seconds(c) for c in issued]
+    lanes = []  # (gather_s, compute_s, reduce_s) per unit, forward then backward, in execution order
+    for phase, units in (("forward", profile.units), ("backward", profile.units[::-1])):
+        for unit in units:
+            mine = [(c.operation, s) for c, s in zip(issued, seconds) if c.phase == phase and c.unit == unit.name]
+            compute = unit.forward_s if phase == "forward" else unit.backward_s
+            lanes.append((sum(s for op, s in mine if op == "all_gather"), compute * compute_slowdown,
+                          sum(s for op, s in mine if op != "all_gather")))
+    optimizer = profile.optimizer_s * compute_slowdown / layout.shard_group
+    compute = sum(c for _, c, _ in lanes) + optimizer
+    comm = sum(seconds)
+    step = (_two_lanes(lanes) if overlap else compute - optimizer + comm) + optimizer
+    return Prediction(step_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=step - compute,
+                      memory_bytes=peak_memory(profile, layout, overlap), bytes_moved=sum(c.bytes for c in issued),
+                      seconds_by_operation={op: sum(s for c, s in zip(issued, seconds) if c.operation == op)
+                                            for op in ("all_gather", "reduce_scatter", "all_reduce")})
+
+
+def _two_lanes(lanes: list[tuple[float, float, float]]) -> float:
+    """The passes' length when communication runs on its own lane beside computation.
+
+    Each lane takes its work in issue order. A unit's computation waits for its
+    all-gather; the next unit's all-gather is issued when this unit's computation
+    starts (one unit ahead, as forward_prefetch and backward_prefetch do); its
+    gradient reductions are issued when it ends and run while later units compute
+    (async_reduce_scatter). The passes end when both lanes are idle.
+    """
+    compute_free = comm_free = 0.0
+    gathered = [None] * (len(lanes) + 1)
+
+    def issue(seconds: float, at: float) -> float:
+        nonlocal comm_free
+        comm_free = max(comm_free, at) + seconds
+        return comm_free
+
+    for index, (gather, compute, reduce) in enumerate(lanes):
+        if gathered[index] is None:
+            gathered[index] = issue(gather, compute_free)
+        start = max(compute_free, gathered[index])
+        if index + 1 < len(lanes):
+            gathered[index + 1] = issue(lanes[index + 1][0], start)
+        compute_free = start + compute
+        issue(reduce, compute_free)
+    return max(compute_free, comm_free)
+
+
+def peak_memory(profile: Profile, layout: Layout, overlap: bool = False) -> int:
+    """Sharded state (fp32 parameters, gradients, Adam moments), the gathered root kept
+    from forward to backward, the largest other unit gathered with its full gradient
+    (two such units with prefetching), and the activations of one rank's batch."""
+    g = layout.shard_group
+    state = state_bytes(profile, layout)
+    if g == 1:
+        gathered = 0
+    else:
+        root = sum(u.numel for u in profile.units if u.is_root) * profile.param_bytes
+        largest = max((u.numel for u in profile.units if not u.is_root), default=0)
+        gathered = root + (2 if overlap else 1) * largest * (profile.param_bytes + profile.grad_bytes)
+    return state + gathered + profile.activation_bytes

@@ -1,0 +1,485 @@
+"""Predicts fsdp-mpi's step time, epoch time and memory per rank from a one-rank profile and a network model.
+
+    python experiments/predict.py profile --model gpt2-seed --out results/profile.json
+    mpiexec -n 4 python experiments/predict.py time-comm --out results/comm-4.json
+    python experiments/predict.py validate --ranks 2,3,4 --rounds 3     # predicted against measured, here
+    python experiments/predict.py cluster --model gpt2-xl --nodes 1,2,4,8,16,32,64   # a GPU cluster on paper
+
+``profile`` times one rank's step unit by unit (fsdp-mpi on one rank, so no
+communication) and counts the bytes autograd saves for backward. ``time-comm``
+times fsdp-mpi's collectives over every group size the strategies use on this
+many ranks, for sizes from 16 KiB to 128 MiB (a latency and a bandwidth per size range). ``validate`` does
+both, then measures real steps of 2-4 ranks under FULL_SHARD, HYBRID_SHARD and
+NO_SHARD, interleaved in rounds, and reports the prediction's error per round.
+``cluster`` computes a profile from FLOPs for hardware that is not here and
+prices collectives on a ring network of stated links. The model: costmodel.py
+and docs/design.md ("Predicting a run").
+"""
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from costmodel import (STRATEGIES, Layout, Link, MeasuredNetwork, Profile, RingNetwork, Unit, predict,
+                       state_bytes)
+
+from models.gpt2 import GPT2_CONFIGS, GPT2Block, GPT2LMHeadModel, gpt2_config
+
+HERE = Path(__file__).parent
+MiB = 2**20
+
+
+class PredictError(Exception):
+    """Input the predictor cannot use; main() prints it and exits 2."""
+
+
+# ------------------------------------------------------------------ profile: one rank, measured
+
+
+def saved_activation_bytes(model, inputs, targets) -> int:
+    """Bytes of the tensors autograd keeps for backward after one forward (each storage once, weights excluded)."""
+    import torch
+
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _, loss = model(inputs, targets)  # the graph, and so every saved storage, lives until loss goes
+        return sum(saved.values())
+
+
+def measure_profile(args) -> Profile:
+    """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as bench_worker.py does."""
+    import torch
+    from mpi4py import MPI
+    from strategies import prepare
+
+    if MPI.COMM_WORLD.Get_size() != 1:
+        raise PredictError("profile runs on one rank: start it without mpiexec")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))
+    generator = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    activations = saved_activation_bytes(model, inputs, targets)
+    blocks = [m for m in model.modules() if isinstance(m, GPT2Block)]
+    block_numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    root_numel = model.num_parameters() - sum(block_numels)
+
+    block_seconds = [0.0] * len(blocks)
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, i=index: block_seconds.__setitem__(i, -time.perf_counter()))
+        block.register_forward_hook(lambda *_, i=index: block_seconds.__setitem__(i, block_seconds[i]
+                                                                                   + time.perf_counter()))
+    prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), MPI.COMM_WORLD)
+    optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=1e-4)
+    steps = []  # (forward, backward, optimizer, [block forwards])
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        _, loss = prepared.model(inputs, targets)
+        forward_end = time.perf_counter()
+        loss.backward()
+        backward_end = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps.append((forward_end - start, backward_end - forward_end, time.perf_counter() - backward_end,
+                      list(block_seconds)))
+    steps = steps[args.warmup:]
+    forward, backward, optimizer_s = (statistics.median(step[i] for step in steps) for i in range(3))
+    block_forward = [statistics.median(step[3][i] for step in steps) for i in range(len(blocks))]
+    backward_per_forward = backward / forward  # each unit's backward taken in the step's own proportion
+    root_forward = max(forward - sum(block_forward), 0.0)
+    units = [Unit("<root>", root_numel, root_forward, root_forward * backward_per_forward, is_root=True)]
+    units += [Unit(f"block.{i}", numel, seconds, seconds * backward_per_forward)
+              for i, (numel, seconds) in enumerate(zip(block_numels, block_forward))]
+    return Profile(units, optimizer_s, activations, args.batch_size * args.seq_len)
+
+
+def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flops: float, mfu: float,
+                       memory_bytes_per_s: float) -> Profile:
+    """A GPU's profile on paper: each unit's matmul FLOPs at `mfu` of `peak_flops`, backward twice forward, AdamW
+    reading and writing 36 bytes per parameter at `memory_bytes_per_s`, activations in bf16 counted by a forward
+    on the meta device (no memory used), and bf16 gathers with fp32 gradient reductions (bf16-mixed)."""
+    import torch
+
+    config = gpt2_config(model_name, dropout=0.0)  # no dropout masks saved, as in large pretraining runs
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config).to(torch.bfloat16)
+        tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    activations = saved_activation_bytes(model, tokens, tokens)
+    tokens_per_step = batch_size * seq_len
+    block_numel = sum(p.numel() for p in model.transformer.h[0].parameters())
+    root_numel = model.num_parameters() - config.n_layer * block_numel
+
+    def seconds(forward_flops_per_token):
+        forward = forward_flops_per_token * tokens_per_step / (peak_flops * mfu)
+        return forward, 2 * forward
+
+    attention = 4 * seq_len * config.n_embd  # scores and weighted values, per token, forward
+    units = [Unit("<root>", root_numel, *seconds(2 * config.n_embd * config.vocab_size), is_root=True)]
+    units += [Unit(f"block.{i}", block_numel, *seconds(2 * block_numel + attention)) for i in range(config.n_layer)]
+    optimizer = 36 * model.num_parameters() / memory_bytes_per_s
+    return Profile(units, optimizer, activations, tokens_per_step, param_bytes=2, grad_bytes=4)
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(profile), indent=1))
+
+
+def load_profile(path: Path) -> Profile:
+    try:
+        data = json.loads(Path(path).read_text())
+        return Profile(**{**data, "units": [Unit(**unit) for unit in data["units"]]})
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise PredictError(f"{path} is not a profile written by 'predict.py profile': {error}") from None
+
+
+# ------------------------------------------------------------------ time-comm: collectives, measured
+
+SIZES = [2**k for k in range(14, 27, 2)] + [2**27]  # 16 KiB to 128 MiB
+
+
+def time_collective(group, world, operation: str, nbytes: int, repeats: int) -> tuple[int, float]:
+    """(bytes, seconds): the full buffer of about `nbytes` that splits evenly over the group, and the median
+    over `repeats` of the slowest rank's time for one collective on it."""
+    import torch
+    from mpi4py import MPI
+
+    shard = torch.ones(nbytes // 4 // group.world_size)
+    full = torch.ones(shard.numel() * group.world_size)
+    run = {"all_gather": lambda: group.all_gather_into(full, shard),
+           "reduce_scatter": lambda: group.reduce_scatter_mean(shard, full),
+           "all_reduce": lambda: group.all_reduce_mean_(full)}[operation]
+    run()  # warm-up: buffers touched, connections made
+    times = []
+    for _ in range(repeats):
+        world.Barrier()
+        start = time.perf_counter()
+        run()
+        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return full.numel() * 4, statistics.median(times)
+
+
+def time_collectives(args) -> dict:
+    """Every (operation, group size) the strategies can use on this many ranks: contiguous shard groups for
+    all-gather and reduce-scatter, strided replica groups for all-reduce, all groups at once as in training."""
+    from mpi4py import MPI
+
+    from fsdp_mpi import Communicator
+
+    world = MPI.COMM_WORLD
+    comm = Communicator(world)
+    ranks = comm.world_size
+    sizes = [size for size in SIZES if size <= args.max_bytes]
+    curves = []
+    for group_size in [p for p in range(2, ranks + 1) if ranks % p == 0]:
+        shard_group = comm if group_size == ranks else comm.split(comm.rank // group_size)
+        replica_group = comm if group_size == ranks else comm.split(comm.rank % (ranks // group_size))
+        for operation, group in (("all_gather", shard_group), ("reduce_scatter", shard_group),
+                                 ("all_reduce", replica_group)):
+            points = [time_collective(group, world, operation, size, args.repeats) for size in sizes]
+            curves.append({"operation": operation, "group": group_size, "points": points})
+    return {"world": ranks, "curves": curves}
+
+
+def load_network(path: Path) -> MeasuredNetwork:
+    try:
+        data = json.loads(Path(path).read_text())
+        curves = {(c["operation"], data["world"], c["group"]): [tuple(point) for point in c["points"]]
+                  for c in data["curves"]}
+        return MeasuredNetwork(curves, data["world"])
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise PredictError(f"{path} is not a timing written by 'predict.py time-comm': {error}") from None
+
+
+# ------------------------------------------------------------------ validate: predicted against measured, here
+
+
+def run_checked(command: list[str], what: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    finished = subprocess.run(command, env=env, capture_output=True, text=True)
+    if finished.returncode != 0:
+        last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PredictError(f"{what} failed (exit {finished.returncode}): {last}")
+
+
+def mpiexec(ranks: int) -> list[str]:
+    launcher = Path(sys.executable).parent / "mpiexec"
+    return [str(launcher) if launcher.exists() else "mpiexec", "-n", str(ranks)]
+
+
+def model_options(args) -> list[str]:
+    return ["--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
+            "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+
+
+def layouts(ranks: list[int], strategies: list[str], group_size: int):
+    """(ranks, Layout) to measure: HYBRID_SHARD only where it differs from FULL_SHARD (more than one group)."""
+    for count in ranks:
+        for strategy in strategies:
+            if strategy == "HYBRID_SHARD" and (count % group_size or count == group_size):
+                continue
+            yield count, Layout(strategy, nodes=1, ranks_per_node=count,
+                                group_size=group_size if strategy == "HYBRID_SHARD" else None)
+
+
+def validate(args) -> list[dict]:
+    """Rounds of: a one-rank profile, then each layout measured (bench_worker.py) and predicted from that profile.
+
+    The collectives are timed once, before the rounds. Each row is
+    one layout: the median over rounds of predicted / measured, with its range.
+    """
+    work = Path(args.out_dir) / "predict"
+    work.mkdir(parents=True, exist_ok=True)
+    plan = list(layouts(args.ranks, args.strategies, args.hybrid_group_size))
+    networks = {}
+    for count in sorted({count for count, _ in plan}):
+        path = work / f"comm-{count}.json"
+        print(f"-- timing collectives on {count} ranks", flush=True)
+        run_checked([*mpiexec(count), sys.executable, __file__, "time-comm", "--out", str(path),
+                     "--max-bytes", str(args.max_bytes), "--repeats", str(args.repeats)], f"time-comm on {count} ranks")
+        networks[count] = load_network(path)
+    cores = args.cores or os.cpu_count()
+    results = {index: [] for index in range(len(plan))}
+    for round_number in range(1, args.rounds + 1):
+        print(f"-- round {round_number}: profile, then {len(plan)} layouts", flush=True)
+        profile_path = work / f"profile-round{round_number}.json"
+        run_checked([sys.executable, __file__, "profile", *model_options(args), "--out", str(profile_path)],
+                    "the one-rank profile")
+        profile = load_profile(profile_path)
+        for index, (count, layout) in enumerate(plan):
+            measured = measure_steps(args, layout, work / "step.json")
+            predicted = predict(profile, networks[count], layout, compute_slowdown=max(1.0, count / cores))
+            results[index].append((predicted, measured))
+    rows = []
+    for index, (count, layout) in enumerate(plan):
+        ratios = [p.step_s / m["step_s"] for p, m in results[index]]
+        predicted = statistics.median(p.step_s for p, _ in results[index])
+        measured = statistics.median(m["step_s"] for _, m in results[index])
+        last_prediction, last_measured = results[index][-1]
+        rows.append({"ranks": count, "strategy": describe(layout), "predicted_step_s": predicted,
+                     "measured_step_s": measured, "error_pct": 100 * (statistics.median(ratios) - 1),
+                     "error_min_pct": 100 * (min(ratios) - 1), "error_max_pct": 100 * (max(ratios) - 1),
+                     "predicted_comm_s": last_prediction.comm_s, "measured_mpi_s": last_measured["mpi_blocked_s"],
+                     "predicted_comm_mb": last_prediction.bytes_moved / MiB,
+                     "measured_comm_mb": last_measured["comm_mb_per_step"],
+                     "predicted_state_mb": state_bytes(profile, layout) / MiB,
+                     "measured_state_mb": last_measured["model_state_mb"],
+                     "predicted_peak_mb": last_prediction.memory_bytes / MiB, "rounds": len(ratios)})
+    return rows
+
+
+def measure_steps(args, layout: Layout, output: Path) -> dict:
+    command = [*mpiexec(layout.ranks), sys.executable, str(HERE / "bench_worker.py"), "--strategy", "fsdp-mpi",
+               *model_options(args), "--sharding-strategy", layout.strategy, "--json", str(output)]
+    if layout.strategy == "HYBRID_SHARD":
+        command += ["--hybrid-group-size", str(layout.shard_group)]
+    run_checked(command, f"{describe(layout)} on {layout.ranks} ranks")
+    return json.loads(output.read_text())
+
+
+def describe(layout: Layout) -> str:
+    if layout.strategy == "HYBRID_SHARD":
+        return f"HYBRID_SHARD ({layout.replicas} groups of {layout.shard_group})"
+    return layout.strategy
+
+
+# ------------------------------------------------------------------ cluster: predictions on paper
+
+
+def cluster(args) -> list[dict]:
+    profile = profile_from_flops(args.model, args.batch_size, args.seq_len, args.peak_tflops * 1e12, args.mfu,
+                                 args.memory_gbps * 1e9)
+    network = RingNetwork(intra=Link(args.intra_latency_us * 1e-6, args.intra_gbps * 1e9),
+                          inter=Link(args.inter_latency_us * 1e-6, args.inter_gbps * 1e9))
+    rows = []
+    for nodes in args.nodes:
+        for strategy in args.strategies:
+            layout = Layout(strategy, nodes=nodes, ranks_per_node=args.ranks_per_node)
+            if strategy == "HYBRID_SHARD" and nodes == 1:
+                continue  # one node: the same as FULL_SHARD
+            for overlap in (False, True):
+                prediction = predict(profile, network, layout, overlap=overlap)
+                tokens_per_s = profile.tokens_per_rank * layout.ranks / prediction.step_s
+                rows.append({"nodes": nodes, "gpus": layout.ranks, "strategy": strategy, "overlap": overlap,
+                             "step_s": prediction.step_s, "compute_s": prediction.compute_s,
+                             "comm_s": prediction.comm_s, "exposed_comm_s": prediction.exposed_comm_s,
+                             "tokens_per_s": tokens_per_s, "epoch_h": args.epoch_tokens / tokens_per_s / 3600,
+                             "scaling_efficiency": tokens_per_s / layout.ranks / (profile.tokens_per_rank
+                                                                                  / prediction.compute_s),
+                             "memory_gib": prediction.memory_bytes / 2**30,
+                             "fits": prediction.memory_bytes <= args.gpu_memory_gib * 2**30})
+    return rows
+
+
+def plot_cluster(rows: list[dict], path: Path, title: str, gpu_memory_gib: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4))
+    for strategy in dict.fromkeys(row["strategy"] for row in rows):
+        for overlap, style in ((False, "--"), (True, "-")):
+            mine = [row for row in rows if row["strategy"] == strategy and row["overlap"] == overlap]
+            speed.plot([r["gpus"] for r in mine], [r["tokens_per_s"] for r in mine], style, marker="o",
+                       label=f"{strategy}{' + overlap' if overlap else ''}")
+        mine = [row for row in rows if row["strategy"] == strategy and not row["overlap"]]
+        memory.plot([r["gpus"] for r in mine], [r["memory_gib"] for r in mine], marker="o", label=strategy)
+    ideal = [row for row in rows if row["strategy"] == rows[0]["strategy"] and not row["overlap"]]
+    speed.plot([r["gpus"] for r in ideal], [r["tokens_per_s"] / r["scaling_efficiency"] for r in ideal], ":",
+               color="grey", label="computation alone")
+    memory.axhline(gpu_memory_gib, color="grey", linestyle=":", label="GPU memory")
+    for axes, label in ((speed, "tokens/s"), (memory, "GiB per GPU (peak)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("GPUs")
+        axes.set_ylabel(label)
+        axes.legend(fontsize=8)
+    speed.set_yscale("log")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+# ------------------------------------------------------------------ output and command line
+
+
+def write_table(rows: list[dict], stem: Path, title: str) -> None:
+    """Prints the rows as a markdown table and writes STEM.csv and STEM.md."""
+    def cell(value):
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    columns = list(rows[0])
+    lines = [f"{title}\n", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    print("\n".join(lines))
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"\nwrote {stem.with_suffix('.csv')} and {stem.with_suffix('.md')}")
+
+
+def comma_list(kind, choices=None):
+    def parse(text: str):
+        try:
+            values = [kind(item) for item in text.split(",") if item.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+        if not values or (choices and not set(values) <= set(choices)):
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(map(str, choices or ()))}")
+        return values
+    return parse
+
+
+def arguments():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def model_arguments(command, model, batch_size, seq_len):
+        command.add_argument("--model", default=model, choices=list(GPT2_CONFIGS))
+        command.add_argument("--batch-size", type=int, default=batch_size, help="per rank (default: %(default)s)")
+        command.add_argument("--seq-len", type=int, default=seq_len, help="(default: %(default)s)")
+
+    for name in ("profile", "validate"):
+        command = commands.add_parser(name)
+        model_arguments(command, "gpt2-seed", 2, 64)
+        command.add_argument("--vocab-size", type=int, default=50257)
+        command.add_argument("--steps", type=int, default=6, help="timed steps per measurement")
+        command.add_argument("--warmup", type=int, default=2)
+    profile = commands.choices["profile"]
+    profile.add_argument("--threads", type=int, default=1)
+    profile.add_argument("--out", required=True)
+
+    timing = commands.add_parser("time-comm", help="under mpiexec")
+    timing.add_argument("--max-bytes", type=int, default=SIZES[-1])
+    timing.add_argument("--repeats", type=int, default=5)
+    timing.add_argument("--out", required=True)
+
+    check = commands.choices["validate"]
+    check.add_argument("--ranks", type=comma_list(int), default=[2, 3, 4])
+    check.add_argument("--strategies", type=comma_list(str, STRATEGIES), default=list(STRATEGIES))
+    check.add_argument("--hybrid-group-size", type=int, default=2)
+    check.add_argument("--rounds", type=int, default=3)
+    check.add_argument("--cores", type=int, default=0, help="cores the ranks share (default: this machine's)")
+    check.add_argument("--max-bytes", type=int, default=SIZES[-1], help="largest collective timed")
+    check.add_argument("--repeats", type=int, default=5, help="timings per collective and size")
+    check.add_argument("--out-dir", default="results")
+
+    paper = commands.add_parser("cluster")
+    model_arguments(paper, "gpt2-xl", 8, 1024)
+    paper.add_argument("--nodes", type=comma_list(int), default=[1, 2, 4, 8, 16, 32, 64])
+    paper.add_argument("--ranks-per-node", type=int, default=8)
+    paper.add_argument("--strategies", type=comma_list(str, STRATEGIES), default=["FULL_SHARD", "HYBRID_SHARD"])
+    paper.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, bf16 dense (H100 SXM: 989)")
+    paper.add_argument("--mfu", type=float, default=0.45, help="fraction of peak the matmuls reach")
+    paper.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per GPU (H100 SXM: 80)")
+    paper.add_argument("--memory-gbps", type=float, default=2300.0, help="HBM bytes/s the optimizer reaches")
+    paper.add_argument("--intra-gbps", type=float, default=360.0, help="NVLink bus bandwidth per GPU, GB/s")
+    paper.add_argument("--intra-latency-us", type=float, default=5.0)
+    paper.add_argument("--inter-gbps", type=float, default=40.0, help="network bus bandwidth per GPU, GB/s "
+                       "(400 Gb/s InfiniBand: 50 GB/s on the wire)")
+    paper.add_argument("--inter-latency-us", type=float, default=10.0)
+    paper.add_argument("--epoch-tokens", type=float, default=9e9, help="tokens per epoch (default: OpenWebText's)")
+    paper.add_argument("--out-dir", default="results")
+    args = parser.parse_args()
+    for name in ("batch_size", "seq_len", "steps", "rounds", "repeats", "ranks_per_node", "max_bytes"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if hasattr(args, "seq_len") and args.seq_len > gpt2_config(args.model).n_positions:
+        parser.error(f"--seq-len exceeds {args.model}'s context of {gpt2_config(args.model).n_positions}")
+    if min(getattr(args, "ranks", [1]) + getattr(args, "nodes", [1])) < 1:
+        parser.error("rank and node counts must be positive")
+    return args
+
+
+def main() -> int:
+    args = arguments()
+    try:
+        if args.command == "profile":
+            save_profile(measure_profile(args), Path(args.out))
+        elif args.command == "time-comm":
+            curves = time_collectives(args)
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(curves, indent=1))
+        elif args.command == "validate":
+            rows = validate(args)
+            write_table(rows, Path(args.out_dir) / "predict-validation",
+                        f"{args.model}, batch {args.batch_size} x {args.seq_len} per rank, 1 thread per rank, "
+                        f"{args.rounds} rounds; error = predicted / measured - 1 (median, min, max over rounds)")
+        else:
+            rows = cluster(args)
+            stem = Path(args.out_dir) / f"predict-{args.model}-cluster"
+            title = (f"{args.model}, {args.batch_size} x {args.seq_len} tokens per GPU, bf16-mixed, "
+                     f"{args.ranks_per_node} GPUs per node at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s; "
+                     f"NVLink {args.intra_gbps:g} GB/s, network {args.inter_gbps:g} GB/s per GPU")
+            write_table(rows, stem, title)
+            plot_cluster(rows, stem.with_suffix(".png"), title, args.gpu_memory_gib)
+    except PredictError as error:
+        print(f"predict.py: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
