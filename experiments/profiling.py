@@ -1,0 +1,194 @@
+"""What the cost model is fed: one rank's computation profile (measured here, or computed from FLOPs for
+hardware that is not here) and timings of fsdp-mpi's collectives. predict.py runs these as its ``profile``
+and ``time-comm`` commands; costmodel.py prices a step from them.
+"""
+
+import json
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from costmodel import MeasuredNetwork, Profile, Unit
+
+from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+
+class PredictError(Exception):
+    """Input the predictor cannot use; main() prints it and exits 2."""
+
+
+# ------------------------------------------------------------------ profile: one rank, measured
+
+
+def saved_activation_bytes(model, inputs, targets) -> int:
+    """Bytes of the tensors autograd keeps for backward after one forward (each storage once, weights excluded)."""
+    import torch
+
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _, loss = model(inputs, targets)  # the graph, and so every saved storage, lives until loss goes
+        return sum(saved.values())
+
+
+def measure_profile(args) -> Profile:
+    """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as bench_worker.py does."""
+    import torch
+    from mpi4py import MPI
+    from strategies import prepare
+
+    if MPI.COMM_WORLD.Get_size() != 1:
+        raise PredictError("profile runs on one rank: start it without mpiexec")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))
+    generator = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    activations = saved_activation_bytes(model, inputs, targets)
+    blocks = [m for m in model.modules() if isinstance(m, GPT2Block)]
+    block_numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    root_numel = model.num_parameters() - sum(block_numels)
+
+    block_seconds = [0.0] * len(blocks)  # each block's last forward
+
+    def time_forward(index: int, block) -> None:
+        def start(*_):
+            block_seconds[index] = -time.perf_counter()
+
+        def stop(*_):
+            block_seconds[index] += time.perf_counter()
+
+        block.register_forward_pre_hook(start)
+        block.register_forward_hook(stop)
+
+    for index, block in enumerate(blocks):
+        time_forward(index, block)
+    prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), MPI.COMM_WORLD)
+    optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=1e-4)
+    steps = []  # (forward, backward, optimizer, [block forwards])
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        _, loss = prepared.model(inputs, targets)
+        forward_end = time.perf_counter()
+        loss.backward()
+        backward_end = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps.append((forward_end - start, backward_end - forward_end, time.perf_counter() - backward_end,
+                      list(block_seconds)))
+    steps = steps[args.warmup:]
+    forward, backward, optimizer_s = (statistics.median(step[i] for step in steps) for i in range(3))
+    block_forward = [statistics.median(step[3][i] for step in steps) for i in range(len(blocks))]
+    backward_per_forward = backward / forward  # each unit's backward taken in the step's own proportion
+    root_forward = max(forward - sum(block_forward), 0.0)
+    units = [Unit("<root>", root_numel, root_forward, root_forward * backward_per_forward, is_root=True)]
+    units += [Unit(f"block.{i}", numel, seconds, seconds * backward_per_forward)
+              for i, (numel, seconds) in enumerate(zip(block_numels, block_forward))]
+    return Profile(units, optimizer_s, activations, args.batch_size * args.seq_len)
+
+
+def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flops: float, mfu: float,
+                       memory_bytes_per_s: float) -> Profile:
+    """A GPU's profile on paper: each unit's matmul FLOPs at `mfu` of `peak_flops`, backward twice forward, AdamW
+    reading and writing 36 bytes per parameter at `memory_bytes_per_s`, activations in bf16 counted by a forward
+    on the meta device (no memory used), and bf16 gathers with fp32 gradient reductions (bf16-mixed)."""
+    import torch
+
+    config = gpt2_config(model_name, dropout=0.0)  # no dropout masks saved, as in large pretraining runs
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config).to(torch.bfloat16)
+        tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    activations = saved_activation_bytes(model, tokens, tokens)
+    tokens_per_step = batch_size * seq_len
+    block_numel = sum(p.numel() for p in model.transformer.h[0].parameters())
+    root_numel = model.num_parameters() - config.n_layer * block_numel
+
+    def seconds(forward_flops_per_token):
+        forward = forward_flops_per_token * tokens_per_step / (peak_flops * mfu)
+        return forward, 2 * forward
+
+    attention = 4 * seq_len * config.n_embd  # scores and weighted values, per token, forward
+    units = [Unit("<root>", root_numel, *seconds(2 * config.n_embd * config.vocab_size), is_root=True)]
+    units += [Unit(f"block.{i}", block_numel, *seconds(2 * block_numel + attention)) for i in range(config.n_layer)]
+    optimizer = 36 * model.num_parameters() / memory_bytes_per_s
+    return Profile(units, optimizer, activations, tokens_per_step, param_bytes=2, grad_bytes=4)
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(profile), indent=1))
+
+
+def load_profile(path: Path) -> Profile:
+    try:
+        data = json.loads(Path(path).read_text())
+        return Profile(**{**data, "units": [Unit(**unit) for unit in data["units"]]})
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise PredictError(f"{path} is not a profile written by 'predict.py profile': {error}") from None
+
+
+# ------------------------------------------------------------------ time-comm: collectives, measured
+
+SIZES = [2**k for k in range(14, 27, 2)] + [2**27]  # 16 KiB to 128 MiB
+
+
+def time_collective(group, world, operation: str, nbytes: int, repeats: int) -> tuple[int, float]:
+    """(bytes, seconds): the full buffer of about `nbytes` that splits evenly over the group, and the median
+    over `repeats` of the slowest rank's time for one collective on it."""
+    import torch
+    from mpi4py import MPI
+
+    shard = torch.ones(nbytes // 4 // group.world_size)
+    full = torch.ones(shard.numel() * group.world_size)
+    run = {"all_gather": lambda: group.all_gather_into(full, shard),
+           "reduce_scatter": lambda: group.reduce_scatter_mean(shard, full),
+           "all_reduce": lambda: group.all_reduce_mean_(full)}[operation]
+    run()  # warm-up: buffers touched, connections made
+    times = []
+    for _ in range(repeats):
+        world.Barrier()
+        start = time.perf_counter()
+        run()
+        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return full.numel() * 4, statistics.median(times)
+
+
+def time_collectives(args) -> dict:
+    """Every (operation, group size) the strategies can use on this many ranks: contiguous shard groups for
+    all-gather and reduce-scatter, strided replica groups for all-reduce, all groups at once as in training."""
+    from mpi4py import MPI
+
+    from fsdp_mpi import Communicator
+
+    world = MPI.COMM_WORLD
+    comm = Communicator(world)
+    ranks = comm.world_size
+    sizes = [size for size in SIZES if size <= args.max_bytes]
+    curves = []
+    for group_size in [p for p in range(2, ranks + 1) if ranks % p == 0]:
+        shard_group = comm if group_size == ranks else comm.split(comm.rank // group_size)
+        replica_group = comm if group_size == ranks else comm.split(comm.rank % (ranks // group_size))
+        for operation, group in (("all_gather", shard_group), ("reduce_scatter", shard_group),
+                                 ("all_reduce", replica_group)):
+            points = [time_collective(group, world, operation, size, args.repeats) for size in sizes]
+            curves.append({"operation": operation, "group": group_size, "points": points})
+    return {"world": ranks, "curves": curves}
+
+
+def load_network(path: Path) -> MeasuredNetwork:
+    try:
+        data = json.loads(Path(path).read_text())
+        curves = {(c["operation"], data["world"], c["group"]): [tuple(point) for point in c["points"]]
+                  for c in data["curves"]}
+        return MeasuredNetwork(curves, data["world"])
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise PredictError(f"{path} is not a timing written by 'predict.py time-comm': {error}") from None
