@@ -19,6 +19,8 @@ import pytest
 from costmodel import Collective, Layout, Link, MeasuredNetwork, Profile, RingNetwork, Unit, collectives, predict
 from mpi_launch import REPO_ROOT, mpiexec
 
+pytestmark = pytest.mark.one_mpi  # the cost model's arithmetic and bookkeeping, not the MPI library
+
 PREDICT = REPO_ROOT / "experiments" / "predict.py"
 
 

@@ -11,7 +11,7 @@ from test_experiments import EXPERIMENTS, QUICK, launch, needs_data, read_rows
 
 from results import EVAL_COLUMNS
 
-pytestmark = needs_data
+pytestmark = [needs_data, pytest.mark.one_mpi]  # one_mpi: evaluation's logic, not the MPI library
 
 # Every value eval.py and training print is rounded to 1e-5. The same samples' losses summed in another
 # order (other batches, other ranks) differ by a few float32 ulps of a loss near 3 (2.4e-7 each): the

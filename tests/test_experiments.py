@@ -213,6 +213,7 @@ def test_lightning_and_fsdp_mpi_train_the_same_model_identically(results_dir):
         assert ours_bytes < 0.6 * float(read_rows(results_dir / f"{script}-lightning-ddp")[0]["model_state_mb"])
 
 
+@pytest.mark.one_mpi
 @needs_data
 @pytest.mark.parametrize("strategy,extra", [
     ("fsdp-mpi", []), ("fsdp-mpi", ["--accum-no-sync"]), ("ddp", []), ("torch-fsdp", ["--accum-no-sync"]),
@@ -234,6 +235,7 @@ def test_two_accumulated_micro_batches_train_like_one_batch_of_twice_the_size(re
         assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=SAME_TRAINING)
 
 
+@pytest.mark.one_mpi
 @needs_data
 @pytest.mark.parametrize("strategy,extra", [("fsdp-mpi", ["--gradient-checkpointing"]), ("torch-fsdp", []),
                                             ("ddp", [])])
@@ -246,6 +248,7 @@ def test_other_strategies_and_recomputed_activations_train_like_fsdp_mpi(results
         assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=SAME_TRAINING)
 
 
+@pytest.mark.one_mpi
 @needs_data
 @pytest.mark.parametrize("strategy,precision", [
     ("fsdp-mpi", "bf16-mixed"), ("fsdp-mpi", "16-mixed"), ("ddp", "bf16-mixed"), ("ddp", "16-mixed"),
@@ -269,6 +272,7 @@ def test_mixed_precision_trains_within_two_percent_of_fp32(results_dir, tmp_path
         assert float(reference[0]["comm_mb_per_step"]) == pytest.approx(fp32 / 2**20, abs=1e-4)
 
 
+@pytest.mark.one_mpi
 @needs_data
 def test_compare_makes_tables_and_plots(results_dir, tmp_path):
     csvs = sorted(str(p) for p in results_dir.glob("*/*.csv"))
@@ -284,6 +288,7 @@ def test_compare_makes_tables_and_plots(results_dir, tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.one_mpi
 def test_compare_rejects_bad_input(tmp_path):
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     for args, message in ((["missing.csv"], "no such file"), ([str(tmp_path / "other.csv")], "not a results CSV")):
@@ -292,6 +297,7 @@ def test_compare_rejects_bad_input(tmp_path):
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.one_mpi
 @needs_data
 @pytest.mark.parametrize("args,message", [
     (["--data-dir", "/nonexistent/data", "--no-download"], "missing data file /nonexistent/data/tinyshakespeare/input.txt"),
@@ -310,6 +316,7 @@ def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):
     assert not list(tmp_path.glob("*.csv"))
 
 
+@pytest.mark.one_mpi
 @pytest.mark.parametrize("content,message", [(b"", "is empty"), ("caf\xe9".encode("latin-1"), "is not UTF-8 text")])
 def test_unusable_text_fails_cleanly(tmp_path, content, message):
     (tmp_path / "data/tinyshakespeare").mkdir(parents=True)
@@ -319,6 +326,7 @@ def test_unusable_text_fails_cleanly(tmp_path, content, message):
     assert not list(tmp_path.glob("*.csv"))
 
 
+@pytest.mark.one_mpi
 @needs_data
 def test_model_saved_from_two_ranks_samples_text(tmp_path):
     trained = launch("run_gpt2.py", 2, *QUICK, "--strategy", "fsdp-mpi", "--out-dir", tmp_path, "--save-dir", tmp_path / "model")

@@ -15,12 +15,17 @@ def test_hybrid_and_no_shard_train_as_one_process_keep_the_expected_bytes_and_ch
     check_equivalence(result["equivalence"])
 
     # Bytes of parameter shards and reduced gradient shards on every rank: the padded flat buffers over the
-    # shard group's size (4 ranks: FULL_SHARD 1/4, HYBRID_SHARD in groups of 2 1/2, NO_SHARD everything).
+    # shard group's size (4 ranks: FULL_SHARD 1/4, HYBRID_SHARD in groups of 2 1/2, NO_SHARD everything),
+    # and the bytes of a step's gradient collectives, counted by the model's communicator.
     for strategy, group, replicas in (("full_shard", 4, 1), ("hybrid", 2, 2), ("no_shard", 1, 4)):
         for rank in result["memory"][strategy]:
             assert (rank["shard_group_size"], rank["replicas"]) == (group, replicas), strategy
             assert rank["shard_bytes"] == rank["grad_bytes"] == rank["padded_bytes"] // group, strategy
             assert rank["gathered_after_step"] == 0, strategy
+            # a step's gradients: reduce-scattered in the shard group, the shard then all-reduced over replicas
+            moved = rank["moved"]
+            assert moved.get("reduce_scatter", 0) == (rank["padded_bytes"] if group > 1 else 0), strategy
+            assert moved.get("all_reduce", 0) == (rank["padded_bytes"] // group if replicas > 1 else 0), strategy
     assert result["checkpoint_loads"] == [True] * 4  # saved under HYBRID_SHARD, loaded under FULL_SHARD
 
     groups = result["groups"]

@@ -24,7 +24,9 @@ STRATEGIES = {
 
 
 def kept_bytes(comm: Communicator, **wrap) -> dict:
-    """Per rank: the bytes of shards and of gradient shards after a step, and of the whole model's parameters."""
+    """Per rank: the bytes of shards and of gradient shards after a step, of the whole model's parameters,
+    and of the step's collectives as the model's communicator counts them (those of groups split from it too)."""
+    moved_before = dict(comm.bytes_moved)
     torch.manual_seed(0)
     plain = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
     model = FullyShardedDataParallel(plain, comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), **wrap)
@@ -37,7 +39,8 @@ def kept_bytes(comm: Communicator, **wrap) -> dict:
             "gathered_after_step": sum(h.gathered_bytes for h in handles),
             "padded_bytes": sum(h.padded_numel * h.shard.element_size() for h in handles),
             "shard_group_size": handles[0].comm.world_size,
-            "replicas": 1 if handles[0].replicas is None else handles[0].replicas.world_size}
+            "replicas": 1 if handles[0].replicas is None else handles[0].replicas.world_size,
+            "moved": {operation: count - moved_before.get(operation, 0) for operation, count in comm.bytes_moved.items()}}
 
 
 def checkpoint_loads_under_full_shard(comm: Communicator, directory: str) -> bool:
