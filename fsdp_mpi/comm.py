@@ -1,8 +1,11 @@
 """The one place that talks to MPI: every collective the sharding layer uses.
 
-Tensors go to mpi4py as they are (through DLPack: no ``.numpy()`` copies),
-detached and contiguous. Device tensors go straight to a CUDA-aware MPI after
-the producing stream is synchronised; otherwise they are staged through
+Tensors go to mpi4py detached and contiguous, without copies: a CPU tensor as
+a raw buffer at its address (about 1 µs; through DLPack a torch tensor costs
+about 20 µs a buffer, 10% of a 4 MiB all-gather here, and a numpy view would
+pin the storage's size, which resharding frees). Device tensors go through
+DLPack straight to a CUDA-aware MPI after the producing stream is
+synchronised; otherwise they are staged through
 reusable pinned host buffers (see ``gpu_support``). Staging can be forced for
 CPU tensors too, so that tests exercise that path without a GPU.
 
@@ -64,17 +67,27 @@ class Pending:
             then()
 
 
+def _memory(tensor: torch.Tensor):
+    """`tensor`'s memory as mpi4py should see it: a buffer at its address on the CPU, the tensor on a device.
+
+    The buffer does not keep the tensor alive: the caller holds it until MPI is done (``Pending`` does).
+    """
+    if tensor.is_cuda:
+        return tensor
+    return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
 def _bits(tensor: torch.Tensor) -> list:
     """An mpi4py buffer spec that moves `tensor`'s bytes unchanged."""
     if tensor.element_size() not in _BIT_TYPES:
         raise TypeError(f"cannot communicate tensors of dtype {tensor.dtype}")
     view_dtype, mpi_type = _BIT_TYPES[tensor.element_size()]
-    return [tensor.detach().view(view_dtype), mpi_type]
+    return [_memory(tensor.detach().view(view_dtype)), mpi_type]
 
 
 def _numbers(tensor: torch.Tensor) -> list:
     """An mpi4py buffer spec for reductions over `tensor`'s values."""
-    return [tensor.detach(), _SUM_TYPES[tensor.dtype]]
+    return [_memory(tensor.detach()), _SUM_TYPES[tensor.dtype]]
 
 
 class CollectiveMismatchError(RuntimeError):
