@@ -1,29 +1,38 @@
-"""Side-by-side step times and memory of fsdp-mpi, plain torch, torch FSDP2, DDP and Lightning DDP.
+"""Fair, interleaved step times of fsdp-mpi beside plain torch, torch FSDP2, DDP and Lightning DDP.
 
-    python experiments/bench.py --model gpt2-seed --ranks 2 --batch-size 8 --seq-len 256
+    python experiments/bench.py --model gpt2-seed --ranks 2 --batch-size 8 --seq-len 256 --rounds 5
 
-Runs, one after another on this machine, the same GPT-2 on the same synthetic
-tokens with the same per-rank batch and threads: plain single-process torch,
-fsdp-mpi on 1 and on N ranks, then torch FSDP2, torch DDP and Lightning DDP on N
-ranks. Warm-up steps are excluded; step times are medians of the slowest rank.
-Prints a table with each strategy's step time divided by fsdp-mpi's and writes it
-as CSV. A strategy whose model state would not fit in this machine's memory is
-not started; its row gives the computed requirement instead.
+Every strategy trains the same GPT-2 on the same synthetic tokens with the same
+per-rank batch, threads and glibc allocator setting (fsdp-mpi's memory reuse,
+fsdp_mpi/host_memory.py; ``--malloc-as-shipped`` gives it to fsdp-mpi alone, as
+a user would run them). A shared machine drifts by more than the differences
+between strategies, so a strategy is only compared with the others of its
+round: each of ``--rounds`` rounds runs every strategy once, in an order
+rotated by one per round (A B C, B C A, C A B, ...). Per strategy the table
+gives the median over rounds of its step time (each round's: the median of
+the slowest rank's steps after warm-up) with the min and max, and
+``fsdp_mpi_ratio``: fsdp-mpi's step on as many ranks at the same precision
+divided by this strategy's, the median of the per-round ratios with their min
+and max (below 1: fsdp-mpi is faster). Beside wall time: CPU seconds per step
+(user + system, busiest rank), model-state and peak memory per rank, bytes of
+collectives per step, the time fsdp-mpi's ranks were blocked in MPI, and
+``beyond_plain_s``, a strategy's step minus plain torch's in the same round
+(communication that computation does not hide, plus the wrapper's own work).
+Writes the summary to ``--out`` and every run of every round beside it
+(``*-rounds.csv``). A strategy whose model state would not fit in this
+machine's memory is not started; its row gives the computed requirement.
 
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
 A ``:PRECISION`` suffix (``fsdp-mpi:bf16-mixed``, ``ddp:bf16-mixed``) picks the
-experiments' ``--precision``; ``comm_mb_per_step`` is what fsdp-mpi's collectives
-moved per step on one rank. For comparisons on a noisy machine, run bench.py
-several times and compare the rows of each round (A B A B ...), not single runs.
-``--tune-malloc-for-all`` gives every strategy the glibc setting fsdp-mpi uses on
-CPU (see fsdp_mpi/host_memory.py), to separate that effect from sharding.
+experiments' ``--precision``.
 """
 
 import argparse
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,8 +44,11 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precis
 
 REPLICATED = ("plain", "ddp", "lightning-ddp")
 BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
-FIELDS = ["strategy", "precision", "ranks", "step_s", "vs_fsdp_mpi", "tokens_per_s", "tflops", "mfu", "model_state_mb",
-          "peak_rss_mb", "mpi_blocked_s", "compute_s", "overhead_s", "comm_mb_per_step", "note"]
+MEASURED = ["step_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb", "mpi_blocked_s",
+            "comm_mb_per_step"]  # what bench_worker.py reports per run
+FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio",
+          "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
+          "peak_rss_mb", "comm_mb_per_step", "mpi_blocked_s", "beyond_plain_s", "note"]
 
 
 def available_memory_bytes() -> int:
@@ -70,7 +82,7 @@ def run_one(spec: str, ranks: int, args) -> dict:
                    "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision,
                    "--sharding-strategy", args.sharding_strategy]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        if args.tune_malloc_for_all:
+        if not args.malloc_as_shipped:
             env["GLIBC_TUNABLES"] = MALLOC_REUSE
         print(f"-- {spec} on {ranks} rank(s)", flush=True)
         finished = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -88,30 +100,85 @@ def parameter_count(args) -> int:
         return GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size)).num_parameters()
 
 
-def table(rows: list[dict]) -> list[dict]:
-    """Adds the ratios to fsdp-mpi on N ranks and splits its step into compute, MPI and overhead."""
-    by_key = {(r["strategy"], r.get("precision"), r["ranks"]): r for r in rows}
-    ours = max((r for r in rows if r["strategy"] == "fsdp-mpi" and r.get("precision") == "32" and "step_s" in r),
-               key=lambda r: r["ranks"], default=None)
-    for row in rows:
-        if ours and "step_s" in row:
-            row["vs_fsdp_mpi"] = row["step_s"] / ours["step_s"]
-        # every fsdp-mpi variant's step splits into plain compute (same precision), time blocked in MPI and the rest
-        plain = by_key.get(("plain", row.get("precision"), 1), {})
-        if row["strategy"].startswith("fsdp-mpi") and "step_s" in row and "step_s" in plain:
-            row["compute_s"] = plain["step_s"]  # the same per-rank work, without sharding
-            row["overhead_s"] = row["step_s"] - plain["step_s"] - row["mpi_blocked_s"]
-    return rows
+def rotated(plan: list, round_index: int) -> list:
+    """The plan's order for one round: A B C, then B C A, then C A B, ..."""
+    shift = round_index % len(plan)
+    return plan[shift:] + plan[:shift]
+
+
+def summarise(rounds: list[dict]) -> list[dict]:
+    """One row per strategy from every round's runs (each round: {(spec, ranks): worker row}).
+
+    Ratios are taken within a round, against fsdp-mpi on as many ranks at the same precision,
+    and against plain torch at the same precision for ``beyond_plain_s``.
+    """
+    def reference(runs, strategy, precision, ranks=None):
+        return next((row for (spec, count), row in runs.items() if row.get("strategy") == strategy
+                     and row.get("precision") == precision and (ranks is None or count == ranks) and "step_s" in row),
+                    None)
+
+    summary = []
+    for key in rounds[0]:
+        runs = [each[key] for each in rounds]
+        done = [row for row in runs if "step_s" in row]
+        row = {field: runs[0].get(field) for field in ("strategy", "precision", "ranks")}
+        if not done:
+            summary.append({**row, "rounds": 0, "note": runs[0].get("note", "")})
+            continue
+        steps = [run["step_s"] for run in done]
+        row.update({field: statistics.median(run[field] for run in done) for field in MEASURED},
+                   rounds=len(done), step_s_min=min(steps), step_s_max=max(steps),
+                   note="" if len(done) == len(runs) else f"{len(runs) - len(done)} round(s) failed: "
+                                                          f"{next(r['note'] for r in runs if 'step_s' not in r)}")
+        ratios, beyond = [], []
+        for each, run in zip(rounds, runs):
+            ours = reference(each, "fsdp-mpi", run.get("precision"), run.get("ranks"))
+            plain = reference(each, "plain", run.get("precision"))
+            if "step_s" in run and ours:
+                ratios.append(ours["step_s"] / run["step_s"])
+            if "step_s" in run and plain:
+                beyond.append(run["step_s"] - plain["step_s"])
+        if ratios:
+            row.update(fsdp_mpi_ratio=statistics.median(ratios), fsdp_mpi_ratio_min=min(ratios),
+                       fsdp_mpi_ratio_max=max(ratios))
+        if beyond:
+            row["beyond_plain_s"] = statistics.median(beyond)
+        summary.append(row)
+    return summary
 
 
 def print_table(rows: list[dict]) -> None:
-    def cell(value):
-        return f"{value:.4g}" if isinstance(value, float) else ("" if value is None else str(value))
+    """The summary as a Markdown table: medians with (min-max) over rounds."""
+    def number(value, digits=3):
+        return "" if value is None else f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
 
-    print("| " + " | ".join(FIELDS) + " |")
-    print("| " + " | ".join("---" for _ in FIELDS) + " |")
+    def spread(row, field):
+        if row.get(field) is None:
+            return ""
+        return f"{number(row[field])} ({number(row[field + '_min'])}-{number(row[field + '_max'])})"
+
+    columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)", "CPU s/step",
+               "model state MB", "peak RSS MB", "comm MB/step", "blocked in MPI s", "beyond plain s", "note"]
+    print("| " + " | ".join(columns) + " |")
+    print("| " + " | ".join("---" for _ in columns) + " |")
     for row in rows:
-        print("| " + " | ".join(cell(row.get(field)) for field in FIELDS) + " |")
+        cells = [row["strategy"], row["precision"], str(row["ranks"]), spread(row, "step_s"),
+                 spread(row, "fsdp_mpi_ratio"), number(row.get("cpu_s")), number(row.get("model_state_mb"), 4),
+                 number(row.get("peak_rss_mb"), 4), number(row.get("comm_mb_per_step"), 4),
+                 number(row.get("mpi_blocked_s")), number(row.get("beyond_plain_s")), row.get("note") or ""]
+        print("| " + " | ".join(cells) + " |")
+
+
+def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["model", "batch_size", "seq_len", "threads", "malloc", *fields],
+                                extrasaction="ignore")
+        writer.writeheader()
+        malloc = "as shipped (fsdp-mpi only)" if args.malloc_as_shipped else "reuse for all"
+        for row in rows:
+            writer.writerow({"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                             "threads": args.threads, "malloc": malloc, **row})
 
 
 def main() -> int:
@@ -121,8 +188,10 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds, each running every strategy once in a rotated order (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per run (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--strategies", default="plain,fsdp-mpi@1,fsdp-mpi,torch-fsdp,ddp,lightning-ddp",
                         help="comma-separated; NAME@K runs NAME on K ranks instead of --ranks")
@@ -130,12 +199,13 @@ def main() -> int:
                         choices=("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
                         help="fsdp-mpi's; HYBRID_SHARD groups by node unless FSDP_MPI_HYBRID_GROUP_SIZE is set "
                              "(default: %(default)s)")
-    parser.add_argument("--tune-malloc-for-all", action="store_true",
-                        help="give every strategy fsdp-mpi's glibc memory-reuse setting")
+    parser.add_argument("--malloc-as-shipped", action="store_true",
+                        help="only fsdp-mpi keeps freed memory for reuse (as it does when imported); by default "
+                             "every strategy runs with the same glibc setting: " + MALLOC_REUSE)
     parser.add_argument("--out", default="results/bench.csv")
     args = parser.parse_args()
-    if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads) < 1 or args.warmup < 0:
-        parser.error("--ranks, --batch-size, --seq-len, --steps and --threads must be positive")
+    if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads, args.rounds) < 1 or args.warmup < 0:
+        parser.error("--ranks, --batch-size, --seq-len, --steps, --threads and --rounds must be positive")
     if args.seq_len > gpt2_config(args.model).n_positions:
         parser.error(f"--seq-len exceeds {args.model}'s context of {gpt2_config(args.model).n_positions}")
     plan = []
@@ -150,20 +220,28 @@ def main() -> int:
         if ranks and not ranks.isdigit():
             parser.error(f"{item!r}: the rank count after @ must be a number")
         plan.append((name, 1 if name == "plain" else int(ranks or args.ranks)))
-    rows = table([run_one(name, ranks, args) for name, ranks in plan])
+    if len(set(plan)) < len(plan):
+        parser.error("a strategy is listed twice")
+    rounds, log = [], []
+    for index in range(args.rounds):
+        print(f"== round {index + 1} of {args.rounds}", flush=True)
+        runs = {}
+        for position, (name, ranks) in enumerate(rotated(plan, index)):
+            runs[name, ranks] = run_one(name, ranks, args)
+            log.append({"round": index + 1, "position": position + 1, **runs[name, ranks]})
+        rounds.append({key: runs[key] for key in plan})  # the plan's order again, for the table
+    rows = summarise(rounds)
+    allocator = ("fsdp-mpi reuses freed memory, the others use glibc's defaults" if args.malloc_as_shipped
+                 else "every strategy reuses freed memory")
     print(f"\n{args.model}, vocabulary {args.vocab_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "
-          f"{args.threads} thread(s) per rank, median of {args.steps} steps after {args.warmup} warm-up\n")
+          f"{args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup} warm-up per run, "
+          f"{args.rounds} rounds in rotated order; allocator: {allocator}\n")
     print_table(rows)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "batch_size", "seq_len", "threads", *FIELDS],
-                                extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                             "threads": args.threads, **row})
-    print(f"\nwrote {out}")
+    write_csv(out, rows, FIELDS, args)
+    rounds_out = out.with_name(out.stem + "-rounds.csv")
+    write_csv(rounds_out, log, ["round", "position", "strategy", "precision", "ranks", *MEASURED, "note"], args)
+    print(f"\nwrote {out} and {rounds_out}")
     return 0
 
 

@@ -1,13 +1,18 @@
 """One strategy's share of ``bench.py``: time training steps of GPT-2 on synthetic tokens.
 
 Launched by bench.py as ``mpiexec -n N python experiments/bench_worker.py --strategy S ...``;
-rank 0 writes the measurements as JSON.
+rank 0 writes the measurements as JSON. Per step: the slowest rank's wall time, the busiest
+rank's CPU time (user + system, all its threads), the time a rank spent blocked in MPI
+(fsdp-mpi only) and the bytes of the step's collectives: counted by fsdp-mpi's communicator,
+counted at torch.distributed's Python entry points for torch FSDP2, and for DDP (whose
+reducer calls C++ directly) the gradient bytes its all-reduces carry.
 """
 
 import argparse
 import json
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 from mpi4py import MPI
@@ -46,23 +51,61 @@ def synthetic_batch(args, rank: int):
 
 
 def timed_steps(prepared: Prepared, optimizer, batch, args, comm):
-    """Per step: (slowest rank's step time, this rank's time blocked in MPI, its bytes moved by collectives)."""
-    times, blocked, moved = [], [], []
+    """Per step after warm-up: (slowest rank's wall time, busiest rank's CPU time, this rank's time blocked
+    in MPI, its bytes moved by collectives)."""
+    times, cpu, blocked, moved = [], [], [], []
     inputs, targets = batch
     for _ in range(args.warmup + args.steps):
         comm.Barrier()
-        mpi_before, bytes_before, start = prepared.comm_seconds(), prepared.comm_bytes(), time.perf_counter()
+        mpi_before, bytes_before = prepared.comm_seconds(), prepared.comm_bytes()
+        cpu_start, start = time.process_time(), time.perf_counter()
         with prepared.autocast():
             _, loss = prepared.model(inputs, targets)
         prepared.scaler.scale(loss).backward()
         prepared.scaler.step(optimizer)
         prepared.scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         times.append(max(comm.allgather(seconds)))
+        cpu.append(max(comm.allgather(cpu_seconds)))
         blocked.append(prepared.comm_seconds() - mpi_before)
         moved.append(prepared.comm_bytes() - bytes_before)
-    return times[args.warmup:], blocked[args.warmup:], moved[args.warmup:]
+    return times[args.warmup:], cpu[args.warmup:], blocked[args.warmup:], moved[args.warmup:]
+
+
+# torch.distributed's collectives and the argument that holds the full buffer (an all-gather's output,
+# a reduce-scatter's input), counted as fsdp-mpi's communicator counts its own
+FULL_BUFFER_ARGUMENT = {"all_gather_single": "output_tensor", "all_gather_into_tensor": "output_tensor",
+                        "reduce_scatter_single": "input", "reduce_scatter_tensor": "input", "all_reduce": "tensor"}
+
+
+@contextmanager
+def counting_torch_collectives():
+    """Counts the bytes of the collectives called through torch.distributed's Python functions (torch FSDP2
+    calls them; DDP's C++ reducer does not); yields a one-element list holding the count."""
+    import inspect
+
+    import torch.distributed as dist
+
+    counted = [0]
+    originals = {name: getattr(dist, name) for name in FULL_BUFFER_ARGUMENT if hasattr(dist, name)}
+
+    def counting(name, original):
+        signature = inspect.signature(original)
+
+        def collective(*args, **kwargs):
+            full = signature.bind(*args, **kwargs).arguments[FULL_BUFFER_ARGUMENT[name]]
+            counted[0] += full.numel() * full.element_size()
+            return original(*args, **kwargs)
+        return collective
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(name, original))
+    try:
+        yield counted
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def lightning_steps(model, batch, args, comm):
@@ -94,14 +137,15 @@ def lightning_steps(model, batch, args, comm):
 
     class StepTimer(L.Callback):
         def __init__(self):
-            self.times = []
+            self.times, self.cpu = [], []
 
         def on_train_batch_start(self, trainer, module, *_):
             comm.Barrier()
-            self.start = time.perf_counter()
+            self.cpu_start, self.start = time.process_time(), time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, *_):
             self.times.append(max(comm.allgather(time.perf_counter() - self.start)))
+            self.cpu.append(max(comm.allgather(time.process_time() - self.cpu_start)))
 
     timer = StepTimer()
     module = Steps()
@@ -110,7 +154,12 @@ def lightning_steps(model, batch, args, comm):
                         logger=False, enable_checkpointing=False, enable_model_summary=False,
                         enable_progress_bar=False, use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module)
-    return timer.times[args.warmup:], trainer.optimizers[0], module
+    return timer.times[args.warmup:], timer.cpu[args.warmup:], trainer.optimizers[0], module
+
+
+def gradient_bytes(model) -> int:
+    """What DDP all-reduces per step: every gradient, in the parameters' dtype (fp32 here)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def main() -> None:
@@ -124,9 +173,9 @@ def main() -> None:
     flops_per_token = model.training_flops_per_token(args.seq_len)
     parameters = model.num_parameters()
     batch = synthetic_batch(args, comm.Get_rank())
-    blocked, moved = [float("nan")], [0]
     if args.strategy == "lightning-ddp":
-        times, optimizer, measured = lightning_steps(model, batch, args, comm)
+        times, cpu, optimizer, measured = lightning_steps(model, batch, args, comm)
+        blocked, moved = [float("nan")], [gradient_bytes(model)]
     else:
         if args.strategy == "plain":
             autocast, scaler = torch_amp("cpu", args.precision)
@@ -140,7 +189,12 @@ def main() -> None:
             prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, args.precision, **options)
         measured = prepared.model
         optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
-        times, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm)
+        with counting_torch_collectives() as torch_bytes:
+            times, cpu, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm)
+        if args.strategy == "torch-fsdp":
+            moved = [torch_bytes[0] / (args.warmup + args.steps)]  # the same collectives every step
+        elif args.strategy == "ddp":
+            moved = [gradient_bytes(model)]
     state_bytes = max(comm.allgather(model_state_bytes(measured, optimizer)))
     rss = max(comm.allgather(peak_rss_mb()))
     blocked_median = statistics.median(comm.allgather(statistics.median(blocked)))
@@ -152,7 +206,7 @@ def main() -> None:
                 "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]),
                 "sharding_strategy": args.sharding_strategy if args.strategy == "fsdp-mpi" else None,
                 "precision": args.precision, "ranks": comm.Get_size(), "parameters": parameters,
-                "step_s": step, "step_times_s": times, "tokens_per_s": tokens_per_s,
+                "step_s": step, "step_times_s": times, "cpu_s": statistics.median(cpu), "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,
                 "mfu": tokens_per_s * flops_per_token / (peak_flops * comm.Get_size()),
                 "peak_rss_mb": rss, "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,

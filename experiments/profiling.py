@@ -145,21 +145,28 @@ def time_collective(group, world, operation: str, nbytes: int, repeats: int) -> 
     """(bytes, seconds): the full buffer of about `nbytes` that splits evenly over the group, and the median
     over `repeats` of the slowest rank's time for one collective on it."""
     import torch
-    from mpi4py import MPI
 
     shard = torch.ones(nbytes // 4 // group.world_size)
     full = torch.ones(shard.numel() * group.world_size)
     run = {"all_gather": lambda: group.all_gather_into(full, shard),
            "reduce_scatter": lambda: group.reduce_scatter_mean(shard, full),
            "all_reduce": lambda: group.all_reduce_mean_(full)}[operation]
-    run()  # warm-up: buffers touched, connections made
+    return full.numel() * 4, slowest_rank_seconds(run, world, repeats)
+
+
+def slowest_rank_seconds(run, world, repeats: int) -> float:
+    """The median over `repeats` calls of `run` of the slowest rank's time, after one untimed call
+    (buffers touched, connections made); every rank of `world` calls this together."""
+    from mpi4py import MPI
+
+    run()
     times = []
     for _ in range(repeats):
         world.Barrier()
         start = time.perf_counter()
         run()
         times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return full.numel() * 4, statistics.median(times)
+    return statistics.median(times)
 
 
 def time_collectives(args) -> dict:

@@ -1,0 +1,156 @@
+"""Throughput of the two collectives FSDP lives on: fsdp-mpi's communication layer against raw mpi4py and gloo.
+
+    mpiexec -n 2 python experiments/bench_comm.py --sizes-mb 1,4,16,64,256 --rounds 5
+
+For each size (a unit's full, gathered fp32 buffer) it times an all-gather and a
+reduce-scatter through three paths, on the same ranks and the same memory:
+
+- ``fsdp-mpi``: ``Communicator.all_gather_into`` and ``reduce_scatter_mean`` on
+  torch tensors, as the sharding layer calls them (DLPack buffers, the
+  collective log and hang watch, the division that makes the sum a mean);
+- ``mpi4py``: ``Allgather`` and ``Reduce_scatter_block`` (sum) on numpy views
+  of that memory: the ceiling fsdp-mpi can reach through this MPI;
+- ``gloo``: torch.distributed's all-gather and reduce-scatter into a tensor,
+  what torch FSDP2 and DDP use on CPU.
+
+A time is the median over ``--repeats`` of the slowest rank's, after one
+untimed call. Each round runs every (size, path) once, the paths in an order
+rotated by one per round, so that drift on a shared machine falls on all of
+them alike. GB/s is the full buffer's bytes over the time (the algorithm
+bandwidth: what a unit's gather needs); a ratio is fsdp-mpi's GB/s over
+another path's, the median of the per-round ratios with their min and max.
+Rank 0 prints a table and writes ``--out``.
+"""
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from profiling import slowest_rank_seconds
+from strategies import init_torch_distributed
+
+from fsdp_mpi import Communicator
+
+PATHS = ("fsdp-mpi", "mpi4py", "gloo")
+OPERATIONS = ("all_gather", "reduce_scatter")
+# torch 2.13 renamed the tensor collectives; older releases have only the old names
+_GLOO_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_GLOO_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def arguments():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", default="1,4,16,64,256",
+                        help="full buffer sizes in MiB, comma-separated (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="default: %(default)s")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per (size, path) per round")
+    parser.add_argument("--out", default="results/bench-comm.csv")
+    args = parser.parse_args()
+    try:
+        args.sizes = [float(size) for size in args.sizes_mb.split(",")]
+    except ValueError:
+        parser.error(f"--sizes-mb: {args.sizes_mb!r} is not a comma-separated list of numbers")
+    if min(args.sizes) <= 0 or args.rounds < 1 or args.repeats < 1:
+        parser.error("--sizes-mb, --rounds and --repeats must be positive")
+    return args
+
+
+def collectives(path: str, operation: str, full: torch.Tensor, shard: torch.Tensor, comm: Communicator):
+    """One call of `operation` through `path`, as a function of no arguments."""
+    if path == "fsdp-mpi":
+        if operation == "all_gather":
+            return lambda: comm.all_gather_into(full, shard)
+        return lambda: comm.reduce_scatter_mean(shard, full)
+    if path == "mpi4py":
+        full_array, shard_array = full.numpy(), shard.numpy()  # views of the same memory
+        if operation == "all_gather":
+            return lambda: comm.mpi_comm.Allgather(shard_array, full_array)
+        return lambda: comm.mpi_comm.Reduce_scatter_block(full_array, shard_array, op=MPI.SUM)
+    if operation == "all_gather":
+        return lambda: _GLOO_ALL_GATHER(full, shard)
+    return lambda: _GLOO_REDUCE_SCATTER(shard, full)
+
+
+def measure(args, world: MPI.Comm) -> list[dict]:
+    """Every round's GB/s per (size, operation, path)."""
+    comm = Communicator(world)
+    runs = []
+    for round_index in range(args.rounds):
+        shift = round_index % len(PATHS)
+        order = PATHS[shift:] + PATHS[:shift]
+        for size in args.sizes:
+            shard = torch.ones(max(1, int(size * 2**20) // 4 // world.Get_size()))
+            full = torch.ones(shard.numel() * world.Get_size())
+            for operation in OPERATIONS:
+                for path in order:
+                    run = collectives(path, operation, full, shard, comm)
+                    seconds = slowest_rank_seconds(run, world, args.repeats)
+                    runs.append({"round": round_index + 1, "size_mb": full.numel() * 4 / 2**20,
+                                 "operation": operation, "path": path, "seconds": seconds,
+                                 "gb_per_s": full.numel() * 4 / seconds / 1e9})
+    return runs
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per (size, operation): each path's median GB/s, and fsdp-mpi's ratio to the others per round."""
+    rows = []
+    keys = dict.fromkeys((run["size_mb"], run["operation"]) for run in runs)
+    for size, operation in keys:
+        per_round = {}
+        for run in runs:
+            if (run["size_mb"], run["operation"]) == (size, operation):
+                per_round.setdefault(run["round"], {})[run["path"]] = run["gb_per_s"]
+        row = {"size_mb": size, "operation": operation, "rounds": len(per_round)}
+        for path in PATHS:
+            row[f"{path}_gb_per_s"] = statistics.median(each[path] for each in per_round.values())
+        for other in PATHS[1:]:
+            ratios = [each["fsdp-mpi"] / each[other] for each in per_round.values()]
+            row.update({f"vs_{other}": statistics.median(ratios), f"vs_{other}_min": min(ratios),
+                        f"vs_{other}_max": max(ratios)})
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], ranks: int) -> None:
+    print(f"\n{ranks} ranks, {MPI.Get_library_version().splitlines()[0].strip()}; GB/s = full buffer bytes / time, "
+          f"median over rounds; ratios: fsdp-mpi's GB/s over the other's, median of per-round ratios (min-max)\n")
+    columns = ["operation", "MiB", "fsdp-mpi GB/s", "mpi4py GB/s", "gloo GB/s", "fsdp-mpi / mpi4py", "fsdp-mpi / gloo"]
+    print("| " + " | ".join(columns) + " |")
+    print("| " + " | ".join("---" for _ in columns) + " |")
+    for row in rows:
+        ratios = [f"{row[f'vs_{other}']:.2f} ({row[f'vs_{other}_min']:.2f}-{row[f'vs_{other}_max']:.2f})"
+                  for other in PATHS[1:]]
+        print(f"| {row['operation']} | {row['size_mb']:.4g} | " + " | ".join(
+            f"{row[f'{path}_gb_per_s']:.2f}" for path in PATHS) + " | " + " | ".join(ratios) + " |")
+
+
+def main() -> int:
+    args = arguments()
+    world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        print("bench_comm.py measures collectives between ranks: run it as mpiexec -n 2 (or more) python "
+              "experiments/bench_comm.py", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    init_torch_distributed(world, torch.device("cpu"))  # gloo
+    rows = summarise(measure(args, world))
+    dist.destroy_process_group()
+    if world.Get_rank() == 0:
+        print_table(rows, world.Get_size())
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["ranks", *rows[0]])
+            writer.writeheader()
+            writer.writerows({"ranks": world.Get_size(), **row} for row in rows)
+        print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
