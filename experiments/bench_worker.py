@@ -4,8 +4,8 @@ Launched by bench.py as ``mpiexec -n N python experiments/bench_worker.py --stra
 rank 0 writes the measurements as JSON. Per step: the slowest rank's wall time, the busiest
 rank's CPU time (user + system, all its threads), the time a rank spent blocked in MPI
 (fsdp-mpi only) and the bytes of the step's collectives: counted by fsdp-mpi's communicator,
-counted at torch.distributed's Python entry points for torch FSDP2, and for DDP (whose
-reducer calls C++ directly) the gradient bytes its all-reduces carry.
+counted at torch.distributed's Python entry points for torch FSDP2 (in one extra, untimed
+step), and for DDP (whose reducer calls C++ directly) the gradient bytes its all-reduces carry.
 """
 
 import argparse
@@ -50,21 +50,25 @@ def synthetic_batch(args, rank: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def train_step(prepared: Prepared, optimizer, batch) -> None:
+    inputs, targets = batch
+    with prepared.autocast():
+        _, loss = prepared.model(inputs, targets)
+    prepared.scaler.scale(loss).backward()
+    prepared.scaler.step(optimizer)
+    prepared.scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def timed_steps(prepared: Prepared, optimizer, batch, args, comm):
     """Per step after warm-up: (slowest rank's wall time, busiest rank's CPU time, this rank's time blocked
     in MPI, its bytes moved by collectives)."""
     times, cpu, blocked, moved = [], [], [], []
-    inputs, targets = batch
     for _ in range(args.warmup + args.steps):
         comm.Barrier()
         mpi_before, bytes_before = prepared.comm_seconds(), prepared.comm_bytes()
         cpu_start, start = time.process_time(), time.perf_counter()
-        with prepared.autocast():
-            _, loss = prepared.model(inputs, targets)
-        prepared.scaler.scale(loss).backward()
-        prepared.scaler.step(optimizer)
-        prepared.scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(prepared, optimizer, batch)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         times.append(max(comm.allgather(seconds)))
         cpu.append(max(comm.allgather(cpu_seconds)))
@@ -189,10 +193,12 @@ def main() -> None:
             prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, args.precision, **options)
         measured = prepared.model
         optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
-        with counting_torch_collectives() as torch_bytes:
-            times, cpu, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm)
+        if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
+            with counting_torch_collectives() as torch_bytes:
+                train_step(prepared, optimizer, batch)
+        times, cpu, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm)
         if args.strategy == "torch-fsdp":
-            moved = [torch_bytes[0] / (args.warmup + args.steps)]  # the same collectives every step
+            moved = torch_bytes
         elif args.strategy == "ddp":
             moved = [gradient_bytes(model)]
     state_bytes = max(comm.allgather(model_state_bytes(measured, optimizer)))

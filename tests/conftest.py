@@ -31,9 +31,9 @@ SECOND_MPI_ENV = "FSDP_MPI_SECOND_MPI"
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(SECOND_MPI_ENV) != "1":
         return
-    once = [item for item in items if item.get_closest_marker("one_mpi")]
-    config.hook.pytest_deselected(items=once)
-    items[:] = [item for item in items if not item.get_closest_marker("one_mpi")]
+    once = {item for item in items if item.get_closest_marker("one_mpi")}
+    config.hook.pytest_deselected(items=list(once))
+    items[:] = [item for item in items if item not in once]
 
 # Where every test must run (CI: data, MPI and transformers are installed), a skip is a failure,
 # except for tests that need hardware this machine lacks.
