@@ -1,7 +1,9 @@
 """The PyTorch Lightning baselines: the same task, data, recipe and CSV, trained by a Lightning Trainer.
 
 mpiexec starts the processes; Lightning's ``MPIEnvironment`` reads rank and
-world size from MPI and sets up torch.distributed (gloo on CPU, nccl on GPU).
+world size from MPI. ``lightning-ddp`` and ``lightning-fsdp`` set up torch.distributed
+(gloo on CPU, nccl on GPU); ``lightning-fsdp-mpi`` (fsdp_mpi's ``FSDPMPIStrategy``)
+needs none: everything goes through MPI. All three train the same ``TaskModule``.
 Lightning accumulates gradients itself (``accumulate_grad_batches``), clips them
 (``gradient_clip_val``), applies ``--precision`` (its own names: autocast, with a
 loss scaler for 16-mixed) and steps the shared schedule after each optimizer step.
@@ -21,6 +23,9 @@ from recipe import optimizer_and_schedule
 from results import model_state_bytes
 from strategies import full_state_dict_on_rank0
 from training import RunRecorder, build_model, epoch_steps, evaluate, save_trained, total_optimizer_steps
+
+from fsdp_mpi import full_state_dict
+from fsdp_mpi.lightning import FSDPMPIStrategy
 
 
 class _EpochMicroBatches(Dataset):
@@ -49,6 +54,11 @@ class TaskModule(L.LightningModule):
         self.optimizer_steps = len(steps)
         return DataLoader(_EpochMicroBatches(self.task.train, steps, self.current_epoch), batch_size=None,
                           shuffle=False)
+
+    def forward(self, *args, **kwargs):
+        """The task's model: evaluation calls it through the strategy's wrapper, which sharded strategies need
+        (the root's own parameters are gathered around the wrapper's call)."""
+        return self.model(*args, **kwargs)
 
     def training_step(self, item, _index):
         batch, weight, samples = item
@@ -90,7 +100,7 @@ class _EpochRecorder(L.Callback):
         module.comm.Barrier()
         seconds = time.perf_counter() - self.start
         train_loss = module.comm.allreduce(module.loss_sum, op=MPI.SUM) / module.samples
-        val = evaluate(module.task, module.model, module.args, module.comm, self.device,
+        val = evaluate(module.task, trainer.strategy.model, module.args, module.comm, self.device,
                        trainer.precision_plugin.forward_context)
         if module.comm.Get_rank() == 0:
             print(f"epoch {trainer.current_epoch}: train loss {train_loss:.4f}, "
@@ -122,6 +132,9 @@ def train_with_lightning(task, args, comm: MPI.Comm, device: torch.device, exper
     if args.strategy == "lightning-ddp":
         strategy = DDPStrategy(cluster_environment=environment,
                                process_group_backend="nccl" if device.type == "cuda" else "gloo")
+    elif args.strategy == "lightning-fsdp-mpi":
+        strategy = FSDPMPIStrategy(auto_wrap_policy={task.block_class}, accumulate_without_sync=args.accum_no_sync,
+                                   cluster_environment=environment)
     else:
         fsdp = _FSDPStrategyNoSync if args.accum_no_sync else FSDPStrategy
         strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class})
@@ -135,6 +148,11 @@ def train_with_lightning(task, args, comm: MPI.Comm, device: torch.device, exper
         callbacks=[_EpochRecorder(recorder, device)],
     )
     trainer.fit(TaskModule(task, model, args, comm))
-    if args.save_dir:  # DDP trained `model` in place, whole on every rank (--save-dir is refused for lightning-fsdp)
-        save_trained(task, full_state_dict_on_rank0(args.strategy, model, comm), args, recorder)
+    if args.save_dir:  # --save-dir is refused for lightning-fsdp
+        if args.strategy == "lightning-fsdp-mpi":  # the whole TaskModule was wrapped: its names start with "model."
+            state = full_state_dict(trainer.strategy.model, rank0_only=True)
+            state = {name.removeprefix("model."): tensor for name, tensor in state.items()} if state else None
+        else:  # DDP trained `model` in place, whole on every rank
+            state = full_state_dict_on_rank0(args.strategy, model, comm)
+        save_trained(task, state, args, recorder)
     return recorder.finish()

@@ -2,7 +2,8 @@
 
 ``fsdp-mpi`` is ours. ``ddp`` and ``torch-fsdp`` (torch FSDP2's ``fully_shard``)
 use torch.distributed, initialised from the MPI ranks that mpiexec started:
-gloo on CPU, nccl on GPU. The Lightning strategies live in ``lightning_runner``.
+gloo on CPU, nccl on GPU. The Lightning strategies live in ``lightning_runner``;
+``lightning-fsdp-mpi`` is a Lightning Trainer with fsdp_mpi's ``FSDPMPIStrategy``.
 
 ``--precision`` (Lightning's names) maps onto each strategy's own mechanism:
 ``bf16-mixed`` and ``16-mixed`` gather and compute in 16 bits over fp32 masters
@@ -26,7 +27,7 @@ from torch import nn
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, ShardedGradScaler,
                       clip_grad_norm_)
 
-STRATEGIES = ("fsdp-mpi", "ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
+STRATEGIES = ("fsdp-mpi", "ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp", "lightning-fsdp-mpi")
 TORCH_DISTRIBUTED = ("ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
 PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # --precision -> compute dtype
 

@@ -4,7 +4,8 @@
     optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
 
 Read in this order: collective_log -> comm -> strategy -> flat_param -> mixed_precision -> lifecycle -> state_dict -> clip -> grad_scaler
--> deferred_init -> fully_sharded -> wrap; then checkpoint and pretrained (files on disk) and even_batches.
+-> deferred_init -> fully_sharded -> wrap; then checkpoint and pretrained (files on disk) and even_batches;
+last, lightning (``FSDPMPIStrategy``, imported only on its own: it needs PyTorch Lightning).
 """
 
 from fsdp_mpi.abort import abort_job_on_uncaught_exception

@@ -1,0 +1,231 @@
+"""fsdp_mpi as a PyTorch Lightning strategy: ``Trainer(strategy=FSDPMPIStrategy(...))`` under mpiexec or srun.
+
+    trainer = L.Trainer(strategy=FSDPMPIStrategy(auto_wrap_policy={Block}), precision="bf16-mixed",
+                        gradient_clip_val=1.0, accumulate_grad_batches=4)
+    trainer.fit(module)            # mpiexec -n 4 python train.py
+
+The launcher starts the processes; ranks come from MPI (Lightning's
+``MPIEnvironment``) and no torch.distributed group is created: every collective,
+the strategy's own (barrier, broadcast, metric reductions) included, goes
+through mpi4py. The whole LightningModule is wrapped in one
+``FullyShardedDataParallel`` root, and Lightning calls ``training_step`` and
+``validation_step`` through it, so the root's parameters are gathered around
+each step; call the model through the module (``self(...)`` or inside a step),
+not a submodule on its own.
+
+What each Lightning feature becomes:
+    precision            "32-true", or "bf16-mixed": bf16 gathers and compute over fp32
+                         master shards (``MixedPrecision``), not autocast
+    gradient_clip_val    the global norm over every rank's shards (``clip_grad_norm_``);
+                         clipping by value is refused (it would be applied per shard alike,
+                         but Lightning's algorithm names promise the unsharded semantics)
+    accumulate_grad_batches  gradients reduce-scattered after every micro-batch (1/N of
+                         them kept); ``accumulate_without_sync=True`` keeps them whole and
+                         unreduced until the last micro-batch instead
+    checkpoints          a directory per checkpoint: every rank's shards of the model and
+                         optimizer (``save_checkpoint``) and Lightning's own state (loops,
+                         schedulers, callbacks) in ``lightning_state.pt``; resumable with
+                         ``ckpt_path=`` on any number of ranks
+"""
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from lightning.pytorch.plugins.environments import MPIEnvironment
+from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from mpi4py import MPI
+
+from fsdp_mpi.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_mpi.clip import clip_grad_norm_
+from fsdp_mpi.fully_sharded import FullyShardedDataParallel
+from fsdp_mpi.mixed_precision import MixedPrecision
+from fsdp_mpi.strategy import ShardingStrategy
+from fsdp_mpi.wrap import ModuleWrapPolicy
+
+LIGHTNING_STATE_FILE = "lightning_state.pt"  # beside the shards in a checkpoint directory
+_PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}
+
+
+class FSDPMPIPrecision(Precision):
+    """Lightning's precision setting carried out by fsdp_mpi: ``MixedPrecision`` instead of autocast,
+    and clipping by the global norm of the sharded gradients."""
+
+    def __init__(self, precision: str = "32-true"):
+        if precision not in _PRECISIONS:
+            raise ValueError(f"FSDPMPIStrategy supports precision {' or '.join(map(repr, _PRECISIONS))}, "
+                             f"not {precision!r} (fp16 loss scaling is not wired into Lightning here)")
+        self.precision = precision
+        self.sharded_module = None  # set by the strategy once it has wrapped the LightningModule
+
+    @property
+    def mixed_precision(self) -> MixedPrecision | None:
+        dtype = _PRECISIONS[self.precision]
+        return MixedPrecision(param_dtype=dtype) if dtype else None
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM) -> None:
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm != GradClipAlgorithmType.NORM:
+            raise ValueError("FSDPMPIStrategy clips by norm only: use gradient_clip_algorithm='norm'")
+        clip_grad_norm_(self.sharded_module, clip_val)
+
+
+def _as_fsdp_mpi_precision(plugin: Precision | None) -> FSDPMPIPrecision | None:
+    """The plugin Lightning chose from ``Trainer(precision=...)``, turned into ours (its autocast is not needed)."""
+    if plugin is None or isinstance(plugin, FSDPMPIPrecision):
+        return plugin
+    if type(plugin) is Precision:
+        return FSDPMPIPrecision("32-true")
+    if isinstance(plugin, LightningMixedPrecision):
+        return FSDPMPIPrecision(plugin.precision)
+    raise ValueError(f"FSDPMPIStrategy cannot train with {type(plugin).__name__}: use precision '32-true' or "
+                     "'bf16-mixed'")
+
+
+class FSDPMPIStrategy(ParallelStrategy):
+    """Trains a LightningModule fully sharded over the MPI ranks.
+
+    Args:
+        auto_wrap_policy: the module classes that become sharding units (a set of classes,
+            or any fsdp_mpi wrap policy); what is left belongs to the root unit.
+        sharding_strategy: as ``FullyShardedDataParallel``'s (FULL_SHARD by default).
+        accumulate_without_sync: during gradient accumulation, reduce only on the step's last micro-batch.
+        fsdp_kwargs: passed on to ``FullyShardedDataParallel`` (e.g. ``forward_prefetch=True``).
+    """
+
+    strategy_name = "fsdp_mpi"
+
+    def __init__(self, auto_wrap_policy=None, sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+                 accumulate_without_sync: bool = False, accelerator=None, parallel_devices=None,
+                 cluster_environment=None, precision_plugin: FSDPMPIPrecision | None = None, **fsdp_kwargs):
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment or MPIEnvironment(),
+                         precision_plugin=precision_plugin)
+        if isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
+            auto_wrap_policy = ModuleWrapPolicy(set(auto_wrap_policy))
+        self.auto_wrap_policy = auto_wrap_policy
+        self.sharding_strategy = sharding_strategy
+        self.accumulate_without_sync = accumulate_without_sync
+        self.fsdp_kwargs = fsdp_kwargs
+        self.comm = MPI.COMM_WORLD
+
+    # ------------------------------------------------------------- where and how many
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:  # Lightning then gives each rank its part of the data
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def precision_plugin(self) -> FSDPMPIPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = FSDPMPIPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        self._precision_plugin = _as_fsdp_mpi_precision(plugin)
+
+    def setup_environment(self) -> None:
+        if self.comm.Get_size() != self.world_size:
+            raise RuntimeError(f"MPI has {self.comm.Get_size()} ranks but Lightning was set up for "
+                               f"{self.world_size}: pass Trainer(devices=ranks per node, num_nodes=nodes)")
+        super().setup_environment()
+
+    # ------------------------------------------------------------- the model
+
+    def _setup_model(self, model):
+        wrapped = FullyShardedDataParallel(model, comm=self.comm, auto_wrap_policy=self.auto_wrap_policy,
+                                           sharding_strategy=self.sharding_strategy,
+                                           mixed_precision=self.precision_plugin.mixed_precision,
+                                           device=self.root_device, **self.fsdp_kwargs)
+        self.precision_plugin.sharded_module = wrapped
+        return wrapped
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Lightning enters this for the micro-batches of an optimizer step before its last."""
+        if self.accumulate_without_sync and isinstance(self.model, FullyShardedDataParallel):
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    # ------------------------------------------------------------- collectives, through MPI
+
+    def barrier(self, name: str | None = None) -> None:
+        self.comm.Barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        return self.comm.bcast(obj, root=src)
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        """Sums (or averages, Lightning's default) a tensor over the ranks, e.g. a metric logged with sync_dist."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        op = str(reduce_op).lower().rsplit(".", 1)[-1]
+        if op not in ("mean", "avg", "sum"):
+            raise ValueError(f"FSDPMPIStrategy reduces by sum or mean, not {reduce_op!r}")
+        values = tensor.detach().to("cpu", torch.float64).numpy().copy()
+        self.comm.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
+        total = torch.from_numpy(values).to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
+        return total / self.world_size if op in ("mean", "avg") else total
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        """(ranks, *tensor.shape): every rank's `tensor`, stacked in rank order."""
+        if sync_grads:
+            raise ValueError("FSDPMPIStrategy.all_gather does not carry gradients (sync_grads=True)")
+        gathered = self.comm.allgather(tensor.detach().cpu())
+        return torch.stack(gathered).to(tensor.device)
+
+    # ------------------------------------------------------------- checkpoints, sharded
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:  # shards load into the wrapped model and built optimizer
+        return True
+
+    def lightning_module_state_dict(self) -> dict:
+        return {}  # the weights are saved as shards by save_checkpoint
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}  # as the weights
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """Writes a checkpoint directory at `filepath`: the shards, then (rank 0) Lightning's own state."""
+        save_checkpoint(filepath, self.model, self._the_optimizer())
+        if self.is_global_zero:
+            state = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+            torch.save(state, Path(filepath) / LIGHTNING_STATE_FILE)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Loads the shards into the wrapped model and its optimizer; returns Lightning's own state."""
+        optimizer = self._the_optimizer()
+        load_checkpoint(checkpoint_path, self.model, optimizer)
+        state = torch.load(Path(checkpoint_path) / LIGHTNING_STATE_FILE, weights_only=False)
+        return {**state, "state_dict": {}, "optimizer_states": [{}] if optimizer else []}
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # load_checkpoint put the shards in place
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # as the model's
+
+    def _the_optimizer(self):
+        if len(self.optimizers) > 1:
+            raise ValueError("FSDPMPIStrategy checkpoints at most one optimizer")
+        return self.optimizers[0] if self.optimizers else None

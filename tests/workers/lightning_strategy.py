@@ -1,0 +1,152 @@
+"""FSDPMPIStrategy under a Lightning Trainer on N ranks against plain torch in one process (see test_lightning.py).
+
+Every run trains the same tiny regression model on a fixed dataset of 16 samples
+on 2 ranks, 8 per rank per step: a DistributedSampler without shuffling gives rank r
+the samples r, r + 2, ..., so each step's global batch is the whole dataset, and the
+reference trains on it in one process. One step per epoch also keeps a resumed run
+on the same data whichever batch of an epoch Lightning resumes at.
+Writes a JSON report.
+"""
+
+import json
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from mpi4py import MPI
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from fsdp_mpi import full_state_dict
+from fsdp_mpi.lightning import FSDPMPIPrecision, FSDPMPIStrategy
+
+SAMPLES, PER_RANK, WIDTH, LR, MOMENTUM = 16, 8, 8, 0.1, 0.9
+
+
+class Block(nn.Module):
+    compute_dtypes: list[str] = []  # the weight's dtype in each forward (gathered, in the compute dtype)
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        Block.compute_dtypes.append(str(self.linear.weight.dtype))
+        return torch.tanh(self.linear(x))
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(SAMPLES, WIDTH, generator=generator)
+    return TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
+
+
+def network() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block(), nn.Linear(WIDTH, 1))
+
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = network()
+
+    def training_step(self, batch, _index):
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.net(inputs).float(), targets)
+
+    def train_dataloader(self):
+        """Lightning would put in a shuffling DistributedSampler; this one keeps the order (from the strategy's
+        num_replicas and rank)."""
+        data = dataset()
+        sampler = DistributedSampler(data, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(data, batch_size=PER_RANK, sampler=sampler)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def trainer(max_steps: int, **options) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=MPI.COMM_WORLD.Get_size(), max_steps=max_steps,
+                     strategy=FSDPMPIStrategy(auto_wrap_policy={Block}), use_distributed_sampler=False,
+                     logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     **{"enable_checkpointing": False, **options})
+
+
+def trained_weights(module: Regression, fitted: L.Trainer) -> dict:
+    state = full_state_dict(fitted.strategy.model, rank0_only=True)
+    return {name.removeprefix("net."): tensor for name, tensor in state.items()}
+
+
+def reference(steps: int, clip: float | None) -> tuple[dict, list[float]]:
+    """Plain torch in this process: (weights after `steps` global batches, the gradient norm before each clip)."""
+    model = network()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    inputs, targets = dataset().tensors
+    global_batch = PER_RANK * MPI.COMM_WORLD.Get_size()
+    norms = []
+    for step in range(steps):
+        rows = slice(step * global_batch % SAMPLES, step * global_batch % SAMPLES + global_batch)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs[rows]), targets[rows]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
+        optimizer.step()
+    return model.state_dict(), norms
+
+
+def max_difference(weights: dict, expected: dict) -> float:
+    assert sorted(weights) == sorted(expected), (sorted(weights), sorted(expected))
+    return max(float((weights[name] - expected[name]).abs().max()) for name in expected)
+
+
+def main(out_path: str, checkpoint_dir: str) -> None:
+    comm = MPI.COMM_WORLD
+    report = {}
+    for name, clip in (("unclipped", None), ("clipped", 0.05)):
+        module = Regression()
+        saving = ModelCheckpoint(checkpoint_dir, filename="{epoch}", save_top_k=-1) if clip is None else None
+        fitted = trainer(4, gradient_clip_val=clip, callbacks=[saving] if saving else None,
+                         enable_checkpointing=saving is not None)
+        fitted.fit(module)
+        weights = trained_weights(module, fitted)
+        if comm.Get_rank() == 0:
+            expected, norms = reference(4, clip)
+            report[f"{name}_max_difference"] = max_difference(weights, expected)
+            report[f"{name}_gradient_norms"] = norms
+            report[f"{name}_scale"] = max(float(t.abs().max()) for t in expected.values())
+        if name == "unclipped":
+            uninterrupted = weights
+            strategy = fitted.strategy
+    report["precision_plugin"] = type(strategy.precision_plugin).__name__
+    value = torch.tensor([comm.Get_rank() + 1.0])
+    report["reduce_sum"] = float(strategy.reduce(value, reduce_op="sum"))
+    report["reduce_mean"] = float(strategy.reduce(value))
+    report["all_gather"] = strategy.all_gather(value).flatten().tolist()
+    report["broadcast"] = strategy.broadcast(f"from {comm.Get_rank()}", src=comm.Get_size() - 1)
+
+    # Resume from the checkpoint that the first run's ModelCheckpoint wrote after its first epoch (2 of its
+    # 4 steps) in a fresh Trainer: the same weights as the run that went on.
+    resumed = trainer(4)
+    module = Regression()
+    resumed.fit(module, ckpt_path=f"{checkpoint_dir}/epoch=0.ckpt")
+    weights = trained_weights(module, resumed)
+    report["resumed_global_step"] = resumed.global_step
+    if comm.Get_rank() == 0:
+        report["resumed_difference"] = max_difference(weights, uninterrupted)
+
+    module = Regression()
+    Block.compute_dtypes.clear()
+    bf16 = trainer(1, precision="bf16-mixed")
+    bf16.fit(module)
+    report["bf16_plugin"] = type(bf16.strategy.precision_plugin).__name__
+    report["bf16_compute_dtypes"] = sorted(set(Block.compute_dtypes))
+    report["bf16_master_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
+    assert isinstance(bf16.strategy.precision_plugin, FSDPMPIPrecision)
+    if comm.Get_rank() == 0:
+        with open(out_path, "w") as out:
+            json.dump(report, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
