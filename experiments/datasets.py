@@ -3,13 +3,18 @@
 GPT-2: Tiny Shakespeare, split 90/10 by position, cut into non-overlapping
 windows of seq_len + 1 tokens (inputs and next-token targets).
 
-BERT: sentence pairs from consecutive utterances of each Cornell conversation,
-with next-sentence labels (half the second sentences replaced by a random
-utterance) and BERT's masking (15% of tokens: 80% [MASK], 10% random, 10% kept),
-drawn afresh each epoch from (seed, epoch, sample) so that runs are reproducible.
+BERT: segment pairs cut from each Cornell conversation, as BERT's pre-training
+cuts documents: at every turn boundary, segment A is the turns before the cut and
+B the turns from it on (truncated to fit, keeping the turns nearest the cut). Half
+the B segments are replaced by a B segment from another film of the same split
+(next-sentence label; BERT takes it from another document), and BERT's masking
+picks 15% of tokens (80% [MASK], 10% random, 10% kept). Labels and masks are
+drawn afresh each epoch from (seed, epoch, sample), so runs are reproducible.
+The conversations are split 90/10 in a fixed random order (SPLIT_SEED), so both
+splits draw from every film.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +23,7 @@ from data import DataError, data_file, read_cornell, read_text
 IGNORE_INDEX = -100
 IS_NEXT, NOT_NEXT = 0, 1  # Hugging Face's next-sentence label convention
 MASK_FRACTION = 0.15
+SPLIT_SEED = 0  # which conversations are held out: the same in every run, whatever --seed
 
 
 @dataclass
@@ -51,11 +57,15 @@ def shakespeare_windows(data_dir, tokenizer_factory, seq_len: int, download: boo
 
 @dataclass
 class SentencePairs:
-    """Tokenized (first, second) utterance pairs of one split, masked and labelled at batch time."""
+    """Tokenized (A, B) segment pairs of one split, masked and labelled at batch time.
+
+    A random B (next-sentence label NOT_NEXT) is another pair's B from a different
+    film, as BERT draws it from another document, when the split has more than one film.
+    """
 
     firsts: list[list[int]]
     seconds: list[list[int]]
-    pool: list[list[int]]  # every utterance of the split, for random second sentences
+    movies: list[str]  # each pair's film
     seq_len: int
     seed: int
     vocab_size: int
@@ -63,6 +73,13 @@ class SentencePairs:
     cls_id: int
     sep_id: int
     mask_id: int
+    other_films: dict[str, list[int]] = field(init=False)  # film -> the pairs from other films (all if none)
+
+    def __post_init__(self):
+        self.other_films = {}
+        for movie in set(self.movies):
+            others = [i for i, other in enumerate(self.movies) if other != movie]
+            self.other_films[movie] = others or list(range(len(self.movies)))
 
     def __len__(self) -> int:
         return len(self.firsts)
@@ -79,7 +96,8 @@ class SentencePairs:
         second = self.seconds[index]
         if torch.rand((), generator=generator) < 0.5:
             nsp_label = NOT_NEXT
-            second = self.pool[int(torch.randint(len(self.pool), (), generator=generator))]
+            candidates = self.other_films[self.movies[index]]
+            second = self.seconds[candidates[int(torch.randint(len(candidates), (), generator=generator))]]
         first, second = _truncate_pair(first, second, self.seq_len - 3)
         ids = [self.cls_id, *first, self.sep_id, *second, self.sep_id]
         types = [0] * (len(first) + 2) + [1] * (len(second) + 1)
@@ -106,29 +124,36 @@ class SentencePairs:
 
 
 def _truncate_pair(first: list[int], second: list[int], budget: int) -> tuple[list[int], list[int]]:
-    """Drops tokens from the end of the longer sentence until both fit in `budget`."""
+    """Shortens the longer segment until both fit in `budget`: A loses its earliest tokens, B its last,
+    so that what is kept is the context nearest the cut."""
     first, second = list(first), list(second)
     while len(first) + len(second) > budget:
-        (first if len(first) >= len(second) else second).pop()
+        if len(first) >= len(second):
+            first.pop(0)
+        else:
+            second.pop()
     return first, second
 
 
 def cornell_pairs(data_dir, tokenizer, seq_len: int, seed: int, download: bool = True):
     """(train pairs, validation pairs, Conversations) from the Cornell corpus, split 90/10 by conversation."""
     corpus = read_cornell(data_dir, download)
-    split = max(1, int(len(corpus.dialogues) * 0.9))
+    order = torch.randperm(len(corpus.dialogues), generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+    split = max(1, int(len(order) * 0.9))
     parts = []
-    for dialogues in (corpus.dialogues[:split], corpus.dialogues[split:] or corpus.dialogues[-1:]):
-        utterances = [u for dialogue in dialogues for u in dialogue]
-        tokens = tokenizer.encode_words(utterances)
-        firsts, seconds, position = [], [], 0
-        for dialogue in dialogues:
-            for offset in range(len(dialogue) - 1):
-                firsts.append(tokens[position + offset])
-                seconds.append(tokens[position + offset + 1])
+    for chosen in (order[:split], order[split:] or order[-1:]):
+        dialogues = [corpus.dialogues[i] for i in chosen]
+        tokens = tokenizer.encode_words([u for dialogue in dialogues for u in dialogue])
+        firsts, seconds, movies, position = [], [], [], 0
+        for dialogue, movie in zip(dialogues, (corpus.movies[i] for i in chosen)):
+            turns = tokens[position: position + len(dialogue)]
+            for cut in range(1, len(dialogue)):  # segment A: the turns before the cut; B: the turns from it on
+                firsts.append([token for turn in turns[:cut] for token in turn])
+                seconds.append([token for turn in turns[cut:] for token in turn])
+                movies.append(movie)
             position += len(dialogue)
         if not firsts:
             raise DataError("the conversations available contain no pair of consecutive utterances")
-        parts.append(SentencePairs(firsts, seconds, tokens, seq_len, seed, tokenizer.vocab_size,
+        parts.append(SentencePairs(firsts, seconds, movies, seq_len, seed, tokenizer.vocab_size,
                                    tokenizer.pad_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id))
     return parts[0], parts[1], corpus

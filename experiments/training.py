@@ -5,7 +5,8 @@ its datasets (``train``, ``val``: ``len()`` and ``batch(indices, epoch)``),
 ``seq_len``, ``block_class`` (the wrap unit), ``model_name``, ``build_model()``,
 ``sample_losses(model, batch)`` (one loss per sample), ``eval_sums(model, batch)``
 (sums to add over ranks), ``val_columns(sums)`` (the CSV's validation columns) and,
-optionally, ``save_extras(directory)`` (files to keep beside a saved model).
+optionally, ``save_extras(directory)`` (files to keep beside a saved model) and
+``training_flops_per_token(model)`` (when it runs less of the model than all of it).
 
 The loop stops between optimizer steps on SIGTERM or SIGUSR1 and, under fsdp-mpi,
 checkpoints and resumes bit for bit; what a checkpoint holds is in ``resume``.
@@ -62,6 +63,9 @@ def _set_up(task_type, args, comm: MPI.Comm):
         if args.strategy == "lightning-fsdp" and args.save_dir:
             raise UsageError("--save-dir is not supported with lightning-fsdp (its weights stay sharded in "
                              "Lightning's layout); train with fsdp-mpi or torch-fsdp to save the model")
+        if args.strategy == "lightning-fsdp-mpi" and args.precision == "16-mixed":
+            raise UsageError("lightning-fsdp-mpi trains in 32 or bf16-mixed (fp16 loss scaling is not wired into "
+                             "its Lightning strategy); fsdp-mpi itself has 16-mixed")
         if args.strategy.startswith("lightning") and args.precision == "16-mixed" and device.type != "cuda":
             raise UsageError("Lightning has no fp16 mixed precision on CPU (it would train in bf16-mixed "
                              "instead); use --precision bf16-mixed here")
@@ -145,7 +149,8 @@ class RunRecorder:
         self.comm, self.task, self.args = comm, task, args
         world = comm.Get_size()
         self.run_id = args.run_id or f"{experiment}-{args.strategy}-n{world}-{uuid.uuid4().hex[:6]}"
-        self.flops_per_token = model.training_flops_per_token(task.seq_len)
+        task_flops = getattr(task, "training_flops_per_token", None)  # a task that skips some of the model's work
+        self.flops_per_token = task_flops(model) if task_flops else model.training_flops_per_token(task.seq_len)
         comm.Barrier()
         self.peak_flops = comm.allreduce(measured_peak_flops(device), op=MPI.SUM)
         self.fixed = {

@@ -308,16 +308,31 @@ class BertForPreTraining(_BertPreTrainedModel):
         predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
         predictions.decoder.bias = predictions.bias
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, mlm_labels=None, nsp_labels=None):
+    def training_flops_per_token(self, seq_len: int, predicted_fraction: float = 1.0) -> float:
+        """As the base class's, with the masked-LM head (transform and vocabulary projection) run on only
+        `predicted_fraction` of the positions, as ``forward(predict_positions=...)`` does."""
+        head = self.cls.predictions
+        head_weights = head.transform.dense.weight.numel() + head.decoder.weight.numel()
+        return super().training_flops_per_token(seq_len) - 6 * (1 - predicted_fraction) * head_weights
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, mlm_labels=None, nsp_labels=None,
+                predict_positions=None):
         """Returns (masked-LM logits (B, T, vocab), NSP logits (B, 2), loss or None).
 
         The loss is masked-LM cross-entropy over positions whose label is not -100,
-        plus NSP cross-entropy, when both label tensors are given.
+        plus NSP cross-entropy, when both label tensors are given. With
+        `predict_positions` (bool (B, T)), the masked-LM head runs only there and its
+        logits are (positions, vocab) in row-major order: in pre-training the vocabulary
+        projection is most of a small BERT's work, and only the masked 15% need it.
         """
         hidden, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+        if predict_positions is not None:
+            hidden = hidden[predict_positions]  # (positions, H)
         mlm_logits, nsp_logits = self.cls(hidden, pooled)
         loss = None
         if mlm_labels is not None and nsp_labels is not None:
+            if predict_positions is not None:
+                mlm_labels = mlm_labels[predict_positions]
             mlm_loss = F.cross_entropy(mlm_logits.view(-1, mlm_logits.shape[-1]).float(), mlm_labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX)
             loss = mlm_loss + F.cross_entropy(nsp_logits.float(), nsp_labels)  # fp32 under mixed precision

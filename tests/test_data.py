@@ -10,7 +10,7 @@ import torch
 
 import data
 from data import DataError, data_file, read_cornell, read_text
-from datasets import IGNORE_INDEX, NOT_NEXT, cornell_pairs, shakespeare_windows
+from datasets import IGNORE_INDEX, NOT_NEXT, SentencePairs, _truncate_pair, cornell_pairs, shakespeare_windows
 from sampling import global_batch_size, rank_batches, steps_per_epoch
 from tokenization import BertTokenizer, CharTokenizer, GPT2Tokenizer
 
@@ -107,3 +107,27 @@ def test_unreadable_text_is_reported(tmp_path):
         read_text(tmp_path / "empty.txt")
     with pytest.raises(DataError, match="is not UTF-8 text"):
         read_text(tmp_path / "latin1.txt")
+
+
+def test_segment_pairs_cut_conversations_at_each_turn_and_draw_random_segments_from_other_films():
+    pairs = SentencePairs(firsts=[[5, 6], [7]], seconds=[[8], [9, 10]], movies=["m0", "m1"], seq_len=8, seed=0,
+                          vocab_size=20, pad_id=0, cls_id=1, sep_id=2, mask_id=3)
+    assert pairs.other_films == {"m0": [1], "m1": [0]}
+    for epoch in range(20):  # segment B's length shows which B a pair got: [8] has 1 token, [9, 10] 2
+        _, token_types, _, _, nsp = pairs.batch(torch.tensor([0, 1]), epoch)
+        b_lengths = (token_types.sum(dim=1) - 1).tolist()  # B's tokens and its closing [SEP]
+        assert b_lengths == [2 if nsp[0] == NOT_NEXT else 1, 1 if nsp[1] == NOT_NEXT else 2]
+    # Too long: A loses its earliest tokens and B its last, keeping the tokens nearest the cut.
+    assert _truncate_pair([1, 2, 3, 4], [5, 6, 7], 5) == ([3, 4], [5, 6, 7])
+    assert _truncate_pair([1], [5, 6, 7, 8, 9], 4) == ([1], [5, 6, 7])
+
+
+@needs_shared_data
+def test_cornell_pairs_hold_out_conversations_of_every_film():
+    tokenizer = BertTokenizer(SHARED_DATA, download=False)
+    train, val, corpus = cornell_pairs(SHARED_DATA, tokenizer, seq_len=64, seed=0, download=False)
+    assert set(train.movies) == set(val.movies) == set(corpus.movies) == {"m0", "m1", "m2", "m3"}
+    # One pair per turn boundary: the 1,880 turns of the 544 complete conversations give 1,336 pairs.
+    assert len(train) + len(val) == sum(len(d) - 1 for d in corpus.dialogues) == 1336
+    again, _, _ = cornell_pairs(SHARED_DATA, tokenizer, seq_len=64, seed=5, download=False)
+    assert again.firsts == train.firsts  # the held-out conversations do not depend on --seed

@@ -181,6 +181,8 @@ def test_rows_have_every_column_and_values_that_agree_with_known_ones(results_di
         assert tokens_per_s == pytest.approx(samples_per_s * 32, rel=1e-3)
         # FLOPs per token, written out here: 6 per weight (forward and backward) plus attention's 12 L C T.
         flops_per_token = 6 * (int(row["parameters"]) - positions * width) + 12 * layers * width * 32
+        if script == "run_bert":  # whose masked-LM head (transform and vocabulary) runs at the 15% masked only
+            flops_per_token -= 6 * 0.85 * (width * width + 30522 * width)
         assert float(row["tflops"]) == pytest.approx(tokens_per_s * flops_per_token / 1e12, rel=1e-3)
         assert 0 < float(row["mfu"]) < 1
         assert float(row["peak_rss_mb"]) > 50 and float(row["model_state_mb"]) > 0
@@ -195,9 +197,11 @@ def test_rows_have_every_column_and_values_that_agree_with_known_ones(results_di
         else:
             assert row["comm_time_s"] == row["compute_time_s"] == row["comm_mb_per_step"] == ""
     # Initial logits spread by about 0.02 * sqrt(width) add half their variance (< 0.05) to a uniform guess.
-    first, second = float(rows[0]["train_loss"]), float(rows[1]["train_loss"])
+    first = float(rows[0]["train_loss"])
     assert CONTEXT_FREE_FLOOR[script] < first < UNIFORM_LOSS[script] + 0.05
-    assert second < first
+    # Learning, seen on the same validation samples and masks after 3 and after 6 steps (the training loss is
+    # over different samples each epoch: BERT's few masked tokens per sample make it too noisy to compare).
+    assert float(rows[1]["val_loss"]) < float(rows[0]["val_loss"])
 
 
 @needs_data
@@ -217,7 +221,7 @@ def test_lightning_and_fsdp_mpi_train_the_same_model_identically(results_dir):
 @needs_data
 @pytest.mark.parametrize("strategy,extra", [
     ("fsdp-mpi", []), ("fsdp-mpi", ["--accum-no-sync"]), ("ddp", []), ("torch-fsdp", ["--accum-no-sync"]),
-    ("lightning-ddp", []),
+    ("lightning-ddp", []), ("lightning-fsdp-mpi", []), ("lightning-fsdp-mpi", ["--accum-no-sync"]),
 ])
 def test_two_accumulated_micro_batches_train_like_one_batch_of_twice_the_size(results_dir, tmp_path, strategy, extra):
     # QUICK's steps of 4 samples per rank, as 2 micro-batches of 2; twice the validation batches, so the same samples.
@@ -252,7 +256,7 @@ def test_other_strategies_and_recomputed_activations_train_like_fsdp_mpi(results
 @needs_data
 @pytest.mark.parametrize("strategy,precision", [
     ("fsdp-mpi", "bf16-mixed"), ("fsdp-mpi", "16-mixed"), ("ddp", "bf16-mixed"), ("ddp", "16-mixed"),
-    ("torch-fsdp", "bf16-mixed"), ("lightning-ddp", "bf16-mixed"),
+    ("torch-fsdp", "bf16-mixed"), ("lightning-ddp", "bf16-mixed"), ("lightning-fsdp-mpi", "bf16-mixed"),
 ])
 def test_mixed_precision_trains_within_two_percent_of_fp32(results_dir, tmp_path, strategy, precision):
     result = launch("run_gpt2.py", 2, *QUICK, "--strategy", strategy, "--precision", precision, "--out-dir", tmp_path)
@@ -308,6 +312,7 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--precision", "8"], "invalid choice: '8'"),
     (["--strategy", "lightning-ddp", "--precision", "16-mixed"], "Lightning has no fp16 mixed precision on CPU"),
+    (["--strategy", "lightning-fsdp-mpi", "--precision", "16-mixed"], "lightning-fsdp-mpi trains in 32 or bf16-mixed"),
 ])
 def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):
     result = launch("run_gpt2.py", 2, *args, "--out-dir", tmp_path, timeout=120)

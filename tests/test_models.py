@@ -178,3 +178,29 @@ def test_bad_checkpoints_are_named(tmp_path):
     assert "missing: transformer.h.1.mlp.c_fc.bias" in message
     assert "unexpected: transformer.extra" in message
     assert "transformer.ln_f.weight: checkpoint (7,), model (64,)" in message
+
+
+def test_bert_predicting_only_masked_positions_gives_those_rows_loss_and_gradients():
+    torch.manual_seed(0)
+    config = bert_config("bert-tiny", vocab_size=50)
+    model = BertForPreTraining(config)
+    model.eval()  # no dropout: both passes must see the same network
+    input_ids = torch.randint(0, 50, (3, 12))
+    labels = torch.where(torch.rand(3, 12) < 0.3, input_ids, torch.full_like(input_ids, -100))
+    labels[2] = -100  # a sample with nothing to predict
+    nsp = torch.tensor([0, 1, 0])
+    predicted = labels != -100
+    full_logits, _, full_loss = model(input_ids, mlm_labels=labels, nsp_labels=nsp)
+    full_loss.backward()
+    full_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits, _, loss = model(input_ids, mlm_labels=labels, nsp_labels=nsp, predict_positions=predicted)
+    loss.backward()
+    assert logits.shape == (int(predicted.sum()), 50)
+    torch.testing.assert_close(logits, full_logits[predicted])
+    torch.testing.assert_close(loss, full_loss)
+    for full, partial in zip(full_grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(partial, full)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    assert (model.training_flops_per_token(12) - model.training_flops_per_token(12, predicted_fraction=0.15)
+            == pytest.approx(6 * 0.85 * (hidden * hidden + vocab * hidden)))
