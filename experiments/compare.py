@@ -4,8 +4,9 @@
 
 Training CSVs (run_gpt2.py, run_bert.py) give summary.md and summary.csv (mean
 epoch time, throughput speed-up over the same strategy on 1 rank, peak memory per
-rank, model-state memory, final losses and metrics) and epoch_time.png,
-peak_memory.png and loss_curves.png. eval.py's CSVs, given among them or alone,
+rank, model-state memory, final losses and metrics) and, one panel per
+experiment, epoch_time.png and peak_memory.png (a line per strategy and precision
+against the number of ranks) and loss_curves.png (per epoch). eval.py's CSVs, given among them or alone,
 give evaluation.md and evaluation.csv (quality, size and speed per precision and
 batch size) and evaluation.png.
 """
@@ -99,13 +100,20 @@ def plot(rows: pd.DataFrame, table: pd.DataFrame, out_dir: Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     written = []
-    labels = [f"{r.experiment}/{r.model}\n{r.strategy} {r.precision} n={r.world_size}" for r in table.itertuples()]
-    for column, title, file_name in (("epoch_time_s", "Mean epoch time (s)", "epoch_time.png"),
-                                     ("peak_memory_mb", "Peak memory per rank (MB)", "peak_memory.png")):
-        figure, axis = plt.subplots(figsize=(max(6, 1.1 * len(table)), 4.5))
-        axis.bar(range(len(table)), table[column], color="tab:blue")
-        axis.set_xticks(range(len(table)), labels, rotation=45, ha="right", fontsize=8)
-        axis.set_title(title)
+    for column, title, file_name in (("epoch_time_s", "mean epoch time (s)", "epoch_time.png"),
+                                     ("peak_memory_mb", "peak memory per rank (MB)", "peak_memory.png")):
+        experiments = sorted(table["experiment"].unique())
+        figure, axes = plt.subplots(1, len(experiments), figsize=(6 * len(experiments), 4.5), squeeze=False)
+        for axis, experiment in zip(axes[0], experiments):  # one panel per experiment: a line per strategy
+            for (model, strategy, precision), runs in table[table["experiment"] == experiment].groupby(
+                    ["model", "strategy", "precision"]):
+                runs = runs.sort_values("world_size")
+                axis.plot(runs["world_size"], runs[column], marker="o", label=f"{strategy} {precision} ({model})")
+            axis.set_title(f"{experiment}: {title}")
+            axis.set_xlabel("ranks")
+            axis.set_xticks(sorted(table.loc[table["experiment"] == experiment, "world_size"].unique()))
+            axis.set_ylim(bottom=0)
+            axis.legend(fontsize=7)
         figure.tight_layout()
         figure.savefig(out_dir / file_name, dpi=120)
         plt.close(figure)
