@@ -7,7 +7,7 @@
 The launcher starts the processes; ranks come from MPI (Lightning's
 ``MPIEnvironment``) and no torch.distributed group is created: every collective,
 the strategy's own (barrier, broadcast, metric reductions) included, goes
-through mpi4py. The whole LightningModule is wrapped in one
+through fsdp_mpi's ``Communicator``, so the hang watch covers them too. The whole LightningModule is wrapped in one
 ``FullyShardedDataParallel`` root, and Lightning calls ``training_step`` and
 ``validation_step`` through it, so the root's parameters are gathered around
 each step; call the model through the module (``self(...)`` or inside a step),
@@ -37,10 +37,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
-from mpi4py import MPI
 
 from fsdp_mpi.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_mpi.clip import clip_grad_norm_
+from fsdp_mpi.comm import Communicator
 from fsdp_mpi.fully_sharded import FullyShardedDataParallel
 from fsdp_mpi.mixed_precision import MixedPrecision
 from fsdp_mpi.strategy import ShardingStrategy
@@ -111,7 +111,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         self.sharding_strategy = sharding_strategy
         self.accumulate_without_sync = accumulate_without_sync
         self.fsdp_kwargs = fsdp_kwargs
-        self.comm = MPI.COMM_WORLD
+        self.comm = Communicator()  # MPI.COMM_WORLD, logged and watched like every collective of the layer
 
     # ------------------------------------------------------------- where and how many
 
@@ -138,8 +138,8 @@ class FSDPMPIStrategy(ParallelStrategy):
         self._precision_plugin = _as_fsdp_mpi_precision(plugin)
 
     def setup_environment(self) -> None:
-        if self.comm.Get_size() != self.world_size:
-            raise RuntimeError(f"MPI has {self.comm.Get_size()} ranks but Lightning was set up for "
+        if self.comm.world_size != self.world_size:
+            raise RuntimeError(f"MPI has {self.comm.world_size} ranks but Lightning was set up for "
                                f"{self.world_size}: pass Trainer(devices=ranks per node, num_nodes=nodes)")
         super().setup_environment()
 
@@ -168,10 +168,10 @@ class FSDPMPIStrategy(ParallelStrategy):
     # ------------------------------------------------------------- collectives, through MPI
 
     def barrier(self, name: str | None = None) -> None:
-        self.comm.Barrier()
+        self.comm.barrier()
 
     def broadcast(self, obj, src: int = 0):
-        return self.comm.bcast(obj, root=src)
+        return self.comm.allgather_object(obj)[src]  # small objects (paths, flags): one collective, as elsewhere
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
         """Sums (or averages, Lightning's default) a tensor over the ranks, e.g. a metric logged with sync_dist."""
@@ -180,17 +180,15 @@ class FSDPMPIStrategy(ParallelStrategy):
         op = str(reduce_op).lower().rsplit(".", 1)[-1]
         if op not in ("mean", "avg", "sum"):
             raise ValueError(f"FSDPMPIStrategy reduces by sum or mean, not {reduce_op!r}")
-        values = tensor.detach().to("cpu", torch.float64).numpy().copy()
-        self.comm.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
-        total = torch.from_numpy(values).to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
+        total = sum(self.comm.allgather_object(tensor.detach().to("cpu", torch.float64)))  # in rank order
+        total = total.to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
         return total / self.world_size if op in ("mean", "avg") else total
 
     def all_gather(self, tensor, group=None, sync_grads: bool = False):
         """(ranks, *tensor.shape): every rank's `tensor`, stacked in rank order."""
         if sync_grads:
             raise ValueError("FSDPMPIStrategy.all_gather does not carry gradients (sync_grads=True)")
-        gathered = self.comm.allgather(tensor.detach().cpu())
-        return torch.stack(gathered).to(tensor.device)
+        return torch.stack(self.comm.allgather_object(tensor.detach().cpu())).to(tensor.device)
 
     # ------------------------------------------------------------- checkpoints, sharded
 
