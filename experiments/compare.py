@@ -6,9 +6,11 @@ Training CSVs (run_gpt2.py, run_bert.py) give summary.md and summary.csv (mean
 epoch time, throughput speed-up over the same strategy on 1 rank, peak memory per
 rank, model-state memory, final losses and metrics) and, one panel per
 experiment, epoch_time.png and peak_memory.png (a line per strategy and precision
-against the number of ranks) and loss_curves.png (per epoch). eval.py's CSVs, given among them or alone,
-give evaluation.md and evaluation.csv (quality, size and speed per precision and
-batch size) and evaluation.png.
+against the number of ranks) and loss_curves.png: training loss per optimizer step
+from the runs' ``-steps.csv`` files where given (per epoch where not), validation
+loss at each epoch's end. eval.py's CSVs, given among them or alone, give
+evaluation.md and evaluation.csv (quality, size and speed per precision and batch
+size) and evaluation.png.
 """
 
 import argparse
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from results import COLUMNS, EVAL_COLUMNS
+from results import COLUMNS, EVAL_COLUMNS, STEP_COLUMNS
 
 GROUP = ["experiment", "model", "strategy", "precision", "world_size"]
 EVAL_SHOWN = ["run_id", "model", "world_size", "precision", "batch_size", "size_mb", "val_loss", "val_perplexity",
@@ -28,9 +30,18 @@ class CompareError(Exception):
     pass
 
 
-def load(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(training rows, evaluation rows) of the given CSVs; each file must be one kind or the other."""
-    frames = {"training": [], "evaluation": []}
+def kind_of(frame: pd.DataFrame) -> tuple[str, list[str]]:
+    """Which results CSV a frame is read from, by a column only that kind has, and that kind's columns."""
+    if "latency_p50_ms" in frame.columns:
+        return "evaluation", EVAL_COLUMNS
+    if "step" in frame.columns and "epoch_time_s" not in frame.columns:
+        return "steps", STEP_COLUMNS
+    return "training", COLUMNS
+
+
+def load(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(training rows per epoch, per optimizer step, evaluation rows) of the given CSVs, each file one kind."""
+    frames = {"training": [], "steps": [], "evaluation": []}
     for path in paths:
         if not Path(path).is_file():
             raise CompareError(f"{path}: no such file")
@@ -38,16 +49,17 @@ def load(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
             frame = pd.read_csv(path)
         except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as error:
             raise CompareError(f"{path}: not a results CSV ({error})") from error
-        kind, columns = ("evaluation", EVAL_COLUMNS) if "latency_p50_ms" in frame.columns else ("training", COLUMNS)
+        kind, columns = kind_of(frame)
         missing = [c for c in columns if c not in frame.columns]
         if missing:
             raise CompareError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
         frames[kind].append(frame)
-    training, evaluation = (pd.concat(frames[kind], ignore_index=True) if frames[kind] else pd.DataFrame()
-                            for kind in ("training", "evaluation"))
+    training, steps, evaluation = (pd.concat(frames[kind], ignore_index=True) if frames[kind] else pd.DataFrame()
+                                   for kind in ("training", "steps", "evaluation"))
     if training.empty and evaluation.empty:
-        raise CompareError("no result rows in the given files")
-    return training, evaluation
+        raise CompareError("no result rows in the given files" + (" (step CSVs need their runs' epoch CSVs beside "
+                                                                  "them)" if not steps.empty else ""))
+    return training, steps, evaluation
 
 
 def summarize(rows: pd.DataFrame) -> pd.DataFrame:
@@ -92,12 +104,12 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join([header, rule, *body]) + "\n"
 
 
-def plot(rows: pd.DataFrame, table: pd.DataFrame, out_dir: Path) -> list[Path]:
+def plot_scaling(table: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """epoch_time.png and peak_memory.png: a panel per experiment, a line per strategy and precision against ranks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     written = []
     for column, title, file_name in (("epoch_time_s", "mean epoch time (s)", "epoch_time.png"),
@@ -118,24 +130,43 @@ def plot(rows: pd.DataFrame, table: pd.DataFrame, out_dir: Path) -> list[Path]:
         figure.savefig(out_dir / file_name, dpi=120)
         plt.close(figure)
         written.append(out_dir / file_name)
+    return written
+
+
+def plot_losses(rows: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> Path:
+    """loss_curves.png: a panel per experiment, a colour per run; training loss per optimizer step where the
+    run's step CSV was given (else per epoch), validation loss (crosses) at each epoch's last step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    stepped = set(steps["run_id"]) if not steps.empty else set()
     experiments = sorted(rows["experiment"].unique())
     figure, axes = plt.subplots(1, len(experiments), figsize=(6 * len(experiments), 4.5), squeeze=False)
     for axis, experiment in zip(axes[0], experiments):
-        for run_id, run in rows[rows["experiment"] == experiment].groupby("run_id"):
+        runs = rows[rows["experiment"] == experiment]
+        per_step = runs["run_id"].isin(stepped).any()
+        for run_id, run in runs.groupby("run_id"):
             run = run.sort_values("epoch")
             label = f"{run['strategy'].iloc[0]} {run['precision'].iloc[0]} n={run['world_size'].iloc[0]}"
-            line, = axis.plot(run["epoch"], run["train_loss"], marker="o", label=f"{label} train")
-            axis.plot(run["epoch"], run["val_loss"], marker="x", linestyle="--", color=line.get_color(),
+            epoch_ends = run["steps"].cumsum() if per_step else run["epoch"]
+            if run_id in stepped:
+                curve = steps[steps["run_id"] == run_id].sort_values("step")
+                line, = axis.plot(curve["step"], curve["train_loss"], linewidth=0.8, label=f"{label} train")
+            else:
+                line, = axis.plot(epoch_ends, run["train_loss"], marker="o", label=f"{label} train (per epoch)")
+            axis.plot(epoch_ends, run["val_loss"], marker="x", linestyle="--", color=line.get_color(),
                       label=f"{label} val")
-        axis.set_title(f"{experiment}: loss per epoch")
-        axis.set_xlabel("epoch")
+        axis.set_title(f"{experiment}: loss per {'optimizer step' if per_step else 'epoch'}")
+        axis.set_xlabel("optimizer step" if per_step else "epoch")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(out_dir / "loss_curves.png", dpi=120)
     plt.close(figure)
-    written.append(out_dir / "loss_curves.png")
-    return written
+    return out_dir / "loss_curves.png"
 
 
 def plot_evaluation(rows: pd.DataFrame, out_dir: Path) -> Path:
@@ -164,7 +195,7 @@ def main() -> int:
     parser.add_argument("--out-dir", default="results/report")
     args = parser.parse_args()
     try:
-        training, evaluation = load(args.csv)
+        training, steps, evaluation = load(args.csv)
     except CompareError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
@@ -177,7 +208,8 @@ def main() -> int:
         (out_dir / "summary.md").write_text(text)
         table.to_csv(out_dir / "summary.csv", index=False)
         print(text)
-        written += [out_dir / "summary.md", out_dir / "summary.csv", *plot(training, table, out_dir)]
+        written += [out_dir / "summary.md", out_dir / "summary.csv", *plot_scaling(table, out_dir),
+                    plot_losses(training, steps, out_dir)]
     if not evaluation.empty:
         table = evaluation[EVAL_SHOWN].dropna(axis=1, how="all")
         text = markdown(table)

@@ -37,7 +37,7 @@ import run_bert
 import run_gpt2
 from compare import markdown
 from data import DataError
-from options import UsageError
+from options import RunConfig, UsageError
 from results import EVAL_COLUMNS, CsvWriter, git_commit
 from saved_run import SavedRunError, read_run_file
 from training import evaluate, pick_device, set_up_rank_0_first, to_device
@@ -48,7 +48,8 @@ from fsdp_mpi.launcher import LauncherMismatchError, check_launcher_agrees
 from models.checkpoint import CheckpointError
 from models.gpt2 import Conv1D
 
-EXPERIMENTS = {"gpt2": (run_gpt2.GPT2Task, run_gpt2.parser), "bert": (run_bert.BertTask, run_bert.parser)}
+EXPERIMENTS = {"gpt2": (run_gpt2.GPT2Task, run_gpt2.GPT2RunConfig, run_gpt2.parser),
+               "bert": (run_bert.BertTask, RunConfig, run_bert.parser)}
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": None}
 WARM_UP = 2  # untimed forward passes before each timing (first-call allocations, kernel selection)
 MIN_TIMED, MAX_TIMED = 10, 1000  # forward passes per timing, whatever --timing-seconds says
@@ -79,14 +80,11 @@ class SavedRun:
         self.directory = Path(args.run_dir)
         self.description = read_run_file(self.directory, EXPERIMENTS)
         self.experiment = self.description["experiment"]
-        task_type, experiment_parser = EXPERIMENTS[self.experiment]
-        options = experiment_parser().parse_args([])
-        for name, value in self.description["options"].items():
-            if hasattr(options, name):
-                setattr(options, name, value)
-        options.data_dir, options.no_download, options.gradient_checkpointing = args.data_dir, args.no_download, False
-        self.seed = options.seed
-        self.task = task_type(options, comm)
+        task_type, config_type, experiment_parser = EXPERIMENTS[self.experiment]
+        config = config_type.from_saved(experiment_parser(), self.description["options"], data_dir=args.data_dir,
+                                        no_download=args.no_download, gradient_checkpointing=False)
+        self.seed = config.seed
+        self.task = task_type(config, comm)
         self.parameters = self.skeleton().num_parameters()
         self.git_commit = git_commit()  # of the code evaluating
 
@@ -182,8 +180,7 @@ def evaluate_precision(run: SavedRun, precision: str, args, comm: MPI.Comm, devi
         model = run.sharded(PRECISIONS[precision], comm, device)
     if comm.Get_rank() == 0:
         print(f"{precision}: {size / 2**20:.2f} MiB of weights; validating", flush=True)
-    batches = argparse.Namespace(batch_size=args.batch_size, val_steps=args.val_steps, seed=run.seed)
-    quality = evaluate(task, model, batches, comm, device)
+    quality = evaluate(task, model, args.batch_size, args.val_steps, run.seed, comm, device)
     model.eval()  # evaluate() hands the model back in training mode
     val_samples = len(task.val) if not args.val_steps else min(len(task.val), args.val_steps * args.batch_size * world)
     trained = run.description.get("trained", {})

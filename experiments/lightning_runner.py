@@ -19,8 +19,10 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from mpi4py import MPI
 from torch.utils.data import DataLoader, Dataset
 
+from options import RunConfig
 from recipe import optimizer_and_schedule
 from results import model_state_bytes
+from resume import EpochTally
 from strategies import full_state_dict_on_rank0
 from training import RunRecorder, build_model, epoch_steps, evaluate, save_trained, total_optimizer_steps
 
@@ -44,14 +46,14 @@ class _EpochMicroBatches(Dataset):
 
 
 class TaskModule(L.LightningModule):
-    def __init__(self, task, model: torch.nn.Module, args, comm: MPI.Comm):
+    def __init__(self, task, model: torch.nn.Module, config: RunConfig, comm: MPI.Comm):
         super().__init__()
-        self.task, self.model, self.args, self.comm = task, model, args, comm
-        self.loss_sum, self.samples, self.optimizer_steps = 0.0, 0, 0
+        self.task, self.model, self.config, self.comm = task, model, config, comm
+        self.tally = EpochTally()  # the epoch's, started afresh by _EpochRecorder
 
     def train_dataloader(self):
-        steps = epoch_steps(len(self.task.train), self.args, self.comm, self.current_epoch, self.args.seed)
-        self.optimizer_steps = len(steps)
+        steps = epoch_steps(len(self.task.train), self.config.batching, self.comm, self.current_epoch,
+                            self.config.seed)
         return DataLoader(_EpochMicroBatches(self.task.train, steps, self.current_epoch), batch_size=None,
                           shuffle=False)
 
@@ -60,18 +62,21 @@ class TaskModule(L.LightningModule):
         (the root's own parameters are gathered around the wrapper's call)."""
         return self.model(*args, **kwargs)
 
-    def training_step(self, item, _index):
+    def training_step(self, item, index):
         batch, weight, samples = item
         losses = self.task.sample_losses(self.model, batch)
-        if weight:
-            self.loss_sum += losses.sum().item()
-        self.samples += int(samples)
+        if index % self.trainer.accumulate_grad_batches == 0:  # an optimizer step's first micro-batch
+            self.tally.add_step(0.0, 0)
+        self.tally.step_loss_sums[-1] += losses.sum().item() if weight else 0.0
+        self.tally.step_samples[-1] += int(samples)
         # Lightning divides what this returns by accumulate_grad_batches; the weight already averages over the step.
         return losses.sum() * weight * self.trainer.accumulate_grad_batches
 
     def configure_optimizers(self):
-        total_steps = total_optimizer_steps(len(self.task.train), self.args, self.comm.Get_size())
-        optimizer, schedule = optimizer_and_schedule(self, self.args, total_steps)
+        config = self.config
+        total_steps = total_optimizer_steps(len(self.task.train), config.batching, config.epochs, self.comm.Get_size())
+        optimizer, schedule = optimizer_and_schedule(self, total_steps, config.lr, config.weight_decay,
+                                                     config.warmup_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
@@ -90,7 +95,7 @@ class _EpochRecorder(L.Callback):
         self.start = 0.0
 
     def on_train_epoch_start(self, trainer, module):
-        module.loss_sum, module.samples = 0.0, 0
+        module.tally = EpochTally(comm_seconds=float("nan"))  # Lightning's communication time is not measured
         module.comm.Barrier()
         self.start = time.perf_counter()
 
@@ -98,16 +103,12 @@ class _EpochRecorder(L.Callback):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         module.comm.Barrier()
-        seconds = time.perf_counter() - self.start
-        train_loss = module.comm.allreduce(module.loss_sum, op=MPI.SUM) / module.samples
-        val = evaluate(module.task, trainer.strategy.model, module.args, module.comm, self.device,
-                       trainer.precision_plugin.forward_context)
-        if module.comm.Get_rank() == 0:
-            print(f"epoch {trainer.current_epoch}: train loss {train_loss:.4f}, "
-                  + ", ".join(f"{k} {v}" for k, v in val.items()) + f", {seconds:.1f} s", flush=True)
-        state_bytes = model_state_bytes(module, trainer.optimizers[0])
-        self.recorder.add_epoch(trainer.current_epoch, module.optimizer_steps, module.samples, seconds,
-                                train_loss, val, state_bytes, float("nan"), self.device)
+        tally, config = module.tally, module.config
+        tally.seconds = time.perf_counter() - self.start
+        val = evaluate(module.task, trainer.strategy.model, config.batch_size, config.val_steps, config.seed,
+                       module.comm, self.device, trainer.precision_plugin.forward_context)
+        self.recorder.add_epoch(trainer.current_epoch, trainer.global_step - tally.steps, tally, val,
+                                model_state_bytes(module, trainer.optimizers[0]), self.device)
 
 
 class _FSDPStrategyNoSync(FSDPStrategy):
@@ -123,36 +124,37 @@ class _FSDPStrategyNoSync(FSDPStrategy):
             yield
 
 
-def train_with_lightning(task, args, comm: MPI.Comm, device: torch.device, experiment: str):
+def train_with_lightning(task, config: RunConfig, comm: MPI.Comm, device: torch.device, experiment: str):
     """Trains with ``lightning-ddp`` or ``lightning-fsdp`` (GPU only); returns the CSV path on rank 0."""
-    model = build_model(task, args, comm)
-    recorder = RunRecorder(task, args, comm, device, experiment, model)
+    model = build_model(task, config.seed, comm)
+    recorder = RunRecorder(task, config, comm, device, experiment, model)
     processes_per_node = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
     environment = MPIEnvironment()
-    if args.strategy == "lightning-ddp":
+    if config.strategy == "lightning-ddp":
         strategy = DDPStrategy(cluster_environment=environment,
                                process_group_backend="nccl" if device.type == "cuda" else "gloo")
-    elif args.strategy == "lightning-fsdp-mpi":
-        strategy = FSDPMPIStrategy(auto_wrap_policy={task.block_class}, accumulate_without_sync=args.accum_no_sync,
+    elif config.strategy == "lightning-fsdp-mpi":
+        strategy = FSDPMPIStrategy(auto_wrap_policy={task.block_class}, accumulate_without_sync=config.accum_no_sync,
                                    cluster_environment=environment)
     else:
-        fsdp = _FSDPStrategyNoSync if args.accum_no_sync else FSDPStrategy
+        fsdp = _FSDPStrategyNoSync if config.accum_no_sync else FSDPStrategy
         strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class})
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=processes_per_node,
-        num_nodes=comm.Get_size() // processes_per_node, strategy=strategy, max_epochs=args.epochs,
-        precision=args.precision, accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.clip_norm or None,
+        num_nodes=comm.Get_size() // processes_per_node, strategy=strategy, max_epochs=config.epochs,
+        precision=config.precision, accumulate_grad_batches=config.grad_accum,
+        gradient_clip_val=config.clip_norm or None,
         gradient_clip_algorithm="norm", limit_val_batches=0, num_sanity_val_steps=0,
         reload_dataloaders_every_n_epochs=1, use_distributed_sampler=False, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not args.no_progress,
+        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not config.no_progress,
         callbacks=[_EpochRecorder(recorder, device)],
     )
-    trainer.fit(TaskModule(task, model, args, comm))
-    if args.save_dir:  # --save-dir is refused for lightning-fsdp
-        if args.strategy == "lightning-fsdp-mpi":  # the whole TaskModule was wrapped: its names start with "model."
+    trainer.fit(TaskModule(task, model, config, comm))
+    if config.save_dir:  # --save-dir is refused for lightning-fsdp
+        if config.strategy == "lightning-fsdp-mpi":  # the whole TaskModule was wrapped: its names start with "model."
             state = full_state_dict(trainer.strategy.model, rank0_only=True)
             state = {name.removeprefix("model."): tensor for name, tensor in state.items()} if state else None
         else:  # DDP trained `model` in place, whole on every rank
-            state = full_state_dict_on_rank0(args.strategy, model, comm)
-        save_trained(task, state, args, recorder)
+            state = full_state_dict_on_rank0(config.strategy, model, comm)
+        save_trained(task, state, config, recorder)
     return recorder.finish()

@@ -1,6 +1,12 @@
-"""The experiments' command line: the options both share, and the checks that refuse what cannot run."""
+"""The experiments' command line, the ``RunConfig`` it becomes, and the checks that refuse what cannot run.
+
+The parser exists only in ``training.main``: it turns the command line into a
+``RunConfig`` (frozen; field names are the options' names), and everything after
+reads that. A checkpoint compares its fields on resume, and ``run.json`` records them.
+"""
 
 import argparse
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from resume import LATEST
@@ -9,6 +15,71 @@ from strategies import PRECISIONS, STRATEGIES
 
 class UsageError(Exception):
     """A combination of options that cannot run here."""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How an epoch's samples become optimizer steps on each rank."""
+
+    batch_size: int  # samples per rank per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    steps_per_epoch: int = 0  # optimizer steps per epoch; 0: as many as the epoch's samples fill
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One training run's settings, as both experiments' command lines give them."""
+
+    # What is trained, and by whom.
+    model: str
+    strategy: str  # strategies.STRATEGIES
+    precision: str  # strategies.PRECISIONS
+    gradient_checkpointing: bool
+    # The data: sequence length, batches, how long.
+    seq_len: int
+    batch_size: int
+    grad_accum: int
+    accum_no_sync: bool  # reduce gradients on a step's last micro-batch only, also under sharded strategies
+    epochs: int
+    steps_per_epoch: int
+    val_steps: int  # validation batches per rank after each epoch
+    seed: int
+    # The optimisation recipe (recipe.py).
+    lr: float
+    warmup_steps: int | None  # None: a tenth of the run's optimizer steps
+    weight_decay: float
+    clip_norm: float  # 0: no clipping
+    # Where it runs, and where files go.
+    threads: int
+    device: str  # auto, cpu, cuda
+    data_dir: str | None
+    no_download: bool
+    out_dir: str
+    run_id: str | None
+    save_dir: str | None
+    no_progress: bool
+    checkpoint_dir: str | None
+    checkpoint_every: int
+    resume: bool
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> "RunConfig":
+        """The parsed command line as a config; a parser option without a field here is a TypeError."""
+        return cls(**vars(namespace))
+
+    @classmethod
+    def from_saved(cls, parser: argparse.ArgumentParser, saved: dict, **overrides) -> "RunConfig":
+        """A config from the parser's defaults, the `saved` options this config knows (run.json), then `overrides`."""
+        values = vars(parser.parse_args([]))
+        values.update({name: value for name, value in saved.items() if name in values})
+        return cls(**{**values, **overrides})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def batching(self) -> Batching:
+        return Batching(self.batch_size, self.grad_accum, self.steps_per_epoch)
 
 
 def argument_parser(description: str, model_choices, defaults: dict) -> argparse.ArgumentParser:
@@ -47,10 +118,11 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
         help="optimizer steps between checkpoints; 0: only at the end and on a signal (default: %(default)s)")
     add("--resume", action="store_true",
         help="continue from the latest checkpoint in --checkpoint-dir; start fresh if there is none")
+    add("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     return parser
 
 
-def check_checkpoint_options(parser: argparse.ArgumentParser, args) -> None:
+def check_checkpoint_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses checkpoint options that cannot work (argparse's usage error: exit code 2)."""
     if args.checkpoint_dir is None and (args.resume or args.checkpoint_every):
         parser.error("--resume and --checkpoint-every need --checkpoint-dir")
@@ -61,17 +133,18 @@ def check_checkpoint_options(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--checkpoint-every must be 0 (only at the end and on a signal) or positive")
 
 
-def check_arguments(args) -> None:
+def check_config(config: RunConfig) -> None:
+    """Raises UsageError for values no run can use, and for a fresh run into a used --checkpoint-dir."""
     for name in ("epochs", "batch_size", "grad_accum", "seq_len", "threads", "val_steps"):
-        if getattr(args, name) < 1:
+        if getattr(config, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.steps_per_epoch < 0:
+    if config.steps_per_epoch < 0:
         raise UsageError("--steps-per-epoch must be 0 (whole epoch) or positive")
-    if not args.lr > 0:
+    if not config.lr > 0:
         raise UsageError("--lr must be positive")
     for name in ("warmup_steps", "weight_decay", "clip_norm"):
-        if (getattr(args, name) or 0) < 0:
+        if (getattr(config, name) or 0) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
-    if args.checkpoint_dir and not args.resume and (Path(args.checkpoint_dir) / LATEST).exists():
-        raise UsageError(f"{args.checkpoint_dir} already holds checkpoints: pass --resume to continue from the "
+    if config.checkpoint_dir and not config.resume and (Path(config.checkpoint_dir) / LATEST).exists():
+        raise UsageError(f"{config.checkpoint_dir} already holds checkpoints: pass --resume to continue from the "
                          "latest, or choose another --checkpoint-dir")

@@ -51,14 +51,15 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
     return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def optimizer_and_schedule(model: nn.Module, args, total_steps: int):
-    """(AdamW, LambdaLR) for `model` from --lr, --weight-decay and --warmup-steps.
+def optimizer_and_schedule(model: nn.Module, total_steps: int, lr: float, weight_decay: float,
+                           warmup_steps: int | None):
+    """(AdamW, LambdaLR) for `model`: peak `lr`, `weight_decay` on weights, `warmup_steps` (None: a tenth).
 
     Step the schedule once after every optimizer step. `total_steps` counts the
     optimizer steps of the whole run (all epochs).
     """
-    optimizer = torch.optim.AdamW(parameter_groups(model, args.weight_decay), lr=args.lr)
-    warmup = int(total_steps * WARMUP_FRACTION) if args.warmup_steps is None else args.warmup_steps
+    optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr)
+    warmup = int(total_steps * WARMUP_FRACTION) if warmup_steps is None else warmup_steps
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, partial(lr_factor, total_steps=total_steps, warmup_steps=warmup))
     return optimizer, schedule

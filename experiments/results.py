@@ -1,4 +1,5 @@
-"""The CSVs the experiments write: training's one row per epoch (one schema for all strategies), and eval.py's."""
+"""The CSVs the experiments write: training's one row per epoch (one schema for all strategies) and one per
+optimizer step (its loss curve), and eval.py's."""
 
 import csv
 import os
@@ -16,6 +17,9 @@ COLUMNS = [
     "peak_memory_mb", "peak_rss_mb", "model_state_mb", "comm_time_s", "compute_time_s",
     "comm_mb_per_step", "git_commit", "timestamp",
 ]
+# training's <run id>-steps.csv: one row per optimizer step; train_loss is the mean over the step's samples
+STEP_COLUMNS = ["run_id", "experiment", "strategy", "model", "precision", "world_size", "epoch", "step", "samples",
+                "train_loss"]
 # eval.py: one row per precision and batch size of a saved model (precision: fp32, bf16, int8)
 EVAL_COLUMNS = [
     "run_id", "experiment", "model", "parameters", "trained_strategy", "world_size", "threads_per_rank", "device",

@@ -38,6 +38,7 @@ STOPPED_WITH_CHECKPOINT = 3  # stopped by a signal and checkpointed: run again w
 STOPPED_WITHOUT_CHECKPOINT = 4  # stopped by a signal without --checkpoint-dir: there is nothing to resume from
 KEEP = 2  # step checkpoints kept: the newest, and one more in case the newest turns out damaged
 LATEST = "latest"
+FORMAT = 2  # of the run state below; 2: per-step losses. A checkpoint of another format cannot be resumed
 STEP_NAME = re.compile(r"step-\d{8}")
 # Options a resumed run may change: where files go and how fast it runs, not what it computes.
 MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume", "out_dir", "save_dir",
@@ -70,14 +71,22 @@ class StopSignals:
 
 @dataclass
 class EpochTally:
-    """One epoch's training so far on this rank, as its CSV row sums it; carried across a stop and resume."""
+    """One epoch's training so far on this rank, as its CSV rows sum it; carried across a stop and resume."""
 
-    steps: int = 0  # optimizer steps of the epoch done
-    loss_sum: float = 0.0  # this rank's per-sample losses, summed in step order
-    samples: int = 0  # over all ranks
+    step_loss_sums: list[float] = field(default_factory=list)  # per optimizer step: this rank's per-sample losses
+    step_samples: list[int] = field(default_factory=list)  # per optimizer step: its samples over all ranks
     seconds: float = 0.0  # in training steps: start-up, validation and checkpoint saves excluded
     comm_seconds: float = 0.0  # this rank's time blocked in communication within those
     comm_bytes: int = 0  # this rank's bytes moved by collectives within those
+
+    def add_step(self, loss_sum: float, samples: int) -> None:
+        self.step_loss_sums.append(loss_sum)
+        self.step_samples.append(samples)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of the epoch done."""
+        return len(self.step_samples)
 
 
 @dataclass
@@ -110,9 +119,9 @@ class Stopped:
         return f"{stopped}, without a checkpoint (no --checkpoint-dir): it cannot continue (exit code {self.exit_code})"
 
 
-def determining_options(args) -> dict:
-    """The command-line options that a resumed run must share with the one that saved."""
-    return {name: value for name, value in sorted(vars(args).items()) if name not in MAY_CHANGE_ON_RESUME}
+def determining_options(config) -> dict:
+    """The options (a RunConfig's fields) that a resumed run must share with the one that saved."""
+    return {name: value for name, value in sorted(config.as_dict().items()) if name not in MAY_CHANGE_ON_RESUME}
 
 
 class CheckpointDirectory:
@@ -164,11 +173,11 @@ class RunCheckpoints:
     def __init__(self, run):
         """`run`: training.Run, the model, optimizer, schedule and CSV recorder being trained, with the options."""
         self.run = run
-        self.directory = CheckpointDirectory(run.args.checkpoint_dir, run.comm)
+        self.directory = CheckpointDirectory(run.config.checkpoint_dir, run.comm)
 
     def due(self, step: int) -> bool:
         """Whether --checkpoint-every asks for a checkpoint after `step` (the run's end saves one anyway)."""
-        every = self.run.args.checkpoint_every
+        every = self.run.config.checkpoint_every
         return every > 0 and step % every == 0 and step < self.run.total_steps
 
     def save(self, position: Position) -> Path:
@@ -179,10 +188,11 @@ class RunCheckpoints:
         so the per-rank running sums are gathered into it."""
         run = self.run
         return {
-            "step": position.step, "epoch": position.epoch, "tallies": run.comm.allgather(asdict(position.tally)),
+            "format": FORMAT, "step": position.step, "epoch": position.epoch,
+            "tallies": run.comm.allgather(asdict(position.tally)),
             "schedule": run.schedule.state_dict(), "scaler": run.prepared.scaler.state_dict(),
-            "run_id": run.recorder.run_id, "rows": run.recorder.rows,
-            "options": determining_options(run.args), "world_size": run.comm.Get_size(),
+            "run_id": run.recorder.run_id, "rows": run.recorder.rows, "step_rows": run.recorder.step_rows,
+            "options": determining_options(run.config), "world_size": run.comm.Get_size(),
         }
 
     def restore(self) -> Position:
@@ -199,7 +209,7 @@ class RunCheckpoints:
         self._check_same_run(directory, extra)
         run.schedule.load_state_dict(extra["schedule"])
         run.prepared.scaler.load_state_dict(extra["scaler"])
-        run.recorder.resume(extra["run_id"], extra["rows"])
+        run.recorder.resume(extra["run_id"], extra["rows"], extra["step_rows"])
         self._announce(f"resuming from {directory}: epoch {extra['epoch']}, after optimizer step {extra['step']} "
                        f"of {run.total_steps}")
         return Position(extra["step"], extra["epoch"], EpochTally(**extra["tallies"][run.comm.Get_rank()]))
@@ -210,10 +220,14 @@ class RunCheckpoints:
 
     def _check_same_run(self, directory: Path, extra: dict) -> None:
         """Refuses to continue a checkpoint whose run differs from this one (the same on every rank)."""
+        if extra.get("format") != FORMAT:
+            raise ResumeError(f"{directory} was saved by another version of the experiments (run state format "
+                              f"{extra.get('format', 1)}, this version reads {FORMAT}); start afresh with another "
+                              "--checkpoint-dir")
         if extra["world_size"] != self.run.comm.Get_size():
             raise ResumeError(f"{directory} was saved by {extra['world_size']} ranks; resume it on as many "
                               "(each rank's samples and random stream depend on the number of ranks)")
-        saved, ours = extra["options"], determining_options(self.run.args)
+        saved, ours = extra["options"], determining_options(self.run.config)
         changed = [f"--{name.replace('_', '-')} {saved.get(name)!r} (now {ours.get(name)!r})"
                    for name in sorted(set(saved) | set(ours)) if saved.get(name) != ours.get(name)]
         if changed:

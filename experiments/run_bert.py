@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from data import default_data_dir
 from datasets import IGNORE_INDEX, MASK_FRACTION, cornell_pairs
 from tokenization import BertTokenizer
-from options import UsageError, argument_parser
+from options import RunConfig, UsageError, argument_parser
 from training import main
 
 from models.bert import BERT_CONFIGS, BertForPreTraining, BertLayer, bert_config
@@ -22,23 +22,26 @@ class BertTask:
 
     block_class = BertLayer
 
-    def __init__(self, args, comm):
-        data_dir = default_data_dir(args.data_dir)
-        self.config = bert_config(args.model, gradient_checkpointing=args.gradient_checkpointing)
-        if args.seq_len > self.config.max_position_embeddings:
-            raise UsageError(f"--seq-len {args.seq_len} exceeds {args.model}'s {self.config.max_position_embeddings} positions")
-        if args.seq_len < 8:
+    def __init__(self, config: RunConfig, comm):
+        data_dir = default_data_dir(config.data_dir)
+        self.config = bert_config(config.model, gradient_checkpointing=config.gradient_checkpointing)
+        if config.seq_len > self.config.max_position_embeddings:
+            raise UsageError(f"--seq-len {config.seq_len} exceeds {config.model}'s "
+                             f"{self.config.max_position_embeddings} positions")
+        if config.seq_len < 8:
             raise UsageError("--seq-len must be at least 8 for sentence pairs")
-        self.tokenizer = BertTokenizer(data_dir, not args.no_download)
+        self.tokenizer = BertTokenizer(data_dir, not config.no_download)
         if self.tokenizer.vocab_size != self.config.vocab_size:
-            raise UsageError(f"the vocabulary has {self.tokenizer.vocab_size} tokens, {args.model} expects {self.config.vocab_size}")
-        self.train, self.val, corpus = cornell_pairs(data_dir, self.tokenizer, args.seq_len, args.seed, not args.no_download)
+            raise UsageError(f"the vocabulary has {self.tokenizer.vocab_size} tokens, "
+                             f"{config.model} expects {self.config.vocab_size}")
+        self.train, self.val, corpus = cornell_pairs(data_dir, self.tokenizer, config.seq_len, config.seed,
+                                                     not config.no_download)
         if comm.Get_rank() == 0:
             print(f"Cornell: {len(corpus.dialogues):,} of {corpus.total:,} conversations used "
                   f"({corpus.skipped:,} skipped: lines missing from movie_lines); "
                   f"{len(self.train):,} training and {len(self.val):,} validation sentence pairs", flush=True)
-        self.seq_len = args.seq_len
-        self.model_name = args.model
+        self.seq_len = config.seq_len
+        self.model_name = config.model
 
     def build_model(self) -> BertForPreTraining:
         return BertForPreTraining(self.config)
@@ -84,11 +87,9 @@ class BertTask:
 
 
 def parser():
-    result = argument_parser(__doc__.splitlines()[0], list(BERT_CONFIGS), {
+    return argument_parser(__doc__.splitlines()[0], list(BERT_CONFIGS), {
         "model": "bert-tiny", "epochs": 30, "steps_per_epoch": 0, "batch_size": 16, "seq_len": 64, "lr": 1e-3})
-    result.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main(BertTask, parser(), "bert"))
+    sys.exit(main(BertTask, RunConfig, parser(), "bert"))

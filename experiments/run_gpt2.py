@@ -6,15 +6,21 @@
 
 import math
 import sys
+from dataclasses import dataclass
 
 import torch.nn.functional as F
 from data import default_data_dir
 from datasets import shakespeare_windows
 from tokenization import CharTokenizer, GPT2Tokenizer, save_description
-from options import UsageError, argument_parser
+from options import RunConfig, UsageError, argument_parser
 from training import main
 
 from models.gpt2 import GPT2_CONFIGS, GPT2Block, GPT2LMHeadModel, gpt2_config
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPT2RunConfig(RunConfig):
+    tokenizer: str  # "char" (65 tokens) or "gpt2" (BPE, 50,257)
 
 
 class GPT2Task:
@@ -22,21 +28,22 @@ class GPT2Task:
 
     block_class = GPT2Block
 
-    def __init__(self, args, comm):
-        data_dir = default_data_dir(args.data_dir)
-        download = not args.no_download
-        if args.tokenizer == "char":
+    def __init__(self, config: GPT2RunConfig, comm):
+        data_dir = default_data_dir(config.data_dir)
+        download = not config.no_download
+        if config.tokenizer == "char":
             make_tokenizer = CharTokenizer.from_text
         else:
             make_tokenizer = lambda _text: GPT2Tokenizer(data_dir, download)  # noqa: E731
-        self.config = gpt2_config(args.model, gradient_checkpointing=args.gradient_checkpointing)
-        if args.seq_len > self.config.n_positions:
-            raise UsageError(f"--seq-len {args.seq_len} exceeds {args.model}'s context of {self.config.n_positions}")
-        self.tokenizer, self.train, self.val = shakespeare_windows(data_dir, make_tokenizer, args.seq_len, download)
-        self.config = gpt2_config(args.model, vocab_size=self.tokenizer.vocab_size,
-                                  gradient_checkpointing=args.gradient_checkpointing)
-        self.seq_len = args.seq_len
-        self.model_name = args.model
+        self.config = gpt2_config(config.model, gradient_checkpointing=config.gradient_checkpointing)
+        if config.seq_len > self.config.n_positions:
+            raise UsageError(f"--seq-len {config.seq_len} exceeds {config.model}'s context of "
+                             f"{self.config.n_positions}")
+        self.tokenizer, self.train, self.val = shakespeare_windows(data_dir, make_tokenizer, config.seq_len, download)
+        self.config = gpt2_config(config.model, vocab_size=self.tokenizer.vocab_size,
+                                  gradient_checkpointing=config.gradient_checkpointing)
+        self.seq_len = config.seq_len
+        self.model_name = config.model
 
     def build_model(self) -> GPT2LMHeadModel:
         return GPT2LMHeadModel(self.config)
@@ -65,9 +72,8 @@ def parser():
         "model": "gpt2-tiny", "epochs": 3, "steps_per_epoch": 150, "batch_size": 16, "seq_len": 64, "lr": 3e-3})
     result.add_argument("--tokenizer", default="char", choices=("char", "gpt2"),
                         help="characters (65 tokens) or GPT-2's BPE (50,257)")
-    result.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     return result
 
 
 if __name__ == "__main__":
-    sys.exit(main(GPT2Task, parser(), "gpt2"))
+    sys.exit(main(GPT2Task, GPT2RunConfig, parser(), "gpt2"))

@@ -29,9 +29,9 @@ import torch
 from mpi4py import MPI
 
 from data import DataError
-from options import UsageError, check_arguments, check_checkpoint_options
+from options import Batching, RunConfig, UsageError, check_checkpoint_options, check_config
 from recipe import optimizer_and_schedule
-from results import CsvWriter, git_commit, measured_peak_flops, model_state_bytes, peak_rss_mb
+from results import STEP_COLUMNS, CsvWriter, git_commit, measured_peak_flops, model_state_bytes, peak_rss_mb
 from resume import EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
 from saved_run import write_run_file
 from sampling import global_batch_size, rank_batches, steps_per_epoch
@@ -51,45 +51,48 @@ def pick_device(choice: str, comm: MPI.Comm) -> torch.device:
     return torch.device("cpu")
 
 
-def _set_up(task_type, args, comm: MPI.Comm):
+def _set_up(task_type, config: RunConfig, comm: MPI.Comm):
     """(task, device, None) or (None, None, error message) for input this machine cannot run."""
     try:
-        check_arguments(args)
-        torch.set_num_threads(args.threads)
-        device = pick_device(args.device, comm)
-        if args.strategy == "lightning-fsdp" and device.type != "cuda":
+        check_config(config)
+        torch.set_num_threads(config.threads)
+        device = pick_device(config.device, comm)
+        if config.strategy == "lightning-fsdp" and device.type != "cuda":
             raise UsageError("lightning-fsdp needs a GPU (Lightning's FSDP does not run on CPU); "
                              "use fsdp-mpi, torch-fsdp or lightning-ddp here")
-        if args.strategy == "lightning-fsdp" and args.save_dir:
+        if config.strategy == "lightning-fsdp" and config.save_dir:
             raise UsageError("--save-dir is not supported with lightning-fsdp (its weights stay sharded in "
                              "Lightning's layout); train with fsdp-mpi or torch-fsdp to save the model")
-        if args.strategy == "lightning-fsdp-mpi" and args.precision == "16-mixed":
+        if config.strategy == "lightning-fsdp-mpi" and config.precision == "16-mixed":
             raise UsageError("lightning-fsdp-mpi trains in 32 or bf16-mixed (fp16 loss scaling is not wired into "
                              "its Lightning strategy); fsdp-mpi itself has 16-mixed")
-        if args.strategy.startswith("lightning") and args.precision == "16-mixed" and device.type != "cuda":
+        if config.strategy.startswith("lightning") and config.precision == "16-mixed" and device.type != "cuda":
             raise UsageError("Lightning has no fp16 mixed precision on CPU (it would train in bf16-mixed "
                              "instead); use --precision bf16-mixed here")
-        return task_type(args, comm), device, None
+        return task_type(config, comm), device, None
     except (DataError, UsageError, CheckpointError, ValueError) as failure:
         return None, None, str(failure)
 
 
-def main(task_type, parser: argparse.ArgumentParser, experiment: str) -> int:
+def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParser, experiment: str) -> int:
     """Runs one experiment under mpiexec; returns the exit code, the same on every rank.
+
+    `task_type` is built from the `config_type` (RunConfig or an experiment's subclass) that `parser` gives.
 
     2: bad input or an unusable checkpoint; resume.STOPPED_WITH_CHECKPOINT (3) and
     STOPPED_WITHOUT_CHECKPOINT (4): stopped by SIGTERM or SIGUSR1 between two optimizer steps.
     """
-    args = parser.parse_args()
-    check_checkpoint_options(parser, args)
+    options = parser.parse_args()
+    check_checkpoint_options(parser, options)
+    config = config_type.from_namespace(options)
     comm = MPI.COMM_WORLD
     try:  # before anything is written: N one-rank worlds would each write a run of their own
         check_launcher_agrees(comm.Get_size())
     except LauncherMismatchError as mismatch:
         print(f"{parser.prog}: error: {mismatch}", file=sys.stderr)
         return 2
-    stop = listen_for_stop_signals(args.strategy)
-    values, error = set_up_rank_0_first(lambda: _set_up(task_type, args, comm), comm)
+    stop = listen_for_stop_signals(config.strategy)
+    values, error = set_up_rank_0_first(lambda: _set_up(task_type, config, comm), comm)
     if error:
         if comm.Get_rank() == 0:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
@@ -98,13 +101,13 @@ def main(task_type, parser: argparse.ArgumentParser, experiment: str) -> int:
     if comm.Get_size() > 1:
         abort_job_on_uncaught_exception(comm)
     stopped = None
-    if args.strategy.startswith("lightning"):
+    if config.strategy.startswith("lightning"):
         from lightning_runner import train_with_lightning
 
-        path = train_with_lightning(task, args, comm, device, experiment)
+        path = train_with_lightning(task, config, comm, device, experiment)
     else:
         try:
-            path, stopped = train(task, args, comm, device, experiment, stop)
+            path, stopped = train(task, config, comm, device, experiment, stop)
         except (ShardedCheckpointError, ResumeError) as failure:  # raised on every rank alike
             if comm.Get_rank() == 0:
                 print(f"{parser.prog}: error: {failure}", file=sys.stderr)
@@ -143,69 +146,101 @@ def listen_for_stop_signals(strategy: str) -> StopSignals:
 
 
 class RunRecorder:
-    """Turns one epoch's measurements into a CSV row (rank 0 writes), and keeps the rows for checkpoints."""
+    """Turns one epoch's tally into its CSV row and its steps' rows (rank 0 writes), and keeps them for checkpoints.
 
-    def __init__(self, task, args, comm: MPI.Comm, device: torch.device, experiment: str, model):
-        self.comm, self.task, self.args = comm, task, args
+    ``<out dir>/<run id>.csv`` gets a row per epoch, ``<run id>-steps.csv`` a row per optimizer step.
+    """
+
+    def __init__(self, task, config: RunConfig, comm: MPI.Comm, device: torch.device, experiment: str, model):
+        self.comm, self.task, self.config = comm, task, config
         world = comm.Get_size()
-        self.run_id = args.run_id or f"{experiment}-{args.strategy}-n{world}-{uuid.uuid4().hex[:6]}"
+        self.run_id = config.run_id or f"{experiment}-{config.strategy}-n{world}-{uuid.uuid4().hex[:6]}"
         task_flops = getattr(task, "training_flops_per_token", None)  # a task that skips some of the model's work
         self.flops_per_token = task_flops(model) if task_flops else model.training_flops_per_token(task.seq_len)
         comm.Barrier()
         self.peak_flops = comm.allreduce(measured_peak_flops(device), op=MPI.SUM)
         self.fixed = {
-            "run_id": self.run_id, "experiment": experiment, "strategy": args.strategy, "model": task.model_name,
-            "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": args.threads,
-            "device": device.type, "precision": args.precision, "global_batch": args.batch_size * world * args.grad_accum,
-            "grad_accum": args.grad_accum, "seq_len": task.seq_len, "git_commit": git_commit(),
+            "run_id": self.run_id, "experiment": experiment, "strategy": config.strategy, "model": task.model_name,
+            "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": config.threads,
+            "device": device.type, "precision": config.precision,
+            "global_batch": config.batch_size * world * config.grad_accum,
+            "grad_accum": config.grad_accum, "seq_len": task.seq_len, "git_commit": git_commit(),
         }
         self.rows: list[dict] = []
-        self.writer = None  # rank 0's, opened at the first row: a resumed run takes its run id before
+        self.step_rows: list[dict] = []
+        self.writers = None  # rank 0's (epochs, steps), opened at the first row: a resumed run takes its run id before
 
-    def add_epoch(self, epoch: int, steps: int, samples: int, seconds: float, train_loss: float, val: dict,
-                  state_bytes: int, comm_seconds: float, device: torch.device, comm_mb_per_step: float = 0.0) -> None:
+    def add_epoch(self, epoch: int, first_step: int, tally: EpochTally, val: dict, state_bytes: int,
+                  device: torch.device) -> None:
+        """Every rank calls it after validating; rank 0 prints the epoch's line and writes its rows.
+
+        `first_step`: the run's optimizer steps before this epoch. `tally.comm_seconds` is NaN where unmeasured.
+        """
+        step_loss_sums = numpy.array(tally.step_loss_sums, dtype=numpy.float64)  # (steps,) this rank's, then all's
+        self.comm.Allreduce(MPI.IN_PLACE, step_loss_sums, op=MPI.SUM)
+        samples, seconds = sum(tally.step_samples), tally.seconds
+        train_loss = float(step_loss_sums.sum()) / samples  # a Python float: rows go into checkpoints
         peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        per_rank = self.comm.allgather([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20, comm_seconds])
+        per_rank = self.comm.allgather([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20,
+                                        tally.comm_seconds])
         maxima = [max(column) for column in zip(*per_rank)]  # the busiest rank
         tokens_per_s = samples * self.task.seq_len / seconds
         achieved = tokens_per_s * self.flops_per_token
         row = {
-            **self.fixed, "epoch": epoch, "steps": steps, "epoch_time_s": round(seconds, 4),
+            **self.fixed, "epoch": epoch, "steps": tally.steps, "epoch_time_s": round(seconds, 4),
             "samples_per_s": round(samples / seconds, 3), "tokens_per_s": round(tokens_per_s, 1),
             "tflops": round(achieved / 1e12, 6), "mfu": round(achieved / self.peak_flops, 5),
             "train_loss": round(train_loss, 5), **val,
             "peak_memory_mb": round(maxima[2] if device.type == "cuda" else maxima[0], 1),
             "peak_rss_mb": round(maxima[0], 1), "model_state_mb": round(maxima[1], 3),
             "comm_time_s": "" if math.isnan(maxima[3]) else round(maxima[3], 4),
-            "comm_mb_per_step": round(comm_mb_per_step, 4) if comm_mb_per_step else "",
+            "comm_mb_per_step": round(tally.comm_bytes / tally.steps / 2**20, 4) if tally.comm_bytes else "",
             "compute_time_s": "" if math.isnan(maxima[3]) else round(seconds - maxima[3], 4),
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
+        step_rows = [{name: row[name] for name in STEP_COLUMNS if name in self.fixed}
+                     | {"epoch": epoch, "step": first_step + index + 1, "samples": count,
+                        "train_loss": round(loss / count, 5)}
+                     for index, (loss, count) in enumerate(zip(step_loss_sums.tolist(), tally.step_samples))]
         if self.comm.Get_rank() == 0:
-            self._writer().add(row)
+            print(f"epoch {epoch}: train loss {train_loss:.4f}, " + ", ".join(f"{k} {v}" for k, v in val.items())
+                  + f", {seconds:.1f} s", flush=True)
+            epochs_csv, steps_csv = self._writers()
+            epochs_csv.add(row)
+            for step_row in step_rows:
+                steps_csv.add(step_row)
         self.rows.append(row)
+        self.step_rows += step_rows
 
-    def resume(self, run_id: str, rows: list[dict]) -> None:
-        """Continues a stopped run's CSV: its run id, and its rows so far ahead of the new ones."""
+    def resume(self, run_id: str, rows: list[dict], step_rows: list[dict]) -> None:
+        """Continues a stopped run's CSVs: its run id, and its rows so far ahead of the new ones."""
         self.run_id = self.fixed["run_id"] = run_id
-        self.rows = list(rows)
+        self.rows, self.step_rows = list(rows), list(step_rows)
 
     def finish(self) -> Path | None:
-        return self._writer().finish() if self.comm.Get_rank() == 0 else None
+        """Completes both CSVs (rank 0) and returns the epochs' one's path."""
+        if self.comm.Get_rank() != 0:
+            return None
+        epochs_csv, steps_csv = self._writers()
+        steps_csv.finish()
+        return epochs_csv.finish()
 
-    def _writer(self) -> CsvWriter:
-        if self.writer is None:
-            self.writer = CsvWriter(Path(self.args.out_dir) / f"{self.run_id}.csv")
-            for row in self.rows:
-                self.writer.add(row)
-        return self.writer
+    def _writers(self) -> tuple[CsvWriter, CsvWriter]:
+        if self.writers is None:
+            out_dir = Path(self.config.out_dir)
+            self.writers = (CsvWriter(out_dir / f"{self.run_id}.csv"),
+                            CsvWriter(out_dir / f"{self.run_id}-steps.csv", STEP_COLUMNS))
+            for writer, rows in zip(self.writers, (self.rows, self.step_rows)):
+                for row in rows:
+                    writer.add(row)
+        return self.writers
 
 
-def build_model(task, args, comm: MPI.Comm):
+def build_model(task, seed: int, comm: MPI.Comm):
     """The same initial weights on every rank, then a different random stream per rank (dropout)."""
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     model = task.build_model()
-    torch.manual_seed(args.seed * 1000 + 1 + comm.Get_rank())
+    torch.manual_seed(seed * 1000 + 1 + comm.Get_rank())
     return model
 
 
@@ -221,8 +256,8 @@ class MicroBatch(NamedTuple):
     samples: int  # samples in this micro-batch over all ranks
 
 
-def epoch_steps(num_samples: int, args, comm: MPI.Comm, epoch: int, seed: int) -> list[list[MicroBatch]]:
-    """This rank's optimizer steps in one epoch, each a list of up to `args.grad_accum` micro-batches.
+def epoch_steps(num_samples: int, batching: Batching, comm: MPI.Comm, epoch: int, seed: int) -> list[list[MicroBatch]]:
+    """This rank's optimizer steps in one epoch, each a list of up to `batching.grad_accum` micro-batches.
 
     The micro-batches of a step together hold the samples that one batch of
     ``batch_size * grad_accum`` would, and each rank's loss sum is weighted by
@@ -232,30 +267,34 @@ def epoch_steps(num_samples: int, args, comm: MPI.Comm, epoch: int, seed: int) -
     because every rank must still take part in the step's collectives.
     """
     world = comm.Get_size()
-    batches = rank_batches(num_samples, args.batch_size, comm.Get_rank(), world, seed, epoch)
+    batches = rank_batches(num_samples, batching.batch_size, comm.Get_rank(), world, seed, epoch)
     steps = []
-    for first in range(0, len(batches), args.grad_accum)[:args.steps_per_epoch or None]:
-        micro = range(first, min(first + args.grad_accum, len(batches)))
-        sizes = [global_batch_size(num_samples, args.batch_size, world, m) for m in micro]
+    for first in range(0, len(batches), batching.grad_accum)[:batching.steps_per_epoch or None]:
+        micro = range(first, min(first + batching.grad_accum, len(batches)))
+        sizes = [global_batch_size(num_samples, batching.batch_size, world, m) for m in micro]
         step_total = sum(sizes)
         steps.append([MicroBatch(batches[m], world / step_total, size) if len(batches[m])
                       else MicroBatch(torch.zeros(1, dtype=torch.long), 0.0, size) for m, size in zip(micro, sizes)])
     return steps
 
 
-def total_optimizer_steps(num_samples: int, args, world: int) -> int:
+def total_optimizer_steps(num_samples: int, batching: Batching, epochs: int, world: int) -> int:
     """Optimizer steps in the whole run (the learning-rate schedule's length); the same on every rank."""
-    per_epoch = -(-steps_per_epoch(num_samples, args.batch_size, world) // args.grad_accum)
-    return args.epochs * min(per_epoch, args.steps_per_epoch or per_epoch)
+    per_epoch = -(-steps_per_epoch(num_samples, batching.batch_size, world) // batching.grad_accum)
+    return epochs * min(per_epoch, batching.steps_per_epoch or per_epoch)
 
 
 @torch.no_grad()
-def evaluate(task, model, args, comm: MPI.Comm, device: torch.device, autocast=nullcontext) -> dict:
-    """The validation columns, from `--val-steps` batches per rank (the same ones every epoch), under `autocast`."""
+def evaluate(task, model, batch_size: int, val_steps: int, seed: int, comm: MPI.Comm, device: torch.device,
+             autocast=nullcontext) -> dict:
+    """The validation columns, from `val_steps` batches per rank (0: all; the same ones every epoch), under `autocast`.
+
+    `seed` is the run's: the validation order is drawn from seed + 1.
+    """
     model.eval()
     totals: dict[str, float] = {}
-    batches = argparse.Namespace(batch_size=args.batch_size, grad_accum=1, steps_per_epoch=args.val_steps)
-    for (micro,) in epoch_steps(len(task.val), batches, comm, epoch=0, seed=args.seed + 1):
+    batching = Batching(batch_size, grad_accum=1, steps_per_epoch=val_steps)
+    for (micro,) in epoch_steps(len(task.val), batching, comm, epoch=0, seed=seed + 1):
         with autocast():
             sums = task.eval_sums(model, to_device(task.val.batch(micro.indices, 0), device))
         for key, value in sums.items():
@@ -267,7 +306,7 @@ def evaluate(task, model, args, comm: MPI.Comm, device: torch.device, autocast=n
     return task.val_columns(dict(zip(keys, summed.tolist())))
 
 
-def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], args, epoch: int,
+def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], config: RunConfig, epoch: int,
                    device: torch.device) -> tuple[float, torch.Tensor]:
     """Accumulates the gradients of `step`'s micro-batches, clips them and updates the weights.
 
@@ -278,15 +317,15 @@ def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], 
     """
     loss_sum, losses, scaler = 0.0, None, prepared.scaler
     for position, micro in enumerate(step):
-        defer_sync = position < len(step) - 1 and (args.accum_no_sync or not prepared.shards_gradients)
+        defer_sync = position < len(step) - 1 and (config.accum_no_sync or not prepared.shards_gradients)
         with prepared.no_sync() if defer_sync else nullcontext():
             with prepared.autocast():
                 losses = task.sample_losses(prepared.model, to_device(task.train.batch(micro.indices, epoch), device))
             scaler.scale(losses.sum() * micro.weight).backward()
         loss_sum += losses.sum().item() if micro.weight else 0.0
-    if args.clip_norm:
+    if config.clip_norm:
         scaler.unscale_(optimizer)
-        prepared.clip_grad_norm(args.clip_norm)
+        prepared.clip_grad_norm(config.clip_norm)
     scaler.step(optimizer)
     scaler.update()
     schedule.step()
@@ -313,10 +352,10 @@ class EpochClock:
 
 @dataclass
 class Run:
-    """What the training loop's parts share: the task and options, the wrapped model, its optimizer and schedule."""
+    """What the training loop's parts share: the task and config, the wrapped model, its optimizer and schedule."""
 
     task: object
-    args: argparse.Namespace
+    config: RunConfig
     comm: MPI.Comm
     device: torch.device
     prepared: Prepared
@@ -326,7 +365,7 @@ class Run:
     total_steps: int  # optimizer steps in the whole run
 
 
-def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str,
+def train(task, config: RunConfig, comm: MPI.Comm, device: torch.device, experiment: str,
           stop: StopSignals) -> tuple[Path | None, Stopped | None]:
     """The training loop for fsdp-mpi, ddp and torch-fsdp: (the CSV's path on rank 0, how a signal stopped it).
 
@@ -334,24 +373,25 @@ def train(task, args, comm: MPI.Comm, device: torch.device, experiment: str,
     the ranks agree whether a stop signal arrived; if so they save a checkpoint (with
     --checkpoint-dir), write the rows of the epochs completed, and return.
     """
-    model = build_model(task, args, comm)
-    recorder = RunRecorder(task, args, comm, device, experiment, model)
-    prepared = prepare(args.strategy, model, task.block_class, device, comm, args.precision)
-    total_steps = total_optimizer_steps(len(task.train), args, comm.Get_size())
-    optimizer, schedule = optimizer_and_schedule(prepared.model, args, total_steps)
-    run = Run(task, args, comm, device, prepared, optimizer, schedule, recorder, total_steps)
-    checkpoints = RunCheckpoints(run) if args.checkpoint_dir else None
+    model = build_model(task, config.seed, comm)
+    recorder = RunRecorder(task, config, comm, device, experiment, model)
+    prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision)
+    total_steps = total_optimizer_steps(len(task.train), config.batching, config.epochs, comm.Get_size())
+    optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
+                                                 config.warmup_steps)
+    run = Run(task, config, comm, device, prepared, optimizer, schedule, recorder, total_steps)
+    checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
     # Restored last: loading sets the random generators, which the set-up above draws from.
-    position = checkpoints.restore() if args.resume else Position()
-    while position.epoch < args.epochs:
+    position = checkpoints.restore() if config.resume else Position()
+    while position.epoch < config.epochs:
         stopped = train_epoch(run, position, stop, checkpoints)
         if stopped:
             return recorder.finish(), stopped
         finish_epoch(run, position)
     if checkpoints:
         checkpoints.save(position)
-    if args.save_dir:
-        save_trained(task, full_state_dict_on_rank0(args.strategy, prepared.model, comm), args, recorder)
+    if config.save_dir:
+        save_trained(task, full_state_dict_on_rank0(config.strategy, prepared.model, comm), config, recorder)
     return recorder.finish(), None
 
 
@@ -363,19 +403,17 @@ def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: Ru
     """
     from tqdm import tqdm
 
-    args, comm, tally = run.args, run.comm, position.tally
-    steps = epoch_steps(len(run.task.train), args, comm, position.epoch, args.seed)
+    config, comm, tally = run.config, run.comm, position.tally
+    steps = epoch_steps(len(run.task.train), config.batching, comm, position.epoch, config.seed)
     progress = tqdm(steps[tally.steps:], initial=tally.steps, total=len(steps), desc=f"epoch {position.epoch}",
-                    disable=args.no_progress or comm.Get_rank() != 0, file=sys.stdout, dynamic_ncols=True)
+                    disable=config.no_progress or comm.Get_rank() != 0, file=sys.stdout, dynamic_ncols=True)
     clock = EpochClock(run.prepared, tally)
     comm.Barrier()
     clock.start()
     for step in progress:
-        step_loss, losses = optimizer_step(run.task, run.prepared, run.optimizer, run.schedule, step, args,
+        step_loss, losses = optimizer_step(run.task, run.prepared, run.optimizer, run.schedule, step, config,
                                            position.epoch, run.device)
-        tally.steps += 1
-        tally.loss_sum += step_loss
-        tally.samples += sum(micro.samples for micro in step)
+        tally.add_step(step_loss, sum(micro.samples for micro in step))
         position.step += 1
         if comm.Get_rank() == 0:
             progress.set_postfix(loss=f"{losses.mean().item():.3f}")
@@ -395,27 +433,23 @@ def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: Ru
 
 
 def finish_epoch(run: Run, position: Position) -> None:
-    """Validates, writes the epoch's CSV row from its tally, and moves `position` to the next epoch."""
-    tally, epoch, comm = position.tally, position.epoch, run.comm
-    train_loss = comm.allreduce(tally.loss_sum, op=MPI.SUM) / tally.samples
-    val = evaluate(run.task, run.prepared.model, run.args, comm, run.device, run.prepared.autocast)
-    if comm.Get_rank() == 0:
-        print(f"epoch {epoch}: train loss {train_loss:.4f}, " + ", ".join(f"{k} {v}" for k, v in val.items())
-              + f", {tally.seconds:.1f} s", flush=True)
-    run.recorder.add_epoch(epoch, tally.steps, tally.samples, tally.seconds, train_loss, val,
-                           model_state_bytes(run.prepared.model, run.optimizer), tally.comm_seconds, run.device,
-                           tally.comm_bytes / tally.steps / 2**20)
-    position.epoch, position.tally = epoch + 1, EpochTally()
+    """Validates, writes the epoch's CSV rows from its tally, and moves `position` to the next epoch."""
+    tally, config = position.tally, run.config
+    val = evaluate(run.task, run.prepared.model, config.batch_size, config.val_steps, config.seed, run.comm,
+                   run.device, run.prepared.autocast)
+    run.recorder.add_epoch(position.epoch, position.step - tally.steps, tally, val,
+                           model_state_bytes(run.prepared.model, run.optimizer), run.device)
+    position.epoch, position.tally = position.epoch + 1, EpochTally()
 
 
-def save_trained(task, state: dict | None, args, recorder: RunRecorder) -> None:
+def save_trained(task, state: dict | None, config: RunConfig, recorder: RunRecorder) -> None:
     """Rank 0 writes the trained weights in Hugging Face's layout to --save-dir, the task's extras and run.json."""
     if state is None:
         return
-    directory = Path(args.save_dir)
+    directory = Path(config.save_dir)
     model = task.build_model()
     model.load_state_dict(state)
     model.save_pretrained(directory)
     if hasattr(task, "save_extras"):
         task.save_extras(directory)
-    write_run_file(directory, recorder.fixed["experiment"], vars(args), recorder.fixed)
+    write_run_file(directory, recorder.fixed["experiment"], config.as_dict(), recorder.fixed)

@@ -139,7 +139,7 @@ def test_compare_shows_evaluations_beside_training(gpt2_run, tmp_path):
     model_dir, _ = gpt2_run
     evaluate(model_dir, tmp_path, 1, "--precisions", "fp32,int8")
     csvs = [*model_dir.parent.glob("*.csv"), *tmp_path.glob("eval-*.csv")]
-    assert len(csvs) == 2
+    assert len(csvs) == 3  # the training run's per-epoch and per-step CSVs, the evaluation's
     report = tmp_path / "report"
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *map(str, csvs), "--out-dir", str(report)],
                             capture_output=True, text=True, timeout=120)

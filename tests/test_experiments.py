@@ -5,7 +5,6 @@ import math
 import os
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,8 +15,9 @@ from torch import nn
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
 from models.bert import BertForPreTraining, BertLayer, bert_config
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from options import Batching
 from recipe import optimizer_and_schedule, parameter_groups
-from results import COLUMNS
+from results import COLUMNS, STEP_COLUMNS
 from training import epoch_steps, total_optimizer_steps
 
 EXPERIMENTS = REPO_ROOT / "experiments"
@@ -36,8 +36,10 @@ def launch(script: str, nprocs: int, *args, timeout: float = 300) -> subprocess.
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def read_rows(out_dir: Path) -> list[dict]:
-    files = list(out_dir.glob("*.csv"))
+def read_rows(out_dir: Path, per: str = "epoch") -> list[dict]:
+    """The rows of the one run in `out_dir`: its CSV's, one per epoch, or its -steps.csv's, one per optimizer step."""
+    steps = list(out_dir.glob("*-steps.csv"))
+    files = steps if per == "step" else [path for path in out_dir.glob("*.csv") if path not in steps]
     assert len(files) == 1, files
     with open(files[0]) as f:
         return list(csv.DictReader(f))
@@ -97,8 +99,8 @@ def test_bert_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
 @pytest.mark.parametrize("warmup_steps", [10, None], ids=["given", "default"])
 def test_schedule_warms_up_linearly_then_follows_a_cosine_to_a_tenth(warmup_steps):
     # 101 steps: the default warm-up is int(101 / 10) = 10 steps too, and the cosine spans steps 10 to 100.
-    args = Namespace(lr=2e-3, weight_decay=0.1, warmup_steps=warmup_steps)
-    optimizer, schedule = optimizer_and_schedule(nn.Linear(3, 2), args, total_steps=101)
+    optimizer, schedule = optimizer_and_schedule(nn.Linear(3, 2), total_steps=101, lr=2e-3, weight_decay=0.1,
+                                                 warmup_steps=warmup_steps)
     lrs = []
     for _ in range(101):
         assert optimizer.param_groups[0]["lr"] == optimizer.param_groups[1]["lr"]
@@ -117,8 +119,8 @@ def test_accumulated_micro_batches_hold_the_samples_and_weights_of_one_batch(num
     world = 2
 
     def steps(rank, batch_size, grad_accum, steps_per_epoch=0):
-        args = Namespace(batch_size=batch_size, grad_accum=grad_accum, steps_per_epoch=steps_per_epoch)
-        return epoch_steps(num_samples, args, SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: world), 1, 3)
+        batching = Batching(batch_size, grad_accum, steps_per_epoch)
+        return epoch_steps(num_samples, batching, SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: world), 1, 3)
 
     per_rank = [steps(rank, batch_size=2, grad_accum=2) for rank in range(world)]
     assert [len(micro_batches) for micro_batches in per_rank[0]] == [2, 2, 1]  # 5 micro-batches of up to 2
@@ -136,10 +138,8 @@ def test_accumulated_micro_batches_hold_the_samples_and_weights_of_one_batch(num
         assert sum(m.weight * len(m.indices) for micro_batches in step for m in micro_batches) == pytest.approx(world)
     assert sum(m.samples for micro_batches in per_rank[0] for m in micro_batches) == num_samples
     assert len(steps(0, batch_size=2, grad_accum=2, steps_per_epoch=2)) == 2  # --steps-per-epoch counts optimizer steps
-    assert total_optimizer_steps(num_samples, Namespace(batch_size=2, grad_accum=2, steps_per_epoch=0, epochs=4),
-                                 world) == 4 * 3
-    assert total_optimizer_steps(num_samples, Namespace(batch_size=2, grad_accum=2, steps_per_epoch=2, epochs=4),
-                                 world) == 4 * 2
+    assert total_optimizer_steps(num_samples, Batching(2, grad_accum=2, steps_per_epoch=0), 4, world) == 4 * 3
+    assert total_optimizer_steps(num_samples, Batching(2, grad_accum=2, steps_per_epoch=2), 4, world) == 4 * 2
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +196,16 @@ def test_rows_have_every_column_and_values_that_agree_with_known_ones(results_di
             assert 0 < comm < seconds and comm + compute == pytest.approx(seconds, abs=2e-4)
         else:
             assert row["comm_time_s"] == row["compute_time_s"] == row["comm_mb_per_step"] == ""
+    # One row per optimizer step; an epoch's loss is its steps' mean weighted by samples (each rounded to 1e-5).
+    steps = read_rows(results_dir / f"{script}-{strategy}", per="step")
+    assert [(row["epoch"], row["step"]) for row in steps] == [("0", "1"), ("0", "2"), ("0", "3"),
+                                                            ("1", "4"), ("1", "5"), ("1", "6")]
+    for row in steps:
+        assert list(row) == STEP_COLUMNS and row["run_id"] == rows[0]["run_id"] and row["samples"] == "8"
+    for row in rows:
+        in_epoch = [step for step in steps if step["epoch"] == row["epoch"]]
+        mean = sum(float(step["train_loss"]) * 8 for step in in_epoch) / (8 * len(in_epoch))
+        assert mean == pytest.approx(float(row["train_loss"]), abs=1e-5)
     # Initial logits spread by about 0.02 * sqrt(width) add half their variance (< 0.05) to a uniform guess.
     first = float(rows[0]["train_loss"])
     assert CONTEXT_FREE_FLOOR[script] < first < UNIFORM_LOSS[script] + 0.05
@@ -212,6 +222,11 @@ def test_lightning_and_fsdp_mpi_train_the_same_model_identically(results_dir):
     for a, b in zip(ours, lightning):
         assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), rel=1e-4)
         assert float(a["val_loss"]) == pytest.approx(float(b["val_loss"]), rel=1e-4)
+    ours, lightning = (read_rows(results_dir / f"run_gpt2-{strategy}", per="step")
+                       for strategy in ("fsdp-mpi", "lightning-ddp"))
+    assert [a["step"] for a in ours] == [b["step"] for b in lightning] == [str(step) for step in range(1, 7)]
+    for a, b in zip(ours, lightning):
+        assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), rel=1e-4)
     for script in ("run_gpt2", "run_bert"):
         ours_bytes = float(read_rows(results_dir / f"{script}-fsdp-mpi")[0]["model_state_mb"])
         assert ours_bytes < 0.6 * float(read_rows(results_dir / f"{script}-lightning-ddp")[0]["model_state_mb"])
@@ -237,6 +252,11 @@ def test_two_accumulated_micro_batches_train_like_one_batch_of_twice_the_size(re
         assert ref["grad_accum"] == "1"
         assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING)
         assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=SAME_TRAINING)
+    # Each optimizer step's loss too: its 2 micro-batches are counted as one step (Lightning's included).
+    steps, reference_steps = read_rows(tmp_path, per="step"), read_rows(results_dir / "run_gpt2-fsdp-mpi", per="step")
+    assert [(row["step"], row["samples"]) for row in steps] == [(str(step), "8") for step in range(1, 7)]
+    for row, ref in zip(steps, reference_steps):
+        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING)
 
 
 @pytest.mark.one_mpi
@@ -250,6 +270,11 @@ def test_other_strategies_and_recomputed_activations_train_like_fsdp_mpi(results
         assert row["strategy"] == strategy
         assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING)
         assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=SAME_TRAINING)
+    # Each optimizer step's loss too: its 2 micro-batches are counted as one step (Lightning's included).
+    steps, reference_steps = read_rows(tmp_path, per="step"), read_rows(results_dir / "run_gpt2-fsdp-mpi", per="step")
+    assert [(row["step"], row["samples"]) for row in steps] == [(str(step), "8") for step in range(1, 7)]
+    for row, ref in zip(steps, reference_steps):
+        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING)
 
 
 @pytest.mark.one_mpi
@@ -290,6 +315,7 @@ def test_compare_makes_tables_and_plots(results_dir, tmp_path):
     assert "| experiment | model | strategy | precision | world_size |" in (tmp_path / "summary.md").read_text()
     for name in ("epoch_time.png", "peak_memory.png", "loss_curves.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(path.endswith("-steps.csv") for path in csvs)  # the loss curves are per step
 
 
 @pytest.mark.one_mpi

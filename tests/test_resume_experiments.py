@@ -11,10 +11,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mpi_launch import mpiexec
-from resume import STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT
+from resume import FORMAT, STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT, ResumeError, RunCheckpoints
 from test_checkpoint import assert_same_parameters_and_optimizer_state
 from test_experiments import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
 
@@ -129,6 +130,10 @@ def test_a_run_stopped_by_a_signal_on_one_rank_and_resumed_ends_as_if_never_stop
     for row, reference in zip(rows, expected):
         for column in ("epoch", "steps", "train_loss", "val_loss", "val_mlm_accuracy", "val_nsp_accuracy"):
             assert row[column] == reference[column], column
+    # Every optimizer step's row too, those before the stop kept in the checkpoint.
+    expected, rows = read_rows(tmp_path / "whole-csv", per="step"), read_rows(csv_dir, per="step")
+    assert [row["step"] for row in rows] == [str(step) for step in range(1, BERT_TOTAL_STEPS + 1)]
+    assert [(row["epoch"], row["train_loss"]) for row in rows] == [(ref["epoch"], ref["train_loss"]) for ref in expected]
     final = f"step-{BERT_TOTAL_STEPS:08d}"
     assert_same_training_state(consolidate_checkpoint(parts / final),
                                consolidate_checkpoint(tmp_path / "whole" / final))
@@ -163,3 +168,11 @@ def test_checkpoint_options_that_cannot_work_fail_cleanly(tmp_path, args, messag
     assert result.returncode == 2
     assert message.format(tmp=tmp_path) in result.stderr and "Traceback" not in result.stderr
     assert not list(tmp_path.glob("*.csv")) and not (tmp_path / "ck").exists()
+
+
+@pytest.mark.one_mpi
+def test_a_checkpoint_of_another_run_state_format_is_refused_with_a_message(tmp_path):
+    run = SimpleNamespace(config=SimpleNamespace(checkpoint_dir=tmp_path), comm=None)
+    for saved in ({}, {"format": FORMAT + 1}):  # before formats were numbered (1), and a newer one
+        with pytest.raises(ResumeError, match=f"another version of the experiments .*this version reads {FORMAT}"):
+            RunCheckpoints(run)._check_same_run(tmp_path / "step-00000001", saved)

@@ -52,8 +52,13 @@ def submit_and_wait(script: str, tmp_path: Path, *args: str, launcher: str = "mp
     return finished.returncode, output.read_text() if output.exists() else finished.stderr
 
 
+def epoch_csvs(results: Path) -> list[Path]:
+    """The runs' CSVs of one row per epoch (not their -steps.csv)."""
+    return sorted(path for path in results.glob("*.csv") if not path.name.endswith("-steps.csv"))
+
+
 def world_sizes(results: Path) -> list[int]:
-    return [int(row["world_size"]) for path in sorted(results.glob("*.csv")) for row in csv.DictReader(open(path))]
+    return [int(row["world_size"]) for path in epoch_csvs(results) for row in csv.DictReader(open(path))]
 
 
 @pytest.mark.parametrize("script, launcher", [("run_gpt2_cpu.sbatch", launcher) for launcher in LAUNCHERS]
@@ -122,7 +127,7 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(tm
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (state, log)
     assert "stopped by SIGUSR1 after optimizer step" in log and f"requeueing job {job}" in log, log
     assert "resuming from" in log, log
-    epochs = [int(row["epoch"]) for path in results.glob("*.csv") for row in csv.DictReader(open(path))]
+    epochs = [int(row["epoch"]) for path in epoch_csvs(results) for row in csv.DictReader(open(path))]
     assert sorted(epochs) == [0, 1], log  # one CSV, which the resumed run continued
 
 
