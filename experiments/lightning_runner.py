@@ -21,10 +21,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from options import RunConfig
 from recipe import optimizer_and_schedule
+from recorder import RunRecorder
 from results import model_state_bytes
 from resume import EpochTally
+from sampling import epoch_steps, total_optimizer_steps
 from strategies import full_state_dict_on_rank0
-from training import RunRecorder, build_model, epoch_steps, evaluate, save_trained, total_optimizer_steps
+from training import build_model, evaluate, save_trained
 
 from fsdp_mpi import full_state_dict
 from fsdp_mpi.lightning import FSDPMPIStrategy

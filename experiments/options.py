@@ -10,20 +10,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from resume import LATEST
+from sampling import Batching
 from strategies import PRECISIONS, STRATEGIES
 
 
 class UsageError(Exception):
     """A combination of options that cannot run here."""
-
-
-@dataclass(frozen=True)
-class Batching:
-    """How an epoch's samples become optimizer steps on each rank."""
-
-    batch_size: int  # samples per rank per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
-    steps_per_epoch: int = 0  # optimizer steps per epoch; 0: as many as the epoch's samples fill
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,5 @@
-"""What both experiments share: start-up, the training loop and the CSV rows (the command line is ``options``).
+"""What both experiments share: start-up and the training loop (the command line is ``options``, which
+samples each step takes is ``sampling``, the CSV rows are ``recorder``).
 
 An experiment supplies a *task* (``run_gpt2.GPT2Task``, ``run_bert.BertTask``):
 its datasets (``train``, ``val``: ``len()`` and ``batch(indices, epoch)``),
@@ -13,28 +14,25 @@ checkpoints and resumes bit for bit; what a checkpoint holds is in ``resume``.
 """
 
 import argparse
-import math
 import signal
 import sys
 import time
-import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy
 import torch
 from mpi4py import MPI
 
 from data import DataError
-from options import Batching, RunConfig, UsageError, check_checkpoint_options, check_config
+from options import RunConfig, UsageError, check_checkpoint_options, check_config
 from recipe import optimizer_and_schedule
-from results import STEP_COLUMNS, CsvWriter, git_commit, measured_peak_flops, model_state_bytes, peak_rss_mb
+from recorder import RunRecorder
+from results import model_state_bytes
 from resume import EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
 from saved_run import write_run_file
-from sampling import global_batch_size, rank_batches, steps_per_epoch
+from sampling import Batching, MicroBatch, epoch_steps, total_optimizer_steps
 from strategies import Prepared, full_state_dict_on_rank0, local_rank, prepare
 
 from fsdp_mpi import CheckpointError as ShardedCheckpointError
@@ -145,97 +143,6 @@ def listen_for_stop_signals(strategy: str) -> StopSignals:
     return StopSignals().install()
 
 
-class RunRecorder:
-    """Turns one epoch's tally into its CSV row and its steps' rows (rank 0 writes), and keeps them for checkpoints.
-
-    ``<out dir>/<run id>.csv`` gets a row per epoch, ``<run id>-steps.csv`` a row per optimizer step.
-    """
-
-    def __init__(self, task, config: RunConfig, comm: MPI.Comm, device: torch.device, experiment: str, model):
-        self.comm, self.task, self.config = comm, task, config
-        world = comm.Get_size()
-        self.run_id = config.run_id or f"{experiment}-{config.strategy}-n{world}-{uuid.uuid4().hex[:6]}"
-        task_flops = getattr(task, "training_flops_per_token", None)  # a task that skips some of the model's work
-        self.flops_per_token = task_flops(model) if task_flops else model.training_flops_per_token(task.seq_len)
-        comm.Barrier()
-        self.peak_flops = comm.allreduce(measured_peak_flops(device), op=MPI.SUM)
-        self.fixed = {
-            "run_id": self.run_id, "experiment": experiment, "strategy": config.strategy, "model": task.model_name,
-            "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": config.threads,
-            "device": device.type, "precision": config.precision,
-            "global_batch": config.batch_size * world * config.grad_accum,
-            "grad_accum": config.grad_accum, "seq_len": task.seq_len, "git_commit": git_commit(),
-        }
-        self.rows: list[dict] = []
-        self.step_rows: list[dict] = []
-        self.writers = None  # rank 0's (epochs, steps), opened at the first row: a resumed run takes its run id before
-
-    def add_epoch(self, epoch: int, first_step: int, tally: EpochTally, val: dict, state_bytes: int,
-                  device: torch.device) -> None:
-        """Every rank calls it after validating; rank 0 prints the epoch's line and writes its rows.
-
-        `first_step`: the run's optimizer steps before this epoch. `tally.comm_seconds` is NaN where unmeasured.
-        """
-        step_loss_sums = numpy.array(tally.step_loss_sums, dtype=numpy.float64)  # (steps,) this rank's, then all's
-        self.comm.Allreduce(MPI.IN_PLACE, step_loss_sums, op=MPI.SUM)
-        samples, seconds = sum(tally.step_samples), tally.seconds
-        train_loss = float(step_loss_sums.sum()) / samples  # a Python float: rows go into checkpoints
-        peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        per_rank = self.comm.allgather([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20,
-                                        tally.comm_seconds])
-        maxima = [max(column) for column in zip(*per_rank)]  # the busiest rank
-        tokens_per_s = samples * self.task.seq_len / seconds
-        achieved = tokens_per_s * self.flops_per_token
-        row = {
-            **self.fixed, "epoch": epoch, "steps": tally.steps, "epoch_time_s": round(seconds, 4),
-            "samples_per_s": round(samples / seconds, 3), "tokens_per_s": round(tokens_per_s, 1),
-            "tflops": round(achieved / 1e12, 6), "mfu": round(achieved / self.peak_flops, 5),
-            "train_loss": round(train_loss, 5), **val,
-            "peak_memory_mb": round(maxima[2] if device.type == "cuda" else maxima[0], 1),
-            "peak_rss_mb": round(maxima[0], 1), "model_state_mb": round(maxima[1], 3),
-            "comm_time_s": "" if math.isnan(maxima[3]) else round(maxima[3], 4),
-            "comm_mb_per_step": round(tally.comm_bytes / tally.steps / 2**20, 4) if tally.comm_bytes else "",
-            "compute_time_s": "" if math.isnan(maxima[3]) else round(seconds - maxima[3], 4),
-            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
-        step_rows = [{name: row[name] for name in STEP_COLUMNS if name in self.fixed}
-                     | {"epoch": epoch, "step": first_step + index + 1, "samples": count,
-                        "train_loss": round(loss / count, 5)}
-                     for index, (loss, count) in enumerate(zip(step_loss_sums.tolist(), tally.step_samples))]
-        if self.comm.Get_rank() == 0:
-            print(f"epoch {epoch}: train loss {train_loss:.4f}, " + ", ".join(f"{k} {v}" for k, v in val.items())
-                  + f", {seconds:.1f} s", flush=True)
-            epochs_csv, steps_csv = self._writers()
-            epochs_csv.add(row)
-            for step_row in step_rows:
-                steps_csv.add(step_row)
-        self.rows.append(row)
-        self.step_rows += step_rows
-
-    def resume(self, run_id: str, rows: list[dict], step_rows: list[dict]) -> None:
-        """Continues a stopped run's CSVs: its run id, and its rows so far ahead of the new ones."""
-        self.run_id = self.fixed["run_id"] = run_id
-        self.rows, self.step_rows = list(rows), list(step_rows)
-
-    def finish(self) -> Path | None:
-        """Completes both CSVs (rank 0) and returns the epochs' one's path."""
-        if self.comm.Get_rank() != 0:
-            return None
-        epochs_csv, steps_csv = self._writers()
-        steps_csv.finish()
-        return epochs_csv.finish()
-
-    def _writers(self) -> tuple[CsvWriter, CsvWriter]:
-        if self.writers is None:
-            out_dir = Path(self.config.out_dir)
-            self.writers = (CsvWriter(out_dir / f"{self.run_id}.csv"),
-                            CsvWriter(out_dir / f"{self.run_id}-steps.csv", STEP_COLUMNS))
-            for writer, rows in zip(self.writers, (self.rows, self.step_rows)):
-                for row in rows:
-                    writer.add(row)
-        return self.writers
-
-
 def build_model(task, seed: int, comm: MPI.Comm):
     """The same initial weights on every rank, then a different random stream per rank (dropout)."""
     torch.manual_seed(seed)
@@ -246,42 +153,6 @@ def build_model(task, seed: int, comm: MPI.Comm):
 
 def to_device(batch, device: torch.device):
     return tuple(t.to(device) for t in batch)
-
-
-class MicroBatch(NamedTuple):
-    """One forward and backward on this rank, part of an optimizer step."""
-
-    indices: torch.Tensor  # this rank's samples (a stand-in when it has none)
-    weight: float  # on this rank's loss sum: world size / samples in the whole optimizer step (0: stand-in)
-    samples: int  # samples in this micro-batch over all ranks
-
-
-def epoch_steps(num_samples: int, batching: Batching, comm: MPI.Comm, epoch: int, seed: int) -> list[list[MicroBatch]]:
-    """This rank's optimizer steps in one epoch, each a list of up to `batching.grad_accum` micro-batches.
-
-    The micro-batches of a step together hold the samples that one batch of
-    ``batch_size * grad_accum`` would, and each rank's loss sum is weighted by
-    world size over the step's global sample count, so that the averaged,
-    accumulated gradient is the mean over the step's samples, also in the short
-    steps at the end of an epoch. An empty share trains on a stand-in with weight 0,
-    because every rank must still take part in the step's collectives.
-    """
-    world = comm.Get_size()
-    batches = rank_batches(num_samples, batching.batch_size, comm.Get_rank(), world, seed, epoch)
-    steps = []
-    for first in range(0, len(batches), batching.grad_accum)[:batching.steps_per_epoch or None]:
-        micro = range(first, min(first + batching.grad_accum, len(batches)))
-        sizes = [global_batch_size(num_samples, batching.batch_size, world, m) for m in micro]
-        step_total = sum(sizes)
-        steps.append([MicroBatch(batches[m], world / step_total, size) if len(batches[m])
-                      else MicroBatch(torch.zeros(1, dtype=torch.long), 0.0, size) for m, size in zip(micro, sizes)])
-    return steps
-
-
-def total_optimizer_steps(num_samples: int, batching: Batching, epochs: int, world: int) -> int:
-    """Optimizer steps in the whole run (the learning-rate schedule's length); the same on every rank."""
-    per_epoch = -(-steps_per_epoch(num_samples, batching.batch_size, world) // batching.grad_accum)
-    return epochs * min(per_epoch, batching.steps_per_epoch or per_epoch)
 
 
 @torch.no_grad()
