@@ -5,9 +5,10 @@
 For each size (a unit's full, gathered fp32 buffer) it times an all-gather and a
 reduce-scatter through three paths, on the same ranks and the same memory:
 
-- ``fsdp-mpi``: ``Communicator.all_gather_into`` and ``reduce_scatter_mean`` on
-  torch tensors, as the sharding layer calls them (DLPack buffers, the
-  collective log and hang watch, the division that makes the sum a mean);
+- ``fsdp-mpi``: ``Communicator.all_gather_into`` and ``reduce_scatter_sum`` on
+  torch tensors, as the sharding layer calls them (raw buffers at the tensors'
+  addresses, the collective log and hang watch; the 1/N that makes the sum a
+  mean is folded into backward's assembly of the gradient, not done here);
 - ``mpi4py``: ``Allgather`` and ``Reduce_scatter_block`` (sum) on numpy views
   of that memory: the ceiling fsdp-mpi can reach through this MPI;
 - ``gloo``: torch.distributed's all-gather and reduce-scatter into a tensor,
@@ -65,7 +66,7 @@ def collectives(path: str, operation: str, full: torch.Tensor, shard: torch.Tens
     if path == "fsdp-mpi":
         if operation == "all_gather":
             return lambda: comm.all_gather_into(full, shard)
-        return lambda: comm.reduce_scatter_mean(shard, full)
+        return lambda: comm.reduce_scatter_sum(shard, full)
     if path == "mpi4py":
         full_array, shard_array = full.numpy(), shard.numpy()  # views of the same memory
         if operation == "all_gather":

@@ -149,8 +149,8 @@ def time_collective(group, world, operation: str, nbytes: int, repeats: int) -> 
     shard = torch.ones(nbytes // 4 // group.world_size)
     full = torch.ones(shard.numel() * group.world_size)
     run = {"all_gather": lambda: group.all_gather_into(full, shard),
-           "reduce_scatter": lambda: group.reduce_scatter_mean(shard, full),
-           "all_reduce": lambda: group.all_reduce_mean_(full)}[operation]
+           "reduce_scatter": lambda: group.reduce_scatter_sum(shard, full),
+           "all_reduce": lambda: group.all_reduce_sum_(full)}[operation]
     return full.numel() * 4, slowest_rank_seconds(run, world, repeats)
 
 

@@ -53,18 +53,14 @@ class Pending:
     own references (a temporary send buffer, say) cannot free them under MPI.
     """
 
-    def __init__(self, comm: "Communicator", request=None, record: CollectiveRecord | None = None, buffers=(),
-                 then=None):
-        self._comm, self._request, self._record, self._buffers, self._then = comm, request, record, buffers, then
+    def __init__(self, comm: "Communicator", request=None, record: CollectiveRecord | None = None, buffers=()):
+        self._comm, self._request, self._record, self._buffers = comm, request, record, buffers
 
     def wait(self) -> None:
         if self._request is not None:
             with self._comm._waiting(self._record):
                 self._request.Wait()
             self._request, self._buffers = None, ()
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
 
 
 def _memory(tensor: torch.Tensor):
@@ -168,30 +164,33 @@ class Communicator:
             self._allgather(gathered, shard[start:stop], unit)
             full_by_rank[:, start:stop].copy_(gathered)
 
-    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> None:
-        """shard (S,) <- mean over ranks of their full[rank * S:(rank + 1) * S]."""
-        self._check_pair(full, shard, "reduce_scatter_mean")
+    def reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> None:
+        """shard (S,) <- sum over ranks of their full[rank * S:(rank + 1) * S].
+
+        A sum, as MPI computes it: the sharding layer makes it a mean by scaling the
+        gradient as backward assembles it (``flat_param``), which costs no pass of its own.
+        """
+        self._check_pair(full, shard, "reduce_scatter_sum")
         if shard.dtype in _SUM_IN_FP32:
             shard_fp32 = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
-            self.reduce_scatter_mean(shard_fp32, full.float(), unit)
+            self.reduce_scatter_sum(shard_fp32, full.float(), unit)
             shard.copy_(shard_fp32)
             return
         shard_numel = shard.numel()
         chunk = self.max_elements_per_message
         if shard_numel <= chunk:
             self._reduce_scatter(shard, full, unit)
-        else:
-            full_by_rank = full.view(self.world_size, shard_numel)
-            for start in range(0, shard_numel, chunk):
-                stop = min(start + chunk, shard_numel)
-                self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)
-        shard.div_(self.world_size)
+            return
+        full_by_rank = full.view(self.world_size, shard_numel)
+        for start in range(0, shard_numel, chunk):
+            stop = min(start + chunk, shard_numel)
+            self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)
 
-    def all_reduce_mean_(self, tensor: torch.Tensor, unit: str = "") -> None:
-        """tensor (S,) <- its mean over ranks, in place (the replicas of HYBRID_SHARD and NO_SHARD)."""
+    def all_reduce_sum_(self, tensor: torch.Tensor, unit: str = "") -> None:
+        """tensor (S,) <- its sum over ranks, in place (the replicas of HYBRID_SHARD and NO_SHARD)."""
         if tensor.dtype in _SUM_IN_FP32:
             tensor_fp32 = tensor.float()
-            self.all_reduce_mean_(tensor_fp32, unit)
+            self.all_reduce_sum_(tensor_fp32, unit)
             tensor.copy_(tensor_fp32)
             return
         for start in range(0, tensor.numel(), self.max_elements_per_message):
@@ -202,7 +201,6 @@ class Communicator:
                 self.mpi_comm.Allreduce(MPI.IN_PLACE, _numbers(host), op=MPI.SUM)
             if host is not part:
                 part.copy_(host)
-        tensor.div_(self.world_size)
 
     def split(self, color: int | None) -> "Communicator":
         """A communicator over the ranks that pass the same `color` (None: the ranks of this node), in rank
@@ -233,17 +231,17 @@ class Communicator:
             request = self.mpi_comm.Iallgather(_bits(shard), _bits(full))
         return Pending(self, request, record, buffers=(full, shard))
 
-    def start_reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> Pending:
-        """Like ``reduce_scatter_mean``, returning at once: `shard` holds the mean after ``wait()``."""
-        self._check_pair(full, shard, "start_reduce_scatter_mean")
+    def start_reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> Pending:
+        """Like ``reduce_scatter_sum``, returning at once: `shard` holds the sum after ``wait()``."""
+        self._check_pair(full, shard, "start_reduce_scatter_sum")
         direct = not self._needs_staging(full) and shard.numel() <= self.max_elements_per_message
         if not direct or shard.dtype in _SUM_IN_FP32 or (full.is_cuda and not self.device_reductions_in_background):
-            self.reduce_scatter_mean(shard, full, unit)
+            self.reduce_scatter_sum(shard, full, unit)
             return Pending(self)
         self.bytes_moved["reduce_scatter"] += full.numel() * full.element_size()
         with self._collective("reduce_scatter", full, unit, finishes=False) as record:
             request = self.mpi_comm.Ireduce_scatter_block(_numbers(full), _numbers(shard), op=MPI.SUM)
-        return Pending(self, request, record, buffers=(full, shard), then=lambda: shard.div_(self.world_size))
+        return Pending(self, request, record, buffers=(full, shard))
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Overwrites `tensor` on every rank with root's."""

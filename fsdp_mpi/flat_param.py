@@ -23,10 +23,15 @@ computes, each parameter attribute (``linear.weight``) is shadowed by a full-sha
 view into ``full_flat`` (an entry in the module's ``__dict__``, which Python looks
 up before ``nn.Module``'s registered parameters); ``use_sharded_views()`` removes
 the shadows, so outside computation the attribute is the sharded view again.
-Autograd sums the gradient of every use (tied weights, a unit run twice) into one
-``full_flat.grad``, which ``reduce_gradient()`` reduce-scatters (in ``reduce_dtype``)
-into ``shard_grad``, of the shard's dtype; each sharded view's ``.grad`` is the
-matching slice of it. State dicts and ``summon_full_params`` gather the shards
+The full views come from one ``FullViews`` autograd function, whose backward
+writes their gradients into one flat gradient already multiplied by 1/N (N: the
+ranks the gradient is averaged over), so the mean costs no pass of its own: MPI
+sums, and nothing divides afterwards. Autograd sums the gradient of every use
+(tied weights, a unit run twice) into one ``full_flat.grad``, which
+``reduce_gradient()`` reduce-scatters (in ``reduce_dtype``) into ``shard_grad``, of
+the shard's dtype; each sharded view's ``.grad`` is the matching slice of it.
+A 16-bit gradient (mixed precision) is not scaled, since 1/3 would round in 16
+bits: its fp32 sum is divided instead. State dicts and ``summon_full_params`` gather the shards
 themselves into a separate buffer (``gather_shard_dtype()``), never ``full_flat``.
 
 Every rank must flatten the same parameters in the same order, or the all-gather
@@ -66,6 +71,44 @@ class ParamSlot:
     shard_stop: int
 
 
+class FullViews(torch.autograd.Function):
+    """Full-shape views of a gathered (padded_numel,) buffer, one per parameter; backward writes their
+    gradients, times `scale`, into one flat gradient (zeros for a view that got none, and for the padding).
+
+    It does what ``torch.split`` does, with the scaling folded into the copy that
+    assembles the flat gradient where ``torch.split``'s backward would concatenate.
+    ``ctx`` keeps sizes and shapes only, no reference to the handle.
+    """
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, shapes: tuple[torch.Size, ...], scale: float) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.shapes, ctx.scale, ctx.like = shapes, scale, (full.numel(), full.dtype, full.device)
+        return split_into_views(full, shapes)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None):
+        padded_numel, dtype, device = ctx.like
+        full_grad = torch.empty(padded_numel, dtype=dtype, device=device)
+        for piece, grad in zip(split_into_views(full_grad, ctx.shapes), grads):
+            if grad is None:
+                piece.zero_()
+            elif ctx.scale == 1.0:
+                piece.copy_(grad)
+            else:
+                torch.mul(grad, ctx.scale, out=piece)
+        full_grad[sum(shape.numel() for shape in ctx.shapes):].zero_()  # the padding
+        return full_grad, None, None
+
+
+def split_into_views(full: torch.Tensor, shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:
+    """One view per shape into consecutive pieces of the 1-D `full`; what follows the last is padding."""
+    numels = [shape.numel() for shape in shapes]
+    pieces = torch.split(full, [*numels, full.numel() - sum(numels)])
+    return tuple(piece.view(shape) for piece, shape in zip(pieces, shapes))
+
+
 class FlatParamHandle:
     """Owns the flat shard of some parameters of one unit, all of one dtype and ``requires_grad``.
 
@@ -100,6 +143,11 @@ class FlatParamHandle:
         self.padded_numel = -(-self.numel // comm.world_size) * comm.world_size
         self.shard_numel = self.padded_numel // comm.world_size
         self.shard_offset = comm.rank * self.shard_numel
+        # Gradients are averaged over the shard group and the replicas: backward scales them by
+        # 1/gradient_divisor as it assembles them, unless they are 16-bit or cast before reducing
+        # (then the sum, in reduce_dtype or fp32, is divided).
+        self.gradient_divisor = comm.world_size * (replicas.world_size if replicas is not None else 1)
+        self.scale_in_backward = self.param_dtype == self.reduce_dtype and self.param_dtype.itemsize > 2
         self.slots: list[ParamSlot] = []
         offset = 0
         for param, uses in params:
@@ -107,6 +155,7 @@ class FlatParamHandle:
             stop = min(max(offset + param.numel() - self.shard_offset, 0), self.shard_numel)
             self.slots.append(ParamSlot(tuple(uses), param.shape, offset, param.numel(), start, stop))
             offset += param.numel()
+        self._shapes = tuple(slot.shape for slot in self.slots)
 
         self.shard = torch.zeros(self.shard_numel, dtype=first.dtype, device=device)  # padding stays zero
         if not first.is_meta:
@@ -194,18 +243,18 @@ class FlatParamHandle:
         recording. Backward re-gathers into the same storage and re-installs the
         forward's views (``fresh=False``): views made inside backward would not
         require grad, and activation checkpointing's recomputation must save the
-        tensors the forward saved. One ``torch.split`` makes all views, so that
-        backward assembles the flat gradient in one concatenation instead of one
+        tensors the forward saved. One ``FullViews`` makes all views, so that
+        backward assembles the flat gradient in one pass instead of one
         zero-padded copy per parameter.
         """
         if fresh or self._full_views is None:
-            self._full_views = self.split_full(self.full_flat)
+            scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0
+            self._full_views = FullViews.apply(self.full_flat, self._shapes, scale)
         self.show(self._full_views)
 
-    def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
-        """One full-shape view per parameter into a (padded_numel,) buffer, in slot order."""
-        pieces = torch.split(full, [slot.numel for slot in self.slots] + [self.padded_numel - self.numel])
-        return [piece.view(slot.shape) for slot, piece in zip(self.slots, pieces)]
+    def split_full(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One full-shape view per parameter into a (padded_numel,) buffer, in slot order (no autograd)."""
+        return split_into_views(full, self._shapes)
 
     def show(self, views: list[torch.Tensor]) -> None:
         """Makes each parameter attribute the given full-shape view (one per slot)."""
@@ -224,8 +273,9 @@ class FlatParamHandle:
     def reduce_gradient(self, asynchronous: bool = False) -> None:
         """Averages ``full_flat.grad`` over ranks into this rank's ``shard_grad`` and frees it.
 
-        Reduce-scattered within the shard group, then all-reduced over the replicas
-        if there are any. A handle that got no gradient this backward contributes
+        Reduce-scattered (summed) within the shard group, then all-reduced over the
+        replicas if there are any; the gradient came out of backward already divided
+        by the number of ranks, unless it is 16-bit (then the sum is divided here). A handle that got no gradient this backward contributes
         zeros, so every rank takes part in the same collectives. `asynchronous` only
         starts the reduce-scatter; ``finish_gradient_reduction()`` completes it.
         """
@@ -235,15 +285,15 @@ class FlatParamHandle:
         self.full_flat.grad = None
         self.awaiting_gradient = False
         full_grad = full_grad.to(self.reduce_dtype)
-        if self.aliases_shard:  # a shard group of one rank: its mean is the gradient itself
+        if self.aliases_shard:  # a shard group of one rank: nothing to reduce-scatter
             self._average_over_replicas_and_accumulate(full_grad)
             return
         shard_grad = torch.empty_like(self.shard, dtype=self.reduce_dtype)  # (shard_numel,)
         if asynchronous:
-            pending = self.comm.start_reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)
+            pending = self.comm.start_reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)
             self._pending_reduction = (pending, shard_grad)
         else:
-            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)
+            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)
             self._average_over_replicas_and_accumulate(shard_grad)
 
     def finish_gradient_reduction(self) -> None:
@@ -262,7 +312,9 @@ class FlatParamHandle:
 
     def _average_over_replicas_and_accumulate(self, shard_grad: torch.Tensor) -> None:
         if self.replicas is not None:
-            self.replicas.all_reduce_mean_(shard_grad, self.unit_name)
+            self.replicas.all_reduce_sum_(shard_grad, self.unit_name)
+        if not self.scale_in_backward and self.gradient_divisor > 1:
+            shard_grad.div_(self.gradient_divisor)
         self._accumulate(shard_grad)
 
     def _accumulate(self, shard_grad: torch.Tensor) -> None:

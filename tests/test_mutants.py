@@ -79,15 +79,17 @@ MUTANTS = {
         "models/gpt2.py", "if self.gradient_checkpointing and self.training", "if False and self.training",
         [SWITCHES]),
     "no gradient communication": (
-        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)",
+        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)",
         "            shard_grad.copy_(full_grad[self.shard_offset:self.shard_offset + self.shard_numel])",
         [KNOWN_ANSWER]),
-    "no division by world size": (
-        "fsdp_mpi/comm.py", "        shard.div_(self.world_size)\n", "        shard.div_(1)\n",
-        [COLLECTIVES]),
+    "gradients summed, not averaged": (
+        "fsdp_mpi/flat_param.py", "scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0",
+        "scale = 1.0", [EQUIVALENCE]),
+    "16-bit gradients summed, not averaged": (
+        "fsdp_mpi/flat_param.py", "            shard_grad.div_(self.gradient_divisor)", "            pass", [EQUIVALENCE]),
     "gradient reduced into the wrong shard": (
-        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.unit_name)",
-        "            self.comm.reduce_scatter_mean(shard_grad, full_grad.roll(-self.shard_numel).contiguous(), self.unit_name)",
+        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)",
+        "            self.comm.reduce_scatter_sum(shard_grad, full_grad.roll(-self.shard_numel).contiguous(), self.unit_name)",
         [EQUIVALENCE]),
     "reshard frees nothing": (
         "fsdp_mpi/flat_param.py", "        if self.is_unsharded and not self.aliases_shard:\n            self._free_full_storage()",

@@ -17,7 +17,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def check(comm: Communicator, dtype: torch.dtype) -> dict:
     n, r = comm.world_size, comm.rank
     everything = torch.arange(n * S, dtype=dtype)
-    mean = everything * (n + 1) / 2
+    total = everything * (n * (n + 1) // 2)  # the sum of everything * (rank + 1) over ranks
     mine = slice(r * S, (r + 1) * S)
     results = {}
 
@@ -29,11 +29,14 @@ def check(comm: Communicator, dtype: torch.dtype) -> dict:
     results["start_all_gather"] = torch.equal(full, everything)
 
     shard = torch.empty(S, dtype=dtype)
-    comm.reduce_scatter_mean(shard, everything * (r + 1))
-    results["reduce_scatter_mean"] = torch.equal(shard, mean[mine])
+    comm.reduce_scatter_sum(shard, everything * (r + 1))
+    results["reduce_scatter_sum"] = torch.equal(shard, total[mine])
     shard = torch.empty(S, dtype=dtype)
-    comm.start_reduce_scatter_mean(shard, everything * (r + 1)).wait()
-    results["start_reduce_scatter_mean"] = torch.equal(shard, mean[mine])
+    comm.start_reduce_scatter_sum(shard, everything * (r + 1)).wait()
+    results["start_reduce_scatter_sum"] = torch.equal(shard, total[mine])
+    summed = everything * (r + 1)
+    comm.all_reduce_sum_(summed)
+    results["all_reduce_sum"] = torch.equal(summed, total)
 
     tensor = torch.full((3, 4), float(r + 1), dtype=dtype)
     comm.broadcast_(tensor, root=n - 1)
