@@ -97,6 +97,7 @@ class Conversations:
     """Cornell movie dialogues: each conversation as its utterances in order."""
 
     dialogues: list[list[str]]
+    speakers: list[list[str]]  # who says each utterance, as the script names them ("BIANCA")
     movies: list[str]  # the film each dialogue is from (its id, "m0", ...)
     total: int  # conversations in the index, including skipped ones
     skipped: int  # conversations with at least one line missing from movie_lines
@@ -117,8 +118,8 @@ def read_cornell(data_dir: Path, download: bool = True) -> Conversations:
     for row in lines_path.read_text(encoding="iso-8859-1").splitlines():
         fields = row.split(CORNELL_SEPARATOR)
         if len(fields) == 5:
-            utterances[fields[0]] = fields[4].strip()
-    dialogues, movies, total = [], [], 0
+            utterances[fields[0]] = fields[3].strip(), fields[4].strip()
+    dialogues, speakers, movies, total = [], [], [], 0
     for row in conversations_path.read_text(encoding="iso-8859-1").splitlines():
         fields = row.split(CORNELL_SEPARATOR)
         if len(fields) != 4:
@@ -126,8 +127,9 @@ def read_cornell(data_dir: Path, download: bool = True) -> Conversations:
         total += 1
         line_ids = [part.strip(" '") for part in fields[3].strip("[] ").split(",")]
         if all(line_id in utterances for line_id in line_ids):
-            dialogues.append([utterances[line_id] for line_id in line_ids])
+            speakers.append([utterances[line_id][0] for line_id in line_ids])
+            dialogues.append([utterances[line_id][1] for line_id in line_ids])
             movies.append(fields[2].strip())
     if not dialogues:
         raise DataError(f"no complete conversation in {conversations_path} has its lines in {lines_path}")
-    return Conversations(dialogues, movies, total, total - len(dialogues))
+    return Conversations(dialogues, speakers, movies, total, total - len(dialogues))

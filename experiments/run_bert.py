@@ -1,6 +1,6 @@
 """Pre-train BERT (masked-LM + next sentence) on Cornell movie dialogues; write one CSV row per epoch.
 
-    mpiexec -n 2 python experiments/run_bert.py                 # bert-tiny, 30 epochs: about 5 minutes on 2 cores
+    mpiexec -n 2 python experiments/run_bert.py                 # bert-tiny, 60 epochs: 5-9 minutes on 2 cores
     mpiexec -n 2 python experiments/run_bert.py --model bert-seed --strategy torch-fsdp
 """
 
@@ -88,7 +88,7 @@ class BertTask:
 
 def parser():
     return argument_parser(__doc__.splitlines()[0], list(BERT_CONFIGS), {
-        "model": "bert-tiny", "epochs": 30, "steps_per_epoch": 0, "batch_size": 16, "seq_len": 64, "lr": 1e-3})
+        "model": "bert-tiny", "epochs": 60, "steps_per_epoch": 0, "batch_size": 16, "seq_len": 64, "lr": 1e-3})
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def test_download_extracts_cornell_files_from_the_zip(tmp_path, monkeypatch):
                    "L2 +++$+++ u1 +++$+++ m0 +++$+++ B +++$+++ Hello.\n")
     monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(archive.getvalue()))
     corpus = read_cornell(tmp_path)
-    assert corpus.dialogues == [["Hi.", "Hello."]] and corpus.skipped == 0
+    assert corpus.dialogues == [["Hi.", "Hello."]] and corpus.speakers == [["A", "B"]] and corpus.skipped == 0
     assert (tmp_path / "cornell_movie_dialogs/movie_lines.txt").is_file()
 
 
@@ -131,3 +131,9 @@ def test_cornell_pairs_hold_out_conversations_of_every_film():
     assert len(train) + len(val) == sum(len(d) - 1 for d in corpus.dialogues) == 1336
     again, _, _ = cornell_pairs(SHARED_DATA, tokenizer, seq_len=64, seed=5, download=False)
     assert again.firsts == train.firsts  # the held-out conversations do not depend on --seed
+    # Each turn is a script line: the speaker's name, a colon, the utterance.
+    conversation = corpus.dialogues.index(["They do to!", "They do not!"])
+    assert corpus.speakers[conversation] == ["CAMERON", "BIANCA"]
+    first_pair = tokenizer.encode_words(["CAMERON: They do to!", "BIANCA: They do not!"])
+    assert [first_pair[0], first_pair[1]] in [[a, b] for a, b in zip(train.firsts + val.firsts,
+                                                                     train.seconds + val.seconds)]
