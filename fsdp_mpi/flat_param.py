@@ -31,8 +31,9 @@ sums, and nothing divides afterwards. Autograd sums the gradient of every use
 ``reduce_gradient()`` reduce-scatters (in ``reduce_dtype``) into ``shard_grad``, of
 the shard's dtype; each sharded view's ``.grad`` is the matching slice of it.
 A 16-bit gradient (mixed precision) is not scaled, since 1/3 would round in 16
-bits: its fp32 sum is divided instead. State dicts and ``summon_full_params`` gather the shards
-themselves into a separate buffer (``gather_shard_dtype()``), never ``full_flat``.
+bits: its fp32 sum is divided instead. State dicts and ``summon_full_params``
+gather the shards themselves into a separate buffer (``gather_shard_dtype()``),
+never ``full_flat``.
 
 Every rank must flatten the same parameters in the same order, or the all-gather
 would silently mix up parameters; the unit checks this across ranks at wrap time.
@@ -275,8 +276,9 @@ class FlatParamHandle:
 
         Reduce-scattered (summed) within the shard group, then all-reduced over the
         replicas if there are any; the gradient came out of backward already divided
-        by the number of ranks, unless it is 16-bit (then the sum is divided here). A handle that got no gradient this backward contributes
-        zeros, so every rank takes part in the same collectives. `asynchronous` only
+        by the number of ranks, unless it is 16-bit (then the sum is divided here).
+        A handle that got no gradient this backward contributes zeros, so every
+        rank takes part in the same collectives. `asynchronous` only
         starts the reduce-scatter; ``finish_gradient_reduction()`` completes it.
         """
         full_grad = self.full_flat.grad  # (padded_numel,) of param_dtype
