@@ -262,6 +262,11 @@ class Communicator:
         with self._collective("allgather_object"):
             return self.mpi_comm.allgather(obj)
 
+    def broadcast_object(self, obj, root: int = 0):
+        """Root's small picklable `obj` on every rank (settings, error messages, a port number)."""
+        with self._collective("broadcast_object"):
+            return self.mpi_comm.bcast(obj, root=root)
+
     def allreduce_sum_float(self, value: float) -> float:
         """Sum of a Python float over ranks (losses, counters)."""
         with self._collective("allreduce_sum", numel=1, dtype="float64"):
