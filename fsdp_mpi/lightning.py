@@ -25,9 +25,13 @@ What each Lightning feature becomes:
     checkpoints          a directory per checkpoint: every rank's shards of the model and
                          optimizer (``save_checkpoint``) and Lightning's own state (loops,
                          schedulers, callbacks) in ``lightning_state.pt``; resumable with
-                         ``ckpt_path=`` on any number of ranks
+                         ``ckpt_path=`` on any number of ranks. The state file loads with
+                         ``weights_only=True`` unless ``fit(..., weights_only=False)`` says otherwise
 """
 
+import pickle
+import re
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,7 +42,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from fsdp_mpi.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_mpi.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp_mpi.clip import clip_grad_norm_
 from fsdp_mpi.comm import Communicator
 from fsdp_mpi.fully_sharded import FullyShardedDataParallel
@@ -48,6 +52,43 @@ from fsdp_mpi.wrap import ModuleWrapPolicy
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"  # beside the shards in a checkpoint directory
 _PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}
+
+
+def load_lightning_state(path: str | Path, weights_only: bool | None = None, warn: bool = True) -> dict:
+    """Lightning's own state from `path` (a ``lightning_state.pt``), loaded as Lightning's `weights_only` says.
+
+    ``None`` (Lightning's default) and ``True`` load with ``torch.load(weights_only=True)``, which builds only
+    tensors and plain Python values, so nothing in the file can run code; what Lightning and this strategy
+    write (loops, callbacks, schedulers, hyperparameters of plain types) needs nothing more. ``False`` is
+    the user's word that the file is trusted: it is unpickled in full, after a warning (if `warn`: the strategy
+    lets rank 0 alone warn, so that a job says it once) that this may run code.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; a checkpoint of FSDPMPIStrategy is a directory holding it")
+    safe = weights_only is not False
+    if not safe and warn:
+        warnings.warn(f"{path}: loading with weights_only=False, as asked: unpickling it runs any code the file "
+                      "holds, so do this only with files you trust", stacklevel=2)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=safe)
+    except Exception as error:  # torch raises many types for damaged files
+        if safe and isinstance(error, pickle.UnpicklingError):
+            raise CheckpointError(_refusal(path, error)) from None
+        raise CheckpointError(f"{path}: unreadable ({error})") from error
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not Lightning's state (a dict)")
+    return state
+
+
+def _refusal(path: Path, error: pickle.UnpicklingError) -> str:
+    """Why torch's weights_only load refused `path` (the global it met, from torch's message), and the way out."""
+    unsafe = re.search(r"GLOBAL ([\w.]+)", str(error))
+    found = (f"this one would call or build {unsafe.group(1)}" if unsafe
+             else "this one cannot be read that way (damaged, or not written by torch.save)")
+    return (f"{path}: refused: a weights_only load builds only tensors and plain Python values, so that nothing "
+            f"in the file can run code, and {found}. If you trust the file, pass weights_only=False to "
+            "fit/validate/test/predict along with this ckpt_path")
 
 
 class FSDPMPIPrecision(Precision):
@@ -211,10 +252,15 @@ class FSDPMPIStrategy(ParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """Loads the shards into the wrapped model and its optimizer; returns Lightning's own state."""
+        """Loads the shards into the wrapped model and its optimizer; returns Lightning's own state.
+
+        The state is read first (as `weights_only` says, see ``load_lightning_state``), so that a refused file
+        leaves the model untouched; rank 0 alone warns about an unsafe load.
+        """
+        state = load_lightning_state(Path(checkpoint_path) / LIGHTNING_STATE_FILE, weights_only,
+                                     warn=self.is_global_zero)
         optimizer = self._the_optimizer()
         load_checkpoint(checkpoint_path, self.model, optimizer)
-        state = torch.load(Path(checkpoint_path) / LIGHTNING_STATE_FILE, weights_only=False)
         return {**state, "state_dict": {}, "optimizer_states": [{}] if optimizer else []}
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

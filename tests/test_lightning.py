@@ -1,6 +1,9 @@
-"""fsdp_mpi.lightning.FSDPMPIStrategy: a Lightning Trainer on 2 ranks matches plain torch in one process."""
+"""fsdp_mpi.lightning.FSDPMPIStrategy: a Lightning Trainer on 2 ranks matches plain torch in one process,
+and its checkpoint's Lightning state loads so that it cannot run code unless the user says weights_only=False."""
 
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -8,6 +11,9 @@ import torch
 from mpi_launch import check_ok, run_mpi
 
 pytest.importorskip("lightning")
+
+from fsdp_mpi import CheckpointError  # noqa: E402 (after the skip: fsdp_mpi.lightning imports Lightning)
+from fsdp_mpi.lightning import load_lightning_state  # noqa: E402
 
 FP32_EPS = torch.finfo(torch.float32).eps
 
@@ -34,7 +40,54 @@ def test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_p
     assert report["broadcast"] == "from 1"
     # Resumed from the checkpoint after step 2 (shards, momentum, loops): bit for bit the run that went on.
     assert report["resumed_global_step"] == 4 and report["resumed_difference"] == 0.0
+    # Lightning's weights_only reaches the state file: by default a state holding more than tensors and plain
+    # values (here a path object) is refused on every rank, naming the file; weights_only=False loads it, and
+    # rank 0 alone warns.
+    for refusal in report["default_refusals"]:
+        assert refusal and re.match(r".*with-a-path\.ckpt/lightning_state\.pt: refused: .*PurePosixPath.*"
+                                    r"weights_only=False", refusal), refusal
+    assert report["unsafe_notes"] == ["trusted", "trusted"]
+    assert report["unsafe_warnings"] == [1, 0]
     # precision="bf16-mixed" becomes fsdp_mpi's MixedPrecision: blocks compute in bf16 over fp32 masters.
     assert report["precision_plugin"] == report["bf16_plugin"] == "FSDPMPIPrecision"
     assert report["bf16_compute_dtypes"] == ["torch.bfloat16"]
     assert report["bf16_master_dtypes"] == ["torch.float32"]
+
+
+class RunsCodeWhenUnpickled:
+    """Unpickling this calls os.mkdir(marker): a stand-in for a state file crafted to run code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_state_file_that_would_run_code_is_refused_unless_weights_only_false_is_passed(tmp_path):
+    marker, path = tmp_path / "code-ran", tmp_path / "lightning_state.pt"
+    torch.save({"epoch": 0, "payload": RunsCodeWhenUnpickled(marker)}, path)
+    for weights_only in (None, True):  # None: what Lightning passes unless told otherwise
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: refused: .*would call or build "
+                                                  r"\w+\.mkdir\. If you trust the file, pass weights_only=False"):
+            load_lightning_state(path, weights_only)
+        assert not marker.exists()
+    # Passed explicitly, weights_only=False is obeyed, with a warning: the payload runs (so what was refused
+    # above was live code).
+    with pytest.warns(UserWarning, match=rf"^{re.escape(str(path))}: loading with weights_only=False.*trust"):
+        state = load_lightning_state(path, weights_only=False)
+    assert marker.is_dir() and state["epoch"] == 0
+
+
+def test_a_missing_damaged_or_foreign_state_file_gets_an_error_naming_it(tmp_path):
+    path = tmp_path / "lightning_state.pt"
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: missing"):
+        load_lightning_state(path)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: refused: .*damaged"):
+        load_lightning_state(path)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: unreadable"), pytest.warns(UserWarning):
+        load_lightning_state(path, weights_only=False)
+    torch.save([1, 2], path)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: holds a list, not Lightning's state"):
+        load_lightning_state(path)

@@ -5,11 +5,16 @@ on 2 ranks, 8 per rank per step: a DistributedSampler without shuffling gives ra
 the samples r, r + 2, ..., so each step's global batch is the whole dataset, and the
 reference trains on it in one process. One step per epoch also keeps a resumed run
 on the same data whichever batch of an epoch Lightning resumes at.
+A checkpoint is also loaded through the strategy as Lightning would, to see that
+Lightning's weights_only reaches the state file's loading.
 Writes a JSON report.
 """
 
 import json
+import shutil
 import sys
+import warnings
+from pathlib import Path, PurePosixPath
 
 import lightning as L
 import torch
@@ -18,8 +23,8 @@ from mpi4py import MPI
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from fsdp_mpi import full_state_dict
-from fsdp_mpi.lightning import FSDPMPIPrecision, FSDPMPIStrategy
+from fsdp_mpi import CheckpointError, full_state_dict
+from fsdp_mpi.lightning import LIGHTNING_STATE_FILE, FSDPMPIPrecision, FSDPMPIStrategy
 
 SAMPLES, PER_RANK, WIDTH, LR, MOMENTUM = 16, 8, 8, 0.1, 0.9
 
@@ -100,6 +105,30 @@ def max_difference(weights: dict, expected: dict) -> float:
     return max(float((weights[name] - expected[name]).abs().max()) for name in expected)
 
 
+def weights_only_handed_on(strategy: FSDPMPIStrategy, checkpoint: str) -> dict:
+    """Loads a copy of `checkpoint` whose Lightning state also holds a path object (harmless, but more than a
+    weights_only load builds) through the strategy, as Lightning would: with its default weights_only and with
+    weights_only=False. Each rank's refusal message, and what the unsafe load gave and warned, in rank order."""
+    comm = MPI.COMM_WORLD
+    copy = Path(checkpoint).with_name("with-a-path.ckpt")
+    if comm.Get_rank() == 0:
+        shutil.copytree(checkpoint, copy)
+        state = torch.load(copy / LIGHTNING_STATE_FILE, weights_only=True)
+        torch.save({**state, "note": PurePosixPath("trusted")}, copy / LIGHTNING_STATE_FILE)
+    comm.Barrier()
+    try:
+        strategy.load_checkpoint(copy)
+        refusal = None
+    except CheckpointError as error:
+        refusal = str(error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        note = str(strategy.load_checkpoint(copy, weights_only=False)["note"])
+    unsafe_warnings = sum("weights_only=False" in str(warning.message) for warning in caught)
+    return {"default_refusals": comm.allgather(refusal), "unsafe_notes": comm.allgather(note),
+            "unsafe_warnings": comm.allgather(unsafe_warnings)}
+
+
 def main(out_path: str, checkpoint_dir: str) -> None:
     comm = MPI.COMM_WORLD
     report = {}
@@ -134,6 +163,7 @@ def main(out_path: str, checkpoint_dir: str) -> None:
     report["resumed_global_step"] = resumed.global_step
     if comm.Get_rank() == 0:
         report["resumed_difference"] = max_difference(weights, uninterrupted)
+    report.update(weights_only_handed_on(resumed.strategy, f"{checkpoint_dir}/epoch=0.ckpt"))
 
     module = Regression()
     Block.compute_dtypes.clear()
