@@ -30,16 +30,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     dtype = grads[0].dtype if grads else torch.float32
     device = grads[0].device if grads else torch.device("cpu")
-    nonempty = [g for g in grads if g.numel()]
+    nonempty = [g.detach() for g in grads if g.numel()]
+    # In float64 on the gradients' device: one rank's norm never leaves it (no host synchronisation),
+    # and every rank's part is summed at full precision before the parts are combined.
     if math.isinf(norm_type):
-        local = max((g.detach().abs().max().item() for g in nonempty), default=0.0)
-        total = comm.allreduce_max_float(local)
+        per_gradient = [g.abs().max().double() for g in nonempty]
+        combine, over_ranks = torch.max, comm.allreduce_max_float
     else:
-        # Summed in float64: the result does not depend on how the elements were split over ranks.
-        local = sum((g.detach().double().abs().pow(norm_type).sum().item() for g in nonempty), 0.0)
-        total = comm.allreduce_sum_float(local) ** (1.0 / norm_type)
-    total_norm = torch.tensor(total, dtype=dtype, device=device)
+        per_gradient = [g.double().abs().pow(norm_type).sum() for g in nonempty]
+        combine, over_ranks = torch.sum, comm.allreduce_sum_float
+    local = combine(torch.stack(per_gradient)) if per_gradient else torch.zeros((), dtype=torch.float64, device=device)
+    total = local if comm.world_size == 1 else over_ranks(local.item())
+    if not math.isinf(norm_type):
+        total = total ** (1.0 / norm_type)
+    total_norm = torch.as_tensor(total, device=device).to(dtype)
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     for grad in grads:
         grad.mul_(clip_coef.to(grad.dtype))
     return total_norm
+

@@ -3,11 +3,17 @@
 Tensors go to mpi4py detached and contiguous, without copies: a CPU tensor as
 a raw buffer at its address (about 1 µs; through DLPack a torch tensor costs
 about 20 µs a buffer, 10% of a 4 MiB all-gather here, and a numpy view would
-pin the storage's size, which resharding frees). Device tensors go through
-DLPack straight to a CUDA-aware MPI after the producing stream is
-synchronised; otherwise they are staged through
-reusable pinned host buffers (see ``gpu_support``). Staging can be forced for
-CPU tensors too, so that tests exercise that path without a GPU.
+pin the storage's size, which resharding frees). A device tensor goes straight
+to a CUDA-aware MPI as its address (``DeviceBuffer``), once the host has waited
+for the stream that produced it (an event, never the whole device); otherwise it
+is staged through pinned host buffers in a pipeline of chunks (``staging.py``).
+Staging can be forced for CPU tensors too, so that tests exercise that path
+without a GPU.
+
+A group of one rank makes no MPI call at all: gathering is a copy (or nothing,
+when the buffers are one), reducing leaves the values as they are, and objects
+and floats come back unchanged. So one rank is plain torch plus the wrapper's
+bookkeeping, on the GPU with nothing staged and nothing synchronised.
 
 Callers that hand in tensors autograd saved for backward pass ``tensor.data``
 aliases: MPI writes do not bump version counters, but staging's copy-back would.
@@ -22,17 +28,21 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy
 import torch
 from mpi4py import MPI
 
 from fsdp_mpi.collective_log import PROCESS_LOG, VERIFY_ENV, CollectiveRecord, timeout_from_environment
-from fsdp_mpi.gpu_support import FORCE_STAGING_ENV, HostStagingBuffers, env_flag, mpi_is_cuda_aware
+from fsdp_mpi.gpu_support import FORCE_STAGING_ENV, describe_device_path, env_flag, mpi_is_cuda_aware
 from fsdp_mpi.launcher import check_launcher_agrees
+from fsdp_mpi.staging import StagedCollectives
 
 # MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
 MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1
+# Staged messages move in chunks of this many bytes per rank, so that copies and MPI overlap.
+STAGING_CHUNK_BYTES = 4 * 2**20
 
 # Moving data needs only the bits: every dtype travels as unsigned integers of its width.
 _BIT_TYPES = {
@@ -63,13 +73,26 @@ class Pending:
             self._request, self._buffers = None, ()
 
 
-def _memory(tensor: torch.Tensor):
-    """`tensor`'s memory as mpi4py should see it: a buffer at its address on the CPU, the tensor on a device.
+class DeviceBuffer:
+    """A device tensor's bytes as mpi4py hands them to a CUDA-aware MPI: an address and a length,
+    through the CUDA array interface. Like mpi4py's buffers it does not keep the tensor alive."""
 
-    The buffer does not keep the tensor alive: the caller holds it until MPI is done (``Pending`` does).
+    def __init__(self, tensor: torch.Tensor):
+        self.address, self.nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.address, False), "strides": None,
+                "version": 3}
+
+
+def _memory(tensor: torch.Tensor):
+    """`tensor`'s memory as mpi4py should see it: a buffer at its address on the CPU, a ``DeviceBuffer`` on a device.
+
+    Neither keeps the tensor alive: the caller holds it until MPI is done (``Pending`` does).
     """
-    if tensor.is_cuda:
-        return tensor
+    if tensor.device.type != "cpu":
+        return DeviceBuffer(tensor)
     return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
@@ -133,8 +156,21 @@ class Communicator:
         self.device_reductions_in_background = "Open MPI" not in MPI.Get_library_version()
         self.collectives_started = 0  # the next collective's sequence number, the same on every rank
         self.max_elements_per_message = MAX_ELEMENTS_PER_MESSAGE
+        self.staging_chunk_bytes = STAGING_CHUNK_BYTES
         self.traffic = Traffic()  # shared with the communicators split from this one
-        self._staging = HostStagingBuffers()
+        self._staged = StagedCollectives()
+
+    @property
+    def device_path(self) -> str:
+        """How device tensors reach MPI here, and why (for a run's log)."""
+        if self.world_size == 1:
+            return "one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves gradients as they are)"
+        return describe_device_path(self.cuda_aware, self.force_staging)
+
+    @property
+    def staging_slots(self) -> list[str]:
+        """The host staging buffers used so far (none unless something was staged)."""
+        return self._staged.buffers.slots
 
     @property
     def seconds_in_mpi(self) -> float:
@@ -153,6 +189,14 @@ class Communicator:
         """full (world_size * S,) <- every rank's shard (S,), in rank order."""
         shard_numel = shard.numel()
         self._check_pair(full, shard, "all_gather_into")
+        if self.world_size == 1:
+            _copy_unless_same(full, shard)
+            return
+        if self._needs_staging(full):
+            self.bytes_moved["all_gather"] += full.numel() * full.element_size()
+            with self._collective("all_gather", shard, unit):
+                self._staged.all_gather(full, shard, self._staging_chunk_numel(shard), self._mpi_all_gather)
+            return
         chunk = self.max_elements_per_message
         if shard_numel <= chunk:
             self._allgather(full, shard, unit)
@@ -171,10 +215,18 @@ class Communicator:
         gradient as backward assembles it (``flat_param``), which costs no pass of its own.
         """
         self._check_pair(full, shard, "reduce_scatter_sum")
+        if self.world_size == 1:
+            _copy_unless_same(shard, full)
+            return
         if shard.dtype in _SUM_IN_FP32:
             shard_fp32 = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
             self.reduce_scatter_sum(shard_fp32, full.float(), unit)
             shard.copy_(shard_fp32)
+            return
+        if self._needs_staging(full):
+            self.bytes_moved["reduce_scatter"] += full.numel() * full.element_size()
+            with self._collective("reduce_scatter", full, unit):
+                self._staged.reduce_scatter(shard, full, self._staging_chunk_numel(shard), self._mpi_reduce_scatter)
             return
         shard_numel = shard.numel()
         chunk = self.max_elements_per_message
@@ -187,24 +239,34 @@ class Communicator:
             self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)
 
     def all_reduce_sum_(self, tensor: torch.Tensor, unit: str = "") -> None:
-        """tensor (S,) <- its sum over ranks, in place (the replicas of HYBRID_SHARD and NO_SHARD)."""
+        """tensor <- its element-wise sum over ranks, in place (the replicas of HYBRID_SHARD and NO_SHARD,
+        metrics)."""
+        if self.world_size == 1:
+            return
         if tensor.dtype in _SUM_IN_FP32:
             tensor_fp32 = tensor.float()
             self.all_reduce_sum_(tensor_fp32, unit)
             tensor.copy_(tensor_fp32)
             return
-        for start in range(0, tensor.numel(), self.max_elements_per_message):
-            part = tensor[start:start + self.max_elements_per_message]
-            host = self._host_copy(part, "allreduce", load=True)
-            self.bytes_moved["all_reduce"] += part.numel() * part.element_size()
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce_sum_ needs a contiguous tensor")
+        flat = tensor.view(-1)
+        self.bytes_moved["all_reduce"] += flat.numel() * flat.element_size()
+        if self._needs_staging(flat):
+            with self._collective("all_reduce", flat, unit):
+                self._staged.in_place(flat, self._staging_chunk_numel(flat), self._mpi_all_reduce, slot="all_reduce")
+            return
+        for start in range(0, flat.numel(), self.max_elements_per_message):
+            part = flat[start:start + self.max_elements_per_message]
             with self._collective("all_reduce", part, unit):
-                self.mpi_comm.Allreduce(MPI.IN_PLACE, _numbers(host), op=MPI.SUM)
-            if host is not part:
-                part.copy_(host)
+                self._wait_for_producer(part)
+                self._mpi_all_reduce(part)
 
     def split(self, color: int | None) -> "Communicator":
         """A communicator over the ranks that pass the same `color` (None: the ranks of this node), in rank
-        order, with this one's settings."""
+        order, with this one's settings. A group of one rank is its own only split."""
+        if self.world_size == 1:
+            return self
         with self._collective("split"):
             if color is None:
                 sub = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank)
@@ -223,23 +285,26 @@ class Communicator:
         the background where the library has a progress thread or offloads to hardware.
         """
         self._check_pair(full, shard, "start_all_gather_into")
-        if self._needs_staging(full) or shard.numel() > self.max_elements_per_message:
+        if self.world_size == 1 or self._needs_staging(full) or shard.numel() > self.max_elements_per_message:
             self.all_gather_into(full, shard, unit)
             return Pending(self)
         self.bytes_moved["all_gather"] += full.numel() * full.element_size()
         with self._collective("all_gather", shard, unit, finishes=False) as record:
+            self._wait_for_producer(shard)
             request = self.mpi_comm.Iallgather(_bits(shard), _bits(full))
         return Pending(self, request, record, buffers=(full, shard))
 
     def start_reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> Pending:
         """Like ``reduce_scatter_sum``, returning at once: `shard` holds the sum after ``wait()``."""
         self._check_pair(full, shard, "start_reduce_scatter_sum")
-        direct = not self._needs_staging(full) and shard.numel() <= self.max_elements_per_message
+        direct = (self.world_size > 1 and not self._needs_staging(full)
+                  and shard.numel() <= self.max_elements_per_message)
         if not direct or shard.dtype in _SUM_IN_FP32 or (full.is_cuda and not self.device_reductions_in_background):
             self.reduce_scatter_sum(shard, full, unit)
             return Pending(self)
         self.bytes_moved["reduce_scatter"] += full.numel() * full.element_size()
         with self._collective("reduce_scatter", full, unit, finishes=False) as record:
+            self._wait_for_producer(full)
             request = self.mpi_comm.Ireduce_scatter_block(_numbers(full), _numbers(shard), op=MPI.SUM)
         return Pending(self, request, record, buffers=(full, shard))
 
@@ -247,84 +312,115 @@ class Communicator:
         """Overwrites `tensor` on every rank with root's."""
         if not tensor.is_contiguous():
             raise ValueError("broadcast_ needs a contiguous tensor")
+        if self.world_size == 1:
+            return
         flat = tensor.view(-1)
+        self.bytes_moved["broadcast"] += flat.numel() * flat.element_size()
+        broadcast = partial(self._mpi_broadcast, root=root)
+        if self._needs_staging(flat):
+            with self._collective("broadcast", flat):
+                self._staged.in_place(flat, self._staging_chunk_numel(flat), broadcast, send=self.rank == root,
+                                      receive=self.rank != root, slot="broadcast")
+            return
         for start in range(0, max(flat.numel(), 1), self.max_elements_per_message):
             part = flat[start:start + self.max_elements_per_message]
-            host = self._host_copy(part, "broadcast", load=self.rank == root)
-            self.bytes_moved["broadcast"] += part.numel() * part.element_size()
             with self._collective("broadcast", part):
-                self.mpi_comm.Bcast(_bits(host), root=root)
-            if host is not part:
-                part.copy_(host)
+                self._wait_for_producer(part)
+                broadcast(part)
 
     def allgather_object(self, obj) -> list:
         """Every rank's small picklable `obj`, in rank order (for checks, not tensors)."""
+        if self.world_size == 1:
+            return [obj]
         with self._collective("allgather_object"):
             return self.mpi_comm.allgather(obj)
 
     def broadcast_object(self, obj, root: int = 0):
         """Root's small picklable `obj` on every rank (settings, error messages, a port number)."""
+        if self.world_size == 1:
+            return obj
         with self._collective("broadcast_object"):
             return self.mpi_comm.bcast(obj, root=root)
 
     def allreduce_sum_float(self, value: float) -> float:
         """Sum of a Python float over ranks (losses, counters)."""
+        if self.world_size == 1:
+            return float(value)
         with self._collective("allreduce_sum", numel=1, dtype="float64"):
             return self.mpi_comm.allreduce(float(value), op=MPI.SUM)
 
     def allreduce_max_float(self, value: float) -> float:
         """Maximum of a Python float over ranks."""
+        if self.world_size == 1:
+            return float(value)
         with self._collective("allreduce_max", numel=1, dtype="float64"):
             return self.mpi_comm.allreduce(float(value), op=MPI.MAX)
 
     def allreduce_min_float(self, value: float) -> float:
         """Minimum of a Python float over ranks."""
+        if self.world_size == 1:
+            return float(value)
         with self._collective("allreduce_min", numel=1, dtype="float64"):
             return self.mpi_comm.allreduce(float(value), op=MPI.MIN)
 
     def barrier(self) -> None:
+        if self.world_size == 1:
+            return
         with self._collective("barrier"):
             self.mpi_comm.Barrier()
 
     # ----------------------------------------------------------------- internals
 
     def _allgather(self, recv: torch.Tensor, send: torch.Tensor, unit: str) -> None:
-        send_host = self._host_copy(send, "allgather_send", load=True)
-        recv_host = self._host_copy(recv, "allgather_recv", load=False)
+        """One direct all-gather (no staging), at most ``max_elements_per_message`` per rank."""
         self.bytes_moved["all_gather"] += recv.numel() * recv.element_size()
         with self._collective("all_gather", send, unit):
-            self.mpi_comm.Allgather(_bits(send_host), _bits(recv_host))
-        if recv_host is not recv:
-            recv.copy_(recv_host)
+            self._wait_for_producer(send)
+            self._mpi_all_gather(send, recv)
 
     def _reduce_scatter(self, recv: torch.Tensor, send: torch.Tensor, unit: str) -> None:
-        send_host = self._host_copy(send, "reduce_scatter_send", load=True)
-        recv_host = self._host_copy(recv, "reduce_scatter_recv", load=False)
+        """One direct reduce-scatter (no staging), at most ``max_elements_per_message`` per rank."""
         self.bytes_moved["reduce_scatter"] += send.numel() * send.element_size()
         with self._collective("reduce_scatter", send, unit):
-            self.mpi_comm.Reduce_scatter_block(_numbers(send_host), _numbers(recv_host), op=MPI.SUM)
-        if recv_host is not recv:
-            recv.copy_(recv_host)
+            self._wait_for_producer(send)
+            self._mpi_reduce_scatter(send, recv)
+
+    # MPI's part of each collective, on buffers it can read (host memory, or device memory if CUDA-aware).
+
+    def _mpi_all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self.mpi_comm.Allgather(_bits(send), _bits(recv))
+
+    def _mpi_reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self.mpi_comm.Reduce_scatter_block(_numbers(send), _numbers(recv), op=MPI.SUM)
+
+    def _mpi_all_reduce(self, tensor: torch.Tensor) -> None:
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, _numbers(tensor), op=MPI.SUM)
+
+    def _mpi_broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        self.mpi_comm.Bcast(_bits(tensor), root=root)
 
     def _needs_staging(self, tensor: torch.Tensor) -> bool:
-        return self.force_staging or (tensor.is_cuda and not self.cuda_aware)
+        return self.force_staging or (tensor.device.type != "cpu" and not self.cuda_aware)
 
-    def _host_copy(self, tensor: torch.Tensor, slot: str, *, load: bool) -> torch.Tensor:
-        """`tensor` itself when MPI may touch it in place, else a staging buffer (filled from it if `load`)."""
-        if not self._needs_staging(tensor):
-            return tensor
-        host = self._staging.get(slot, tensor.numel(), tensor.dtype)
-        if load:
-            host.copy_(tensor.reshape(-1))
-        return host.view_as(tensor)
+    def _staging_chunk_numel(self, tensor: torch.Tensor) -> int:
+        """Elements per rank in one staged chunk: ``staging_chunk_bytes``, within MPI's count limit."""
+        return max(1, min(self.staging_chunk_bytes // tensor.element_size(), self.max_elements_per_message))
+
+    @staticmethod
+    def _wait_for_producer(tensor: torch.Tensor) -> None:
+        """Before a CUDA-aware MPI reads or writes device memory: the host waits until the stream that
+        produced `tensor` has got this far (an event on that stream, not the whole device)."""
+        if tensor.is_cuda:
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(tensor.device))
+            produced.synchronize()
 
     @contextmanager
     def _collective(self, operation: str, sent: torch.Tensor | None = None, unit: str = "", *, numel: int = 0,
                     dtype: str = "", finishes: bool = True):
         """Every MPI call runs inside this: logged, checked across ranks in verify mode, watched and timed.
 
-        `sent` is the tensor this rank contributes (its size and dtype are logged);
-        a device tensor is first synchronised so that MPI reads what the GPU wrote.
+        `sent` is the tensor this rank contributes (its size and dtype are logged).
         A nonblocking call passes ``finishes=False``: its ``Pending.wait()`` completes the record.
         """
         if sent is not None:
@@ -332,8 +428,6 @@ class Communicator:
         record = PROCESS_LOG.begin(self.collectives_started, operation, unit, numel, dtype)
         self.collectives_started += 1
         with PROCESS_LOG.blocking(record, self.timeout, self.rank, finishes):
-            if sent is not None and sent.is_cuda:
-                torch.cuda.current_stream(sent.device).synchronize()
             start = time.perf_counter()
             try:
                 if self.verify:
@@ -386,3 +480,9 @@ class Communicator:
             )
         if full.dtype != shard.dtype or not (full.is_contiguous() and shard.is_contiguous()):
             raise ValueError(f"{what}: buffers must be contiguous and of one dtype")
+
+
+def _copy_unless_same(target: torch.Tensor, source: torch.Tensor) -> None:
+    """A group of one rank's collective: `target` <- `source`, unless they are the same memory already."""
+    if target.data_ptr() != source.data_ptr():
+        target.copy_(source)

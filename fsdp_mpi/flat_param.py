@@ -206,11 +206,16 @@ class FlatParamHandle:
             self._pending_gather = None
         elif not self.is_unsharded:
             self._allocate_full_storage()
-            self.comm.all_gather_into(self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
+            if self.comm.world_size == 1:  # a group of one: gathering is a cast (or nothing, when aliased)
+                self.full_flat.data.copy_(self.shard)
+            else:
+                self.comm.all_gather_into(self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
 
     def start_unshard(self) -> None:
         """Starts gathering without waiting (a prefetch); ``unshard()`` completes it."""
-        if self._pending_gather is None and not self.is_unsharded:
+        if self.comm.world_size == 1:
+            self.unshard()
+        elif self._pending_gather is None and not self.is_unsharded:
             self._allocate_full_storage()
             self._pending_gather = self.comm.start_all_gather_into(
                 self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
@@ -287,7 +292,7 @@ class FlatParamHandle:
         self.full_flat.grad = None
         self.awaiting_gradient = False
         full_grad = full_grad.to(self.reduce_dtype)
-        if self.aliases_shard:  # a shard group of one rank: nothing to reduce-scatter
+        if self.comm.world_size == 1:  # a shard group of one rank: the gradient is its own shard
             self._average_over_replicas_and_accumulate(full_grad)
             return
         shard_grad = torch.empty_like(self.shard, dtype=self.reduce_dtype)  # (shard_numel,)

@@ -16,6 +16,7 @@ from torch import nn
 from fsdp_mpi.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.comm import Communicator
 from fsdp_mpi.deferred_init import is_deferred, materialize_into_shards
+from fsdp_mpi.gpu_support import report_device_path_once
 from fsdp_mpi.host_memory import keep_freed_host_memory_for_reuse
 from fsdp_mpi.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, TrainingState, modules_outside_units,
                                 original_name, units_with_names)
@@ -92,8 +93,11 @@ class FullyShardedDataParallel(nn.Module):
             _groups = ShardGroups(comm, sharding_strategy, hybrid_group_size)
             if comm.world_size > 1:
                 abort_job_on_uncaught_exception(comm.mpi_comm)
-            if (device or next(module.parameters()).device).type == "cpu":
+            computes_on = device or next(module.parameters()).device
+            if computes_on.type == "cpu":
                 keep_freed_host_memory_for_reuse()
+            else:
+                report_device_path_once(comm.device_path, comm.rank)
             check_same_model_on_all_ranks(module, comm)
             if sync_module_states:
                 _broadcast_module_states(module, comm)

@@ -1,13 +1,15 @@
-"""Whether MPI can read GPU memory, and the host buffers used when it cannot.
+"""Whether MPI can read GPU memory, which path device buffers take, and the host buffers used when it cannot.
 
 A CUDA-aware MPI (most cluster builds of Open MPI, MPICH and Cray MPICH) takes
 device pointers directly. Others need every device tensor copied to host memory
-first; page-locked ("pinned") host buffers make those copies fast, and keeping
-them between steps avoids re-pinning memory on every collective.
+first (``staging.py``); page-locked ("pinned") host buffers make those copies
+fast and asynchronous, and keeping them between steps avoids re-pinning memory
+on every collective.
 """
 
 import ctypes
 import os
+import sys
 
 import torch
 from mpi4py import MPI
@@ -30,33 +32,66 @@ def env_flag(name: str) -> bool | None:
     raise ValueError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
 
 
-def mpi_is_cuda_aware() -> bool:
-    """Asks the MPI library itself whether it accepts CUDA device buffers.
+def library_cuda_support() -> tuple[bool, str]:
+    """The MPI library's own answer to "can you read CUDA device buffers?", and how it was asked.
 
     Open MPI answers through ``MPIX_Query_cuda_support()``, MPICH through
-    ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)``. Libraries with
-    neither are taken as not CUDA-aware. ``FSDP_MPI_CUDA_AWARE=0/1`` overrides
-    the answer (useful when a library reports support that the job's
-    environment disables, e.g. Cray MPICH without ``MPICH_GPU_SUPPORT_ENABLED=1``).
+    ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)``. A library with
+    neither is taken as not CUDA-aware.
     """
-    override = env_flag(CUDA_AWARE_ENV)
-    if override is not None:
-        return override
     # dlsym on mpi4py's extension module also searches the libmpi it links to.
     library = ctypes.CDLL(MPI.__file__)
     if hasattr(library, "MPIX_GPU_query_support"):
         flag = ctypes.c_int(0)
         status = library.MPIX_GPU_query_support(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag))
-        return status == 0 and flag.value == 1
+        supported = status == 0 and flag.value == 1
+        return supported, f"MPIX_GPU_query_support(CUDA) gave {flag.value if status == 0 else f'error {status}'}"
     if hasattr(library, "MPIX_Query_cuda_support"):
-        return library.MPIX_Query_cuda_support() == 1
-    return False
+        answer = library.MPIX_Query_cuda_support()
+        return answer == 1, f"MPIX_Query_cuda_support() gave {answer}"
+    return False, "the library has no CUDA query (MPIX_Query_cuda_support, MPIX_GPU_query_support)"
+
+
+def mpi_is_cuda_aware() -> bool:
+    """Whether MPI accepts CUDA device buffers: ``FSDP_MPI_CUDA_AWARE=0/1`` if set, else the library's answer.
+
+    The override helps when a library reports support that the job's environment
+    disables (Cray MPICH without ``MPICH_GPU_SUPPORT_ENABLED=1``), or has no query.
+    """
+    override = env_flag(CUDA_AWARE_ENV)
+    return override if override is not None else library_cuda_support()[0]
+
+
+def describe_device_path(cuda_aware: bool, force_staging: bool) -> str:
+    """One line for a log: how device buffers reach this MPI, and why."""
+    library = MPI.Get_library_version().splitlines()[0].strip()
+    supported, answer = library_cuda_support()
+    override = env_flag(CUDA_AWARE_ENV)
+    why = f"{library}: {answer}" + (f"; {CUDA_AWARE_ENV}={int(override)}" if override is not None else "")
+    if force_staging:
+        return f"device buffers are staged through pinned host memory ({FORCE_STAGING_ENV}=1; {why})"
+    if cuda_aware:
+        return f"device buffers go straight to the CUDA-aware MPI ({why})"
+    hint = "" if supported or override is not None else f"; set {CUDA_AWARE_ENV}=1 if your MPI is built with CUDA"
+    return f"device buffers are staged through pinned host memory: MPI is not CUDA-aware ({why}{hint})"
+
+
+_reported_device_path = False
+
+
+def report_device_path_once(description: str, rank: int) -> None:
+    """Prints a communicator's ``device_path`` on rank 0, once per process, so a run's log says which path
+    device tensors took to MPI, and why."""
+    global _reported_device_path
+    if rank == 0 and not _reported_device_path:
+        print(f"fsdp_mpi: {description}", file=sys.stderr, flush=True)
+    _reported_device_path = True
 
 
 class HostStagingBuffers:
     """Reusable host buffers, one per named slot, grown on demand and never shrunk.
 
-    Pinned when CUDA is present so that device-to-host copies run at full speed.
+    Pinned when CUDA is present so that device-to-host copies run at full speed, asynchronously.
     """
 
     def __init__(self):
@@ -70,3 +105,8 @@ class HostStagingBuffers:
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             self._buffers[slot] = buffer
         return buffer[:nbytes].view(dtype)
+
+    @property
+    def slots(self) -> list[str]:
+        """The slots used so far."""
+        return sorted(self._buffers)

@@ -1,5 +1,6 @@
 """The Communicator: collectives on several ranks against closed forms, CUDA-awareness detection, staging."""
 
+import copy
 import ctypes
 import json
 
@@ -57,13 +58,105 @@ def test_single_rank_collectives(dtype, force_staging):
 
 @pytest.mark.one_rank
 @pytest.mark.parametrize("value,staged", [("1", True), ("0", False), ("", False)])
-def test_force_staging_variable_routes_collectives_through_host_buffers(monkeypatch, value, staged):
+def test_force_staging_variable_is_read_and_one_rank_stages_nothing(monkeypatch, value, staged):
     monkeypatch.setenv("FSDP_MPI_FORCE_STAGING", value)
     comm = Communicator()
     full = torch.empty(5)
     comm.all_gather_into(full, torch.arange(5.0))
     assert torch.equal(full, torch.arange(5.0))
-    assert comm.force_staging is staged and bool(comm._staging._buffers) is staged
+    assert comm.force_staging is staged and comm.staging_slots == []  # several ranks stage: workers/collectives.py
+
+
+class OneRankThatRefusesCollectives:
+    """Stands in for an mpi4py communicator of one rank: its rank and size may be asked, nothing else."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def __getattr__(self, name):
+        raise AssertionError(f"one rank called MPI: {name}")
+
+
+@pytest.mark.one_rank
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_one_rank_makes_no_mpi_call(param_dtype):
+    """A group of one rank trains (wrap, forward, backward, clipping, loss scaling, state dict) without
+    a single MPI call or staged copy, and in fp32 exactly as plain torch does."""
+    from fsdp_mpi import FSDP, MixedPrecision, ModuleWrapPolicy, ShardedGradScaler, clip_grad_norm_
+    from fsdp_mpi.collective_log import PROCESS_LOG
+
+    comm = Communicator(OneRankThatRefusesCollectives(), force_staging=True)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Sequential(torch.nn.Linear(8, 3)))
+    model = FSDP(copy.deepcopy(plain), comm=comm, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                 mixed_precision=MixedPrecision(param_dtype=param_dtype), forward_prefetch=True,
+                 backward_prefetch=True, async_reduce_scatter=True)
+    scaler = ShardedGradScaler(comm)
+    sharded_sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain_sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    records_before = len(PROCESS_LOG.records)
+    for step in range(3):
+        x = torch.randn(4, 6)
+        scaler.scale(model(x).square().sum()).backward()
+        scaler.unscale_(sharded_sgd)
+        clip_grad_norm_(model, 1e9)
+        scaler.step(sharded_sgd)
+        scaler.update()
+        sharded_sgd.zero_grad()
+        plain(x).square().sum().backward()
+        plain_sgd.step()
+        plain_sgd.zero_grad()
+    state = model.state_dict()
+    assert comm.staging_slots == [] and sum(comm.bytes_moved.values()) == 0 and comm.seconds_in_mpi == 0
+    assert len(PROCESS_LOG.records) == records_before
+    if param_dtype is None:
+        assert all(torch.equal(state[name], value) for name, value in plain.state_dict().items())
+
+
+@pytest.mark.one_rank
+def test_device_tensors_are_staged_unless_mpi_is_cuda_aware():
+    on_device = torch.empty(4, device="meta")  # any tensor outside host memory
+    assert Communicator(cuda_aware=False)._needs_staging(on_device)
+    assert not Communicator(cuda_aware=True)._needs_staging(on_device)
+    assert not Communicator(cuda_aware=False)._needs_staging(torch.empty(4))
+    assert Communicator(cuda_aware=True, force_staging=True)._needs_staging(torch.empty(4))
+
+
+class FakeMpiLibrary:
+    """What ``ctypes.CDLL`` finds in an MPI library: MPICH's or Open MPI's CUDA query, answering `answer`."""
+
+    def __init__(self, kind: str, answer: int):
+        self.kind, self.answer = kind, answer
+        if kind == "mpich":
+            self.MPIX_GPU_query_support = self._mpich_query
+        elif kind == "openmpi":
+            self.MPIX_Query_cuda_support = lambda: answer
+
+    def _mpich_query(self, gpu_type, flag_pointer):
+        assert gpu_type == 0  # MPIX_GPU_SUPPORT_CUDA
+        ctypes.cast(flag_pointer, ctypes.POINTER(ctypes.c_int)).contents.value = self.answer
+        return 0
+
+
+@pytest.mark.parametrize("kind,answer,aware", [("mpich", 1, True), ("mpich", 0, False), ("openmpi", 1, True),
+                                               ("openmpi", 0, False), ("neither", 0, False)])
+def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch, kind, answer, aware):
+    from fsdp_mpi import gpu_support
+
+    monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
+    monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary(kind, answer))
+    assert gpu_support.mpi_is_cuda_aware() is aware
+    line = gpu_support.describe_device_path(cuda_aware=aware, force_staging=False)
+    assert ("straight to the CUDA-aware MPI" in line) is aware and ("staged" in line) is not aware
+    assert {"mpich": f"MPIX_GPU_query_support(CUDA) gave {answer}", "openmpi": f"MPIX_Query_cuda_support() gave {answer}",
+            "neither": "has no CUDA query"}[kind] in line
+    assert ("FSDP_MPI_CUDA_AWARE=1 if" in line) is not aware  # the hint for a library that answers no
+    monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "1")  # the user's word wins, and the line says so
+    assert gpu_support.mpi_is_cuda_aware() is True
+    assert "FSDP_MPI_CUDA_AWARE=1)" in gpu_support.describe_device_path(cuda_aware=True, force_staging=False)
 
 
 @pytest.mark.one_rank
@@ -90,5 +183,6 @@ def test_collectives_on_several_ranks_for_every_dtype(nprocs, tmp_path):
     check_ok(run_mpi("collectives.py", nprocs, out))
     report = json.loads(out.read_text())
     assert report.pop("sum_and_max_of_floats") == [sum(r + 0.5 for r in range(nprocs)), 0.0]
-    assert len(report) == 6 * 4 * 2 * 2 + 4  # collectives x dtypes x staging x chunking, + host buffers used
+    # collectives x dtypes x staging x chunking, + host buffers used, + device buffers handed to MPI
+    assert len(report) == 6 * 4 * 2 * 2 + 4 + 4 * 2
     assert [name for name, ok in report.items() if not ok] == []

@@ -9,6 +9,7 @@ import torch
 from common import output_path, write_json
 
 from fsdp_mpi import Communicator
+from fsdp_mpi.comm import _BIT_TYPES, DeviceBuffer
 
 S = 5
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +45,24 @@ def check(comm: Communicator, dtype: torch.dtype) -> dict:
     return results
 
 
+def device_buffers(comm: Communicator, dtype: torch.dtype) -> dict:
+    """The CUDA-aware path's buffers, over host memory standing in for device memory (as mpi4py's own tests
+    fake device arrays): MPI is handed each tensor's own address and length, and moves the same bits."""
+    n, r = comm.world_size, comm.rank
+    everything = torch.arange(n * S, dtype=dtype)
+    send = torch.zeros(S + 1, dtype=dtype)[1:]  # views that start inside their allocation
+    send.copy_(everything[r * S:(r + 1) * S])
+    received = torch.zeros(n * S + 2, dtype=dtype)[2:]
+    send_buffer, received_buffer = DeviceBuffer(send), DeviceBuffer(received)
+    interface = send_buffer.__cuda_array_interface__
+    _, mpi_type = _BIT_TYPES[dtype.itemsize]
+    comm.mpi_comm.Allgather([send_buffer, mpi_type], [received_buffer, mpi_type])
+    return {"device_buffer_is_the_tensor": interface["data"] == (send.data_ptr(), False)
+            and interface["shape"] == (S * dtype.itemsize,) and interface["typestr"] == "|u1"
+            and received_buffer.address == received.data_ptr(),
+            "device_buffer_all_gather": torch.equal(received, everything)}
+
+
 if __name__ == "__main__":
     report = {}
     for staging in (False, True):
@@ -55,7 +74,10 @@ if __name__ == "__main__":
                 for what, ok in check(comm, dtype).items():
                     report[f"{what}/{name}/staged={staging}/chunk={chunk}"] = all(comm.allgather_object(ok))
             report[f"host buffers used if and only if staged={staging}/chunk={chunk}"] = (
-                bool(comm._staging._buffers) is staging)
+                bool(comm.staging_slots) is staging)
+    for name, dtype in DTYPES.items():
+        for what, ok in device_buffers(comm, dtype).items():
+            report[f"{what}/{name}"] = all(comm.allgather_object(ok))
     report["sum_and_max_of_floats"] = [comm.allreduce_sum_float(comm.rank + 0.5),
                                        comm.allreduce_max_float(-comm.rank)]
     write_json(output_path(), report)

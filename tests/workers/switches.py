@@ -102,10 +102,10 @@ def main(comm: Communicator) -> dict:
         if name == "chunked":
             communicator.max_elements_per_message = 7
         model = build(communicator)
-        with torch.no_grad(), Counting("_allgather", cls=Communicator) as gathers:
+        with torch.no_grad(), Counting("_mpi_all_gather", cls=Communicator) as gathers:
             step(model, communicator)
         report[f"{name}_allgather_calls_in_forward"] = gathers.calls
-        report[f"{name}_staging_slots"] = sorted(communicator._staging._buffers)
+        report[f"{name}_staging_slots"] = communicator.staging_slots
     report["shard_numels"] = [h.shard_numel for _, unit in units_with_names(build(comm)) for h in unit.handles]
     return report
 
