@@ -162,7 +162,7 @@ def test_export_streams_hugging_face_files_that_load_anywhere(tmp_path):
     import transformers
 
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir)
-    expected = torch.load(tmp_path / "expected.pt")
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
     hf_state = hf.state_dict()
     for name, tensor in expected.items():
         assert torch.equal(hf_state[name], tensor), name
