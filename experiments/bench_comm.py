@@ -77,20 +77,20 @@ def collectives(path: str, operation: str, full: torch.Tensor, shard: torch.Tens
     return lambda: _GLOO_REDUCE_SCATTER(shard, full)
 
 
-def measure(args, world: MPI.Comm) -> list[dict]:
-    """Every round's GB/s per (size, operation, path)."""
-    comm = Communicator(world)
+def measure(args, comm: Communicator) -> list[dict]:
+    """Every round's GB/s per (size, operation, path). The timing's own barriers and maxima go through `comm`
+    too, outside the timed calls."""
     runs = []
     for round_index in range(args.rounds):
         shift = round_index % len(PATHS)
         order = PATHS[shift:] + PATHS[:shift]
         for size in args.sizes:
-            shard = torch.ones(max(1, int(size * 2**20) // 4 // world.Get_size()))
-            full = torch.ones(shard.numel() * world.Get_size())
+            shard = torch.ones(max(1, int(size * 2**20) // 4 // comm.world_size))
+            full = torch.ones(shard.numel() * comm.world_size)
             for operation in OPERATIONS:
                 for path in order:
                     run = collectives(path, operation, full, shard, comm)
-                    seconds = slowest_rank_seconds(run, world, args.repeats)
+                    seconds = slowest_rank_seconds(run, comm, args.repeats)
                     runs.append({"round": round_index + 1, "size_mb": full.numel() * 4 / 2**20,
                                  "operation": operation, "path": path, "seconds": seconds,
                                  "gb_per_s": full.numel() * 4 / seconds / 1e9})
@@ -132,23 +132,23 @@ def print_table(rows: list[dict], ranks: int) -> None:
 
 def main() -> int:
     args = arguments()
-    world = MPI.COMM_WORLD
-    if world.Get_size() < 2:
+    comm = Communicator()
+    if comm.world_size < 2:
         print("bench_comm.py measures collectives between ranks: run it as mpiexec -n 2 (or more) python "
               "experiments/bench_comm.py", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    init_torch_distributed(world, torch.device("cpu"))  # gloo
-    rows = summarise(measure(args, world))
+    init_torch_distributed(comm, torch.device("cpu"))  # gloo
+    rows = summarise(measure(args, comm))
     dist.destroy_process_group()
-    if world.Get_rank() == 0:
-        print_table(rows, world.Get_size())
+    if comm.rank == 0:
+        print_table(rows, comm.world_size)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=["ranks", *rows[0]])
             writer.writeheader()
-            writer.writerows({"ranks": world.Get_size(), **row} for row in rows)
+            writer.writerows({"ranks": comm.world_size, **row} for row in rows)
         print(f"\nwrote {out}")
     return 0
 

@@ -15,13 +15,12 @@ import time
 from contextlib import contextmanager
 
 import torch
-from mpi4py import MPI
 from torch.utils.data import DataLoader, Dataset
 
 from results import measured_peak_flops, model_state_bytes, peak_rss_mb
 from strategies import PRECISIONS, Prepared, prepare, torch_amp
 
-from fsdp_mpi import ShardingStrategy
+from fsdp_mpi import Communicator, ShardingStrategy
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
@@ -60,20 +59,21 @@ def train_step(prepared: Prepared, optimizer, batch) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def timed_steps(prepared: Prepared, optimizer, batch, args, comm):
+def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator):
     """Per step after warm-up: (slowest rank's wall time, busiest rank's CPU time, this rank's time blocked
-    in MPI, its bytes moved by collectives)."""
+    in MPI, its bytes moved by collectives). fsdp-mpi trains over `comm` itself, so the step's figures are
+    read before the timing's own collectives on it."""
     times, cpu, blocked, moved = [], [], [], []
     for _ in range(args.warmup + args.steps):
-        comm.Barrier()
+        comm.barrier()
         mpi_before, bytes_before = prepared.comm_seconds(), prepared.comm_bytes()
         cpu_start, start = time.process_time(), time.perf_counter()
         train_step(prepared, optimizer, batch)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        times.append(max(comm.allgather(seconds)))
-        cpu.append(max(comm.allgather(cpu_seconds)))
         blocked.append(prepared.comm_seconds() - mpi_before)
         moved.append(prepared.comm_bytes() - bytes_before)
+        times.append(max(comm.allgather_object(seconds)))
+        cpu.append(max(comm.allgather_object(cpu_seconds)))
     return times[args.warmup:], cpu[args.warmup:], blocked[args.warmup:], moved[args.warmup:]
 
 
@@ -112,7 +112,7 @@ def counting_torch_collectives():
             setattr(dist, name, original)
 
 
-def lightning_steps(model, batch, args, comm):
+def lightning_steps(model, batch, args, comm: Communicator):
     """The same steps through a Lightning Trainer with DDP (gloo), timed by a callback."""
     import lightning as L
     from lightning.pytorch.plugins.environments import MPIEnvironment
@@ -144,16 +144,16 @@ def lightning_steps(model, batch, args, comm):
             self.times, self.cpu = [], []
 
         def on_train_batch_start(self, trainer, module, *_):
-            comm.Barrier()
+            comm.barrier()
             self.cpu_start, self.start = time.process_time(), time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, *_):
-            self.times.append(max(comm.allgather(time.perf_counter() - self.start)))
-            self.cpu.append(max(comm.allgather(time.process_time() - self.cpu_start)))
+            self.times.append(max(comm.allgather_object(time.perf_counter() - self.start)))
+            self.cpu.append(max(comm.allgather_object(time.process_time() - self.cpu_start)))
 
     timer = StepTimer()
     module = Steps()
-    trainer = L.Trainer(accelerator="cpu", devices=comm.Get_size(), num_nodes=1, max_epochs=1, precision=args.precision,
+    trainer = L.Trainer(accelerator="cpu", devices=comm.world_size, num_nodes=1, max_epochs=1, precision=args.precision,
                         strategy=DDPStrategy(cluster_environment=MPIEnvironment(), process_group_backend="gloo"),
                         logger=False, enable_checkpointing=False, enable_model_summary=False,
                         enable_progress_bar=False, use_distributed_sampler=False, callbacks=[timer])
@@ -168,15 +168,15 @@ def gradient_bytes(model) -> int:
 
 def main() -> None:
     args = arguments()
-    comm = MPI.COMM_WORLD
+    comm = Communicator()
     torch.set_num_threads(args.threads)
-    comm.Barrier()
+    comm.barrier()
     peak_flops = measured_peak_flops(torch.device("cpu"))  # every rank at once: contention included
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))
     flops_per_token = model.training_flops_per_token(args.seq_len)
     parameters = model.num_parameters()
-    batch = synthetic_batch(args, comm.Get_rank())
+    batch = synthetic_batch(args, comm.rank)
     if args.strategy == "lightning-ddp":
         times, cpu, optimizer, measured = lightning_steps(model, batch, args, comm)
         blocked, moved = [float("nan")], [gradient_bytes(model)]
@@ -201,20 +201,20 @@ def main() -> None:
             moved = torch_bytes
         elif args.strategy == "ddp":
             moved = [gradient_bytes(model)]
-    state_bytes = max(comm.allgather(model_state_bytes(measured, optimizer)))
-    rss = max(comm.allgather(peak_rss_mb()))
-    blocked_median = statistics.median(comm.allgather(statistics.median(blocked)))
-    if comm.Get_rank() == 0:
+    state_bytes = max(comm.allgather_object(model_state_bytes(measured, optimizer)))
+    rss = max(comm.allgather_object(peak_rss_mb()))
+    blocked_median = statistics.median(comm.allgather_object(statistics.median(blocked)))
+    if comm.rank == 0:
         step = statistics.median(times)
-        tokens_per_s = args.batch_size * args.seq_len * comm.Get_size() / step
+        tokens_per_s = args.batch_size * args.seq_len * comm.world_size / step
         with open(args.json, "w") as f:
             json.dump({
                 "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]),
                 "sharding_strategy": args.sharding_strategy if args.strategy == "fsdp-mpi" else None,
-                "precision": args.precision, "ranks": comm.Get_size(), "parameters": parameters,
+                "precision": args.precision, "ranks": comm.world_size, "parameters": parameters,
                 "step_s": step, "step_times_s": times, "cpu_s": statistics.median(cpu), "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,
-                "mfu": tokens_per_s * flops_per_token / (peak_flops * comm.Get_size()),
+                "mfu": tokens_per_s * flops_per_token / (peak_flops * comm.world_size),
                 "peak_rss_mb": rss, "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
                 "comm_mb_per_step": statistics.median(moved) / 2**20,
             }, f)

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy
 import torch
-from mpi4py import MPI
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
@@ -40,11 +39,12 @@ from data import DataError
 from options import RunConfig, UsageError
 from results import EVAL_COLUMNS, CsvWriter, git_commit
 from saved_run import SavedRunError, read_run_file
-from training import evaluate, pick_device, set_up_rank_0_first, to_device
+from strategies import node_local_rank
+from training import (announce_devices, communicator_for_the_run, evaluate, pick_device, set_up_rank_0_first,
+                      to_device)
 
-from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy, PretrainedError, abort_job_on_uncaught_exception
-from fsdp_mpi import load_pretrained
-from fsdp_mpi.launcher import LauncherMismatchError, check_launcher_agrees
+from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, PretrainedError,
+                      abort_job_on_uncaught_exception, load_pretrained)
 from models.checkpoint import CheckpointError
 from models.gpt2 import Conv1D
 
@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
 class SavedRun:
     """The run a --save-dir directory describes: its task (validation data, model shape) and where the weights are."""
 
-    def __init__(self, args, comm: MPI.Comm):
+    def __init__(self, args, comm: Communicator):
         self.directory = Path(args.run_dir)
         self.description = read_run_file(self.directory, EXPERIMENTS)
         self.experiment = self.description["experiment"]
@@ -105,7 +105,7 @@ class SavedRun:
                                   f"({self.task.model_name}); differing: {', '.join(differing[:5])}")
         return model.eval()
 
-    def sharded(self, dtype: torch.dtype, comm: MPI.Comm, device: torch.device) -> nn.Module:
+    def sharded(self, dtype: torch.dtype, comm: Communicator, device: torch.device) -> nn.Module:
         """The saved model in `dtype`, built on meta and read straight into this rank's shards."""
         skeleton = self.skeleton(dtype)
         model = FullyShardedDataParallel(skeleton, comm=comm, auto_wrap_policy=ModuleWrapPolicy({self.task.block_class}),
@@ -147,20 +147,20 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def forward_latencies(task, model: nn.Module, comm: MPI.Comm, device: torch.device, batch_size: int,
+def forward_latencies(task, model: nn.Module, comm: Communicator, device: torch.device, batch_size: int,
                       seconds: float) -> list[float]:
     """Seconds per forward pass (with the loss) of `batch_size` validation samples on every rank, the slowest rank's."""
-    first = comm.Get_rank() * batch_size
+    first = comm.rank * batch_size
     indices = torch.arange(first, first + batch_size) % len(task.val)
     batch = to_device(task.val.batch(indices, 0), device)
     latencies = []
     for repeat in range(WARM_UP + MAX_TIMED):
-        comm.Barrier()
+        comm.barrier()
         start = time.perf_counter()
         task.sample_losses(model, batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)  # the same on every rank: they stop together
+        elapsed = comm.allreduce_max_float(time.perf_counter() - start)  # the same on every rank: they stop together
         if repeat >= WARM_UP:
             latencies.append(elapsed)
         if len(latencies) >= MIN_TIMED and sum(latencies) >= seconds:
@@ -168,9 +168,9 @@ def forward_latencies(task, model: nn.Module, comm: MPI.Comm, device: torch.devi
     return latencies
 
 
-def evaluate_precision(run: SavedRun, precision: str, args, comm: MPI.Comm, device: torch.device) -> list[dict]:
+def evaluate_precision(run: SavedRun, precision: str, args, comm: Communicator, device: torch.device) -> list[dict]:
     """The CSV rows of one precision: its quality once, then its timing at batch 1 and at --batch-size."""
-    world, task = comm.Get_size(), run.task
+    world, task = comm.world_size, run.task
     if precision == "int8" or world == 1:
         model = run.whole()
         model = quantized_int8(model) if precision == "int8" else model.to(device, PRECISIONS[precision])
@@ -178,7 +178,7 @@ def evaluate_precision(run: SavedRun, precision: str, args, comm: MPI.Comm, devi
     else:
         size = weight_bytes(run.skeleton(PRECISIONS[precision]))
         model = run.sharded(PRECISIONS[precision], comm, device)
-    if comm.Get_rank() == 0:
+    if comm.rank == 0:
         print(f"{precision}: {size / 2**20:.2f} MiB of weights; validating", flush=True)
     quality = evaluate(task, model, args.batch_size, args.val_steps, run.seed, comm, device)
     model.eval()  # evaluate() hands the model back in training mode
@@ -202,7 +202,7 @@ def evaluate_precision(run: SavedRun, precision: str, args, comm: MPI.Comm, devi
     return rows
 
 
-def _set_up(args, comm: MPI.Comm):
+def _set_up(args, comm: Communicator, local_rank: int):
     """(run, device, precisions, None) or (None, None, None, error message)."""
     try:
         precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
@@ -214,7 +214,7 @@ def _set_up(args, comm: MPI.Comm):
             raise UsageError("--batch-size and --threads must be at least 1, --val-steps at least 0, "
                              "--timing-seconds positive")
         torch.set_num_threads(args.threads)
-        device = pick_device(args.device, comm)
+        device = pick_device(args.device, local_rank)
         if device.type != "cpu" and "int8" in precisions:
             raise UsageError("int8 dynamic quantization runs on CPU only: leave int8 out of --precisions on a GPU, "
                              "or evaluate with --device cpu")
@@ -227,30 +227,29 @@ def main() -> int:
     """Exit code 0, or 2 for a missing, incomplete or mismatched run directory or bad options (on every rank)."""
     argument_parser = parser()
     args = argument_parser.parse_args()
-    comm = MPI.COMM_WORLD
-    try:
-        check_launcher_agrees(comm.Get_size())
-    except LauncherMismatchError as mismatch:
-        print(f"{argument_parser.prog}: error: {mismatch}", file=sys.stderr)
+    comm = communicator_for_the_run(argument_parser.prog)
+    if comm is None:
         return 2
-    values, error = set_up_rank_0_first(lambda: _set_up(args, comm), comm)
+    local_rank = node_local_rank(comm)  # here, on every rank: set-up runs on rank 0 alone first
+    values, error = set_up_rank_0_first(lambda: _set_up(args, comm, local_rank), comm)
     if error:
-        if comm.Get_rank() == 0:
+        if comm.rank == 0:
             print(f"{argument_parser.prog}: error: {error}", file=sys.stderr)
         return 2
     run, device, precisions = values
-    if comm.Get_size() > 1:
-        abort_job_on_uncaught_exception(comm)
+    announce_devices(device, comm)
+    if comm.world_size > 1:
+        abort_job_on_uncaught_exception(comm.mpi_comm)
     rows = []
     for precision in precisions:
         try:  # the same files on every rank: a model that does not fit fails on all of them alike
             rows += evaluate_precision(run, precision, args, comm, device)
         except (CheckpointError, PretrainedError) as failure:
-            if comm.Get_rank() == 0:
+            if comm.rank == 0:
                 print(f"{argument_parser.prog}: error: {failure}", file=sys.stderr)
             return 2
-    if comm.Get_rank() == 0:
-        report(rows, Path(args.out_dir) / f"eval-{rows[0]['run_id']}-n{comm.Get_size()}.csv")
+    if comm.rank == 0:
+        report(rows, Path(args.out_dir) / f"eval-{rows[0]['run_id']}-n{comm.world_size}.csv")
     return 0
 
 

@@ -16,7 +16,6 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.environments import MPIEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
-from mpi4py import MPI
 from torch.utils.data import DataLoader, Dataset
 
 from options import RunConfig
@@ -28,7 +27,7 @@ from sampling import epoch_steps, total_optimizer_steps
 from strategies import full_state_dict_on_rank0
 from training import build_model, evaluate, save_trained
 
-from fsdp_mpi import full_state_dict
+from fsdp_mpi import Communicator, full_state_dict
 from fsdp_mpi.lightning import FSDPMPIStrategy
 
 
@@ -48,7 +47,7 @@ class _EpochMicroBatches(Dataset):
 
 
 class TaskModule(L.LightningModule):
-    def __init__(self, task, model: torch.nn.Module, config: RunConfig, comm: MPI.Comm):
+    def __init__(self, task, model: torch.nn.Module, config: RunConfig, comm: Communicator):
         super().__init__()
         self.task, self.model, self.config, self.comm = task, model, config, comm
         self.tally = EpochTally()  # the epoch's, started afresh by _EpochRecorder
@@ -76,7 +75,7 @@ class TaskModule(L.LightningModule):
 
     def configure_optimizers(self):
         config = self.config
-        total_steps = total_optimizer_steps(len(self.task.train), config.batching, config.epochs, self.comm.Get_size())
+        total_steps = total_optimizer_steps(len(self.task.train), config.batching, config.epochs, self.comm.world_size)
         optimizer, schedule = optimizer_and_schedule(self, total_steps, config.lr, config.weight_decay,
                                                      config.warmup_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -98,13 +97,13 @@ class _EpochRecorder(L.Callback):
 
     def on_train_epoch_start(self, trainer, module):
         module.tally = EpochTally(comm_seconds=float("nan"))  # Lightning's communication time is not measured
-        module.comm.Barrier()
+        module.comm.barrier()
         self.start = time.perf_counter()
 
     def on_train_epoch_end(self, trainer, module):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        module.comm.Barrier()
+        module.comm.barrier()
         tally, config = module.tally, module.config
         tally.seconds = time.perf_counter() - self.start
         val = evaluate(module.task, trainer.strategy.model, config.batch_size, config.val_steps, config.seed,
@@ -126,11 +125,13 @@ class _FSDPStrategyNoSync(FSDPStrategy):
             yield
 
 
-def train_with_lightning(task, config: RunConfig, comm: MPI.Comm, device: torch.device, experiment: str):
-    """Trains with ``lightning-ddp`` or ``lightning-fsdp`` (GPU only); returns the CSV path on rank 0."""
+def train_with_lightning(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str):
+    """Trains with ``lightning-ddp``, ``lightning-fsdp`` (GPU only) or ``lightning-fsdp-mpi``; returns the CSV
+    path on rank 0. `comm` carries the runner's own collectives (timing, validation, the CSV rows); Lightning's
+    strategies make theirs (FSDPMPIStrategy over a Communicator of its own)."""
     model = build_model(task, config.seed, comm)
     recorder = RunRecorder(task, config, comm, device, experiment, model)
-    processes_per_node = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    processes_per_node = comm.split(None).world_size
     environment = MPIEnvironment()
     if config.strategy == "lightning-ddp":
         strategy = DDPStrategy(cluster_environment=environment,
@@ -143,7 +144,7 @@ def train_with_lightning(task, config: RunConfig, comm: MPI.Comm, device: torch.
         strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class})
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=processes_per_node,
-        num_nodes=comm.Get_size() // processes_per_node, strategy=strategy, max_epochs=config.epochs,
+        num_nodes=comm.world_size // processes_per_node, strategy=strategy, max_epochs=config.epochs,
         precision=config.precision, accumulate_grad_batches=config.grad_accum,
         gradient_clip_val=config.clip_norm or None,
         gradient_clip_algorithm="norm", limit_val_batches=0, num_sanity_val_steps=0,

@@ -284,10 +284,11 @@ def main() -> int:
         if args.command == "profile":
             save_profile(measure_profile(args), Path(args.out))
         elif args.command == "time-comm":
-            curves = time_collectives(args)
-            from mpi4py import MPI
+            from fsdp_mpi import Communicator
 
-            if MPI.COMM_WORLD.Get_rank() == 0:
+            comm = Communicator()
+            curves = time_collectives(args, comm)
+            if comm.rank == 0:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps(curves, indent=1))
         elif args.command == "validate":

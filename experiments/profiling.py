@@ -42,10 +42,12 @@ def saved_activation_bytes(model, inputs, targets) -> int:
 def measure_profile(args) -> Profile:
     """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as bench_worker.py does."""
     import torch
-    from mpi4py import MPI
     from strategies import prepare
 
-    if MPI.COMM_WORLD.Get_size() != 1:
+    from fsdp_mpi import Communicator
+
+    comm = Communicator()
+    if comm.world_size != 1:
         raise PredictError("profile runs on one rank: start it without mpiexec")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -72,7 +74,7 @@ def measure_profile(args) -> Profile:
 
     for index, block in enumerate(blocks):
         time_forward(index, block)
-    prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), MPI.COMM_WORLD)
+    prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), comm)
     optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=1e-4)
     steps = []  # (forward, backward, optimizer, [block forwards])
     for _ in range(args.warmup + args.steps):
@@ -156,28 +158,21 @@ def time_collective(group, world, operation: str, nbytes: int, repeats: int) -> 
 
 def slowest_rank_seconds(run, world, repeats: int) -> float:
     """The median over `repeats` calls of `run` of the slowest rank's time, after one untimed call
-    (buffers touched, connections made); every rank of `world` calls this together."""
-    from mpi4py import MPI
-
+    (buffers touched, connections made); every rank of `world` (a ``Communicator``) calls this together."""
     run()
     times = []
     for _ in range(repeats):
-        world.Barrier()
+        world.barrier()
         start = time.perf_counter()
         run()
-        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        times.append(world.allreduce_max_float(time.perf_counter() - start))
     return statistics.median(times)
 
 
-def time_collectives(args) -> dict:
-    """Every (operation, group size) the strategies can use on this many ranks: contiguous shard groups for
-    all-gather and reduce-scatter, strided replica groups for all-reduce, all groups at once as in training."""
-    from mpi4py import MPI
-
-    from fsdp_mpi import Communicator
-
-    world = MPI.COMM_WORLD
-    comm = Communicator(world)
+def time_collectives(args, comm) -> dict:
+    """Every (operation, group size) the strategies can use on the ranks of `comm` (a ``Communicator``):
+    contiguous shard groups for all-gather and reduce-scatter, strided replica groups for all-reduce, all
+    groups at once as in training."""
     ranks = comm.world_size
     sizes = [size for size in SIZES if size <= args.max_bytes]
     curves = []
@@ -186,7 +181,7 @@ def time_collectives(args) -> dict:
         replica_group = comm if group_size == ranks else comm.split(comm.rank % (ranks // group_size))
         for operation, group in (("all_gather", shard_group), ("reduce_scatter", shard_group),
                                  ("all_reduce", replica_group)):
-            points = [time_collective(group, world, operation, size, args.repeats) for size in sizes]
+            points = [time_collective(group, comm, operation, size, args.repeats) for size in sizes]
             curves.append({"operation": operation, "group": group_size, "points": points})
     return {"world": ranks, "curves": curves}
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy
 import torch
-from mpi4py import MPI
 
 from options import RunConfig
 from results import STEP_COLUMNS, CsvWriter, git_commit, measured_peak_flops, peak_rss_mb
 from resume import EpochTally
+
+from fsdp_mpi import Communicator
 
 
 class RunRecorder:
@@ -25,14 +26,14 @@ class RunRecorder:
     ``<out dir>/<run id>.csv`` gets a row per epoch, ``<run id>-steps.csv`` a row per optimizer step.
     """
 
-    def __init__(self, task, config: RunConfig, comm: MPI.Comm, device: torch.device, experiment: str, model):
+    def __init__(self, task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str, model):
         self.comm, self.task, self.config = comm, task, config
-        world = comm.Get_size()
+        world = comm.world_size
         self.run_id = config.run_id or f"{experiment}-{config.strategy}-n{world}-{uuid.uuid4().hex[:6]}"
         task_flops = getattr(task, "training_flops_per_token", None)  # a task that skips some of the model's work
         self.flops_per_token = task_flops(model) if task_flops else model.training_flops_per_token(task.seq_len)
-        comm.Barrier()
-        self.peak_flops = comm.allreduce(measured_peak_flops(device), op=MPI.SUM)
+        comm.barrier()
+        self.peak_flops = comm.allreduce_sum_float(measured_peak_flops(device))
         self.fixed = {
             "run_id": self.run_id, "experiment": experiment, "strategy": config.strategy, "model": task.model_name,
             "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": config.threads,
@@ -51,12 +52,12 @@ class RunRecorder:
         `first_step`: the run's optimizer steps before this epoch. `tally.comm_seconds` is NaN where unmeasured.
         """
         step_loss_sums = numpy.array(tally.step_loss_sums, dtype=numpy.float64)  # (steps,) this rank's, then all's
-        self.comm.Allreduce(MPI.IN_PLACE, step_loss_sums, op=MPI.SUM)
+        self.comm.all_reduce_sum_(torch.from_numpy(step_loss_sums))  # in place: the tensor shares its memory
         samples, seconds = sum(tally.step_samples), tally.seconds
         train_loss = float(step_loss_sums.sum()) / samples  # a Python float: rows go into checkpoints
         peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        per_rank = self.comm.allgather([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20,
-                                        tally.comm_seconds])
+        per_rank = self.comm.allgather_object([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20,
+                                               tally.comm_seconds])
         maxima = [max(column) for column in zip(*per_rank)]  # the busiest rank
         tokens_per_s = samples * self.task.seq_len / seconds
         achieved = tokens_per_s * self.flops_per_token
@@ -76,7 +77,7 @@ class RunRecorder:
                      | {"epoch": epoch, "step": first_step + index + 1, "samples": count,
                         "train_loss": round(loss / count, 5)}
                      for index, (loss, count) in enumerate(zip(step_loss_sums.tolist(), tally.step_samples))]
-        if self.comm.Get_rank() == 0:
+        if self.comm.rank == 0:
             print(f"epoch {epoch}: train loss {train_loss:.4f}, " + ", ".join(f"{k} {v}" for k, v in val.items())
                   + f", {seconds:.1f} s", flush=True)
             epochs_csv, steps_csv = self._writers()
@@ -93,7 +94,7 @@ class RunRecorder:
 
     def finish(self) -> Path | None:
         """Completes both CSVs (rank 0) and returns the epochs' one's path."""
-        if self.comm.Get_rank() != 0:
+        if self.comm.rank != 0:
             return None
         epochs_csv, steps_csv = self._writers()
         steps_csv.finish()

@@ -30,9 +30,7 @@ import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mpi4py import MPI
-
-from fsdp_mpi import load_checkpoint, save_checkpoint
+from fsdp_mpi import Communicator, load_checkpoint, save_checkpoint
 
 STOPPED_WITH_CHECKPOINT = 3  # stopped by a signal and checkpointed: run again with --resume (hpc/ requeues)
 STOPPED_WITHOUT_CHECKPOINT = 4  # stopped by a signal without --checkpoint-dir: there is nothing to resume from
@@ -127,22 +125,22 @@ def determining_options(config) -> dict:
 class CheckpointDirectory:
     """--checkpoint-dir's layout: step checkpoints, `latest` naming the newest, only the newest KEEP kept."""
 
-    def __init__(self, root: str | os.PathLike, comm: MPI.Comm):
+    def __init__(self, root: str | os.PathLike, comm: Communicator):
         self.root, self.comm = Path(root), comm
 
     def latest(self) -> Path | None:
         """The checkpoint that `latest` names, or None. Rank 0 reads it, so that every rank gets the same."""
         name = None
-        if self.comm.Get_rank() == 0 and (self.root / LATEST).is_file():
+        if self.comm.rank == 0 and (self.root / LATEST).is_file():
             name = (self.root / LATEST).read_text().strip()
-        name = self.comm.bcast(name, root=0)
+        name = self.comm.broadcast_object(name, root=0)
         return self.root / name if name else None
 
     def save(self, step: int, model, optimizer, extra: dict) -> Path:
         """Every rank saves its shards; then rank 0 points `latest` at them and removes older checkpoints."""
         directory = self.root / f"step-{step:08d}"
         save_checkpoint(directory, model, optimizer, extra)
-        if self.comm.Get_rank() == 0:
+        if self.comm.rank == 0:
             self._point_latest_at(directory)
             self._remove_older_than_the_newest(directory)
         return directory
@@ -189,10 +187,10 @@ class RunCheckpoints:
         run = self.run
         return {
             "format": FORMAT, "step": position.step, "epoch": position.epoch,
-            "tallies": run.comm.allgather(asdict(position.tally)),
+            "tallies": run.comm.allgather_object(asdict(position.tally)),
             "schedule": run.schedule.state_dict(), "scaler": run.prepared.scaler.state_dict(),
             "run_id": run.recorder.run_id, "rows": run.recorder.rows, "step_rows": run.recorder.step_rows,
-            "options": determining_options(run.config), "world_size": run.comm.Get_size(),
+            "options": determining_options(run.config), "world_size": run.comm.world_size,
         }
 
     def restore(self) -> Position:
@@ -212,10 +210,10 @@ class RunCheckpoints:
         run.recorder.resume(extra["run_id"], extra["rows"], extra["step_rows"])
         self._announce(f"resuming from {directory}: epoch {extra['epoch']}, after optimizer step {extra['step']} "
                        f"of {run.total_steps}")
-        return Position(extra["step"], extra["epoch"], EpochTally(**extra["tallies"][run.comm.Get_rank()]))
+        return Position(extra["step"], extra["epoch"], EpochTally(**extra["tallies"][run.comm.rank]))
 
     def _announce(self, line: str) -> None:
-        if self.run.comm.Get_rank() == 0:
+        if self.run.comm.rank == 0:
             print(line, flush=True)
 
     def _check_same_run(self, directory: Path, extra: dict) -> None:
@@ -224,7 +222,7 @@ class RunCheckpoints:
             raise ResumeError(f"{directory} was saved by another version of the experiments (run state format "
                               f"{extra.get('format', 1)}, this version reads {FORMAT}); start afresh with another "
                               "--checkpoint-dir")
-        if extra["world_size"] != self.run.comm.Get_size():
+        if extra["world_size"] != self.run.comm.world_size:
             raise ResumeError(f"{directory} was saved by {extra['world_size']} ranks; resume it on as many "
                               "(each rank's samples and random stream depend on the number of ranks)")
         saved, ours = extra["options"], determining_options(self.run.config)

@@ -36,7 +36,7 @@ class BertTask:
                              f"{config.model} expects {self.config.vocab_size}")
         self.train, self.val, corpus = cornell_pairs(data_dir, self.tokenizer, config.seq_len, config.seed,
                                                      not config.no_download)
-        if comm.Get_rank() == 0:
+        if comm.rank == 0:
             print(f"Cornell: {len(corpus.dialogues):,} of {corpus.total:,} conversations used "
                   f"({corpus.skipped:,} skipped: lines missing from movie_lines); "
                   f"{len(self.train):,} training and {len(self.val):,} validation sentence pairs", flush=True)

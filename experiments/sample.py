@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 from data import DataError, default_data_dir
-from mpi4py import MPI
 from tokenization import tokenizer_from_description
+from training import communicator_for_the_run
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
 from models.checkpoint import CheckpointError
@@ -29,7 +29,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=None, help="where the GPT-2 vocabulary is, for BPE models")
     args = parser.parse_args()
-    comm = MPI.COMM_WORLD
+    comm = communicator_for_the_run(parser.prog)
+    if comm is None:
+        return 2
     torch.set_num_threads(1)
     try:
         if args.max_new_tokens < 1 or args.temperature <= 0:
@@ -41,14 +43,14 @@ def main() -> int:
         model = GPT2LMHeadModel.from_pretrained(args.model_dir, dropout=0.0)
         prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     except (DataError, CheckpointError, ValueError) as error:
-        if comm.Get_rank() == 0:
+        if comm.rank == 0:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
-    if comm.Get_size() > 1:
+    if comm.world_size > 1:
         model = FullyShardedDataParallel(model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
     tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
                       torch.Generator().manual_seed(args.seed))
-    if comm.Get_rank() == 0:
+    if comm.rank == 0:
         print(tokenizer.decode(tokens[0].tolist()))
     return 0
 

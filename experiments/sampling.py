@@ -61,7 +61,7 @@ class MicroBatch(NamedTuple):
 def epoch_steps(num_samples: int, batching: Batching, comm, epoch: int, seed: int) -> list[list[MicroBatch]]:
     """This rank's optimizer steps in one epoch, each a list of up to `batching.grad_accum` micro-batches.
 
-    `comm` gives the rank and world size (``Get_rank()``, ``Get_size()``); nothing is communicated.
+    `comm` (a ``Communicator``) gives the rank and world size (``rank``, ``world_size``); nothing is communicated.
 
     The micro-batches of a step together hold the samples that one batch of
     ``batch_size * grad_accum`` would, and each rank's loss sum is weighted by
@@ -70,8 +70,8 @@ def epoch_steps(num_samples: int, batching: Batching, comm, epoch: int, seed: in
     steps at the end of an epoch. An empty share trains on a stand-in with weight 0,
     because every rank must still take part in the step's collectives.
     """
-    world = comm.Get_size()
-    batches = rank_batches(num_samples, batching.batch_size, comm.Get_rank(), world, seed, epoch)
+    world = comm.world_size
+    batches = rank_batches(num_samples, batching.batch_size, comm.rank, world, seed, epoch)
     steps = []
     for first in range(0, len(batches), batching.grad_accum)[:batching.steps_per_epoch or None]:
         micro = range(first, min(first + batching.grad_accum, len(batches)))

@@ -21,7 +21,6 @@ from functools import partial
 from typing import Callable
 
 import torch
-from mpi4py import MPI
 from torch import nn
 
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, ShardedGradScaler,
@@ -47,51 +46,52 @@ class Prepared:
     comm_bytes: Callable[[], int] = lambda: 0  # bytes moved by collectives so far (0 if unknown)
 
 
-def local_rank(comm: MPI.Comm) -> int:
-    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+def node_local_rank(comm: Communicator) -> int:
+    """This rank's place among the ranks of `comm` on its node, which picks its GPU there. A collective: every
+    rank calls it, never inside set-up that rank 0 runs alone first (``training.set_up_rank_0_first``)."""
+    return comm.split(None).rank
 
 
-def init_torch_distributed(comm: MPI.Comm, device: torch.device) -> None:
+def init_torch_distributed(comm: Communicator, device: torch.device) -> None:
     """Starts torch.distributed with the MPI ranks and world size; rank 0 hosts the rendezvous."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    hostnames = comm.allgather(socket.gethostname())
+    hostnames = comm.allgather_object(socket.gethostname())
     address = "127.0.0.1" if len(set(hostnames)) == 1 else hostnames[0]
     port = None
-    if comm.Get_rank() == 0:
+    if comm.rank == 0:
         with socket.socket() as probe:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(comm.Get_rank()),
-                      WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(local_rank(comm)))
+    port = comm.broadcast_object(port, root=0)
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(comm.rank),
+                      WORLD_SIZE=str(comm.world_size), LOCAL_RANK=str(node_local_rank(comm)))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=comm.Get_rank(), world_size=comm.Get_size())
+    dist.init_process_group(backend, rank=comm.rank, world_size=comm.world_size)
 
 
-def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: MPI.Comm,
+def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: Communicator,
             precision: str = "32", **fsdp_options) -> Prepared:
     """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones) at `precision`.
 
-    `fsdp_options` go to fsdp-mpi's FullyShardedDataParallel (e.g. forward_prefetch=True).
+    `fsdp_options` go to fsdp-mpi's FullyShardedDataParallel (e.g. forward_prefetch=True). fsdp-mpi shards
+    over `comm` itself, so its communication time and bytes (``comm_seconds``, ``comm_bytes``) also count
+    the caller's own collectives on `comm`: compare them around training steps only.
     """
     model.to(device)
     dtype = PRECISIONS[precision]
     scaling = precision == "16-mixed"
     if strategy == "fsdp-mpi":
-        communicator = Communicator(comm)
-        sharded = FullyShardedDataParallel(model, comm=communicator, auto_wrap_policy=ModuleWrapPolicy({block_class}),
+        sharded = FullyShardedDataParallel(model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({block_class}),
                                            mixed_precision=MixedPrecision(param_dtype=dtype), **fsdp_options)
-        return Prepared(sharded, lambda: communicator.seconds_in_mpi,
+        return Prepared(sharded, lambda: comm.seconds_in_mpi,
                         lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True,
-                        scaler=ShardedGradScaler(communicator, enabled=scaling),
-                        allreduce_max=communicator.allreduce_max_float,
-                        comm_bytes=lambda: sum(communicator.bytes_moved.values()))
+                        scaler=ShardedGradScaler(comm, enabled=scaling), allreduce_max=comm.allreduce_max_float,
+                        comm_bytes=lambda: sum(comm.bytes_moved.values()))
     init_torch_distributed(comm, device)
     clip_torch = partial(_clip_grad_norm_torch, model)
-    allreduce_max = partial(comm.allreduce, op=MPI.MAX)
     autocast, torch_scaler = torch_amp(device.type, precision)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -99,7 +99,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
         device_ids = [device.index] if device.type == "cuda" else None
         replicated = DistributedDataParallel(model, device_ids=device_ids)
         return Prepared(replicated, _unknown_comm_seconds, clip_torch, replicated.no_sync, shards_gradients=False,
-                        scaler=torch_scaler, allreduce_max=allreduce_max, autocast=autocast)
+                        scaler=torch_scaler, allreduce_max=comm.allreduce_max_float, autocast=autocast)
     if strategy == "torch-fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -109,7 +109,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
                 fully_shard(module, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True,
-                        scaler=torch_scaler, allreduce_max=allreduce_max)
+                        scaler=torch_scaler, allreduce_max=comm.allreduce_max_float)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
@@ -139,7 +139,7 @@ def _fsdp2_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def full_state_dict_on_rank0(strategy: str, model: nn.Module, comm: MPI.Comm) -> dict | None:
+def full_state_dict_on_rank0(strategy: str, model: nn.Module, comm: Communicator) -> dict | None:
     """The trained model's full state dict (original names, on CPU) on rank 0; None elsewhere."""
     if strategy == "fsdp-mpi":
         state = model.state_dict()
@@ -149,4 +149,4 @@ def full_state_dict_on_rank0(strategy: str, model: nn.Module, comm: MPI.Comm) ->
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = getattr(model, "module", model).state_dict()
-    return {name: tensor.cpu() for name, tensor in state.items()} if comm.Get_rank() == 0 else None
+    return {name: tensor.cpu() for name, tensor in state.items()} if comm.rank == 0 else None

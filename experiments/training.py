@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy
 import torch
-from mpi4py import MPI
 
 from data import DataError
 from options import RunConfig, UsageError, check_checkpoint_options, check_config
@@ -33,28 +32,30 @@ from results import model_state_bytes
 from resume import EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
 from saved_run import write_run_file
 from sampling import Batching, MicroBatch, epoch_steps, total_optimizer_steps
-from strategies import Prepared, full_state_dict_on_rank0, local_rank, prepare
+from strategies import Prepared, full_state_dict_on_rank0, node_local_rank, prepare
 
 from fsdp_mpi import CheckpointError as ShardedCheckpointError
-from fsdp_mpi import abort_job_on_uncaught_exception
-from fsdp_mpi.launcher import LauncherMismatchError, check_launcher_agrees
+from fsdp_mpi import Communicator, abort_job_on_uncaught_exception
+from fsdp_mpi.launcher import LauncherMismatchError
 from models.checkpoint import CheckpointError
 
 
-def pick_device(choice: str, comm: MPI.Comm) -> torch.device:
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """The device for --device `choice`: a rank on a GPU node takes the GPU of its node-local rank (``local_rank``,
+    from ``strategies.node_local_rank``). No collective: rank 0 calls it alone in ``set_up_rank_0_first``."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is visible")
-        return torch.device("cuda", local_rank(comm) % torch.cuda.device_count())
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
-def _set_up(task_type, config: RunConfig, comm: MPI.Comm):
+def _set_up(task_type, config: RunConfig, comm: Communicator, local_rank: int):
     """(task, device, None) or (None, None, error message) for input this machine cannot run."""
     try:
         check_config(config)
         torch.set_num_threads(config.threads)
-        device = pick_device(config.device, comm)
+        device = pick_device(config.device, local_rank)
         if config.strategy == "lightning-fsdp" and device.type != "cuda":
             raise UsageError("lightning-fsdp needs a GPU (Lightning's FSDP does not run on CPU); "
                              "use fsdp-mpi, torch-fsdp or lightning-ddp here")
@@ -83,21 +84,20 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
     options = parser.parse_args()
     check_checkpoint_options(parser, options)
     config = config_type.from_namespace(options)
-    comm = MPI.COMM_WORLD
-    try:  # before anything is written: N one-rank worlds would each write a run of their own
-        check_launcher_agrees(comm.Get_size())
-    except LauncherMismatchError as mismatch:
-        print(f"{parser.prog}: error: {mismatch}", file=sys.stderr)
+    comm = communicator_for_the_run(parser.prog)
+    if comm is None:
         return 2
     stop = listen_for_stop_signals(config.strategy)
-    values, error = set_up_rank_0_first(lambda: _set_up(task_type, config, comm), comm)
+    local_rank = node_local_rank(comm)  # here, on every rank: set-up runs on rank 0 alone first
+    values, error = set_up_rank_0_first(lambda: _set_up(task_type, config, comm, local_rank), comm)
     if error:
-        if comm.Get_rank() == 0:
+        if comm.rank == 0:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     task, device = values
-    if comm.Get_size() > 1:
-        abort_job_on_uncaught_exception(comm)
+    announce_devices(device, comm)
+    if comm.world_size > 1:
+        abort_job_on_uncaught_exception(comm.mpi_comm)
     stopped = None
     if config.strategy.startswith("lightning"):
         from lightning_runner import train_with_lightning
@@ -107,28 +107,50 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
         try:
             path, stopped = train(task, config, comm, device, experiment, stop)
         except (ShardedCheckpointError, ResumeError) as failure:  # raised on every rank alike
-            if comm.Get_rank() == 0:
+            if comm.rank == 0:
                 print(f"{parser.prog}: error: {failure}", file=sys.stderr)
             return 2
-    if comm.Get_rank() == 0:
+    if comm.rank == 0:
         print(f"wrote {path}" + (" (the epochs completed so far)" if stopped else ""))
         if stopped:
             print(stopped.message(), flush=True)
     return stopped.exit_code if stopped else 0
 
 
-def set_up_rank_0_first(set_up, comm: MPI.Comm) -> tuple[list | None, str | None]:
+def communicator_for_the_run(prog: str) -> Communicator | None:
+    """The run's one Communicator over all ranks, through which every collective of the experiments goes (logged,
+    watched for hangs, checked in verify mode); None, with the error printed, under a launcher that does not match
+    the MPI (N one-rank worlds would each write a run of their own) or with a bad FSDP_MPI_* setting."""
+    try:
+        return Communicator()
+    except (LauncherMismatchError, ValueError) as failure:
+        print(f"{prog}: error: {failure}", file=sys.stderr)
+        return None
+
+
+def set_up_rank_0_first(set_up, comm: Communicator) -> tuple[list | None, str | None]:
     """Runs ``set_up()`` (which returns its values and, last, an error message or None) on rank 0 first,
     which may download what is missing, then on the others only if it succeeded: every rank gets the
-    same first error instead of some waiting for a rank that failed. Returns (the values, that error)."""
+    same first error instead of some waiting for a rank that failed. Returns (the values, that error).
+
+    ``set_up`` must make no collective: rank 0 runs it while the others wait here in a broadcast.
+    """
     values = error = None
-    if comm.Get_rank() == 0:
+    if comm.rank == 0:
         *values, error = set_up()
-    error = comm.bcast(error, root=0)
-    if error is None and comm.Get_rank() != 0:
+    error = comm.broadcast_object(error, root=0)
+    if error is None and comm.rank != 0:
         *values, error = set_up()
-    errors = [e for e in comm.allgather(error) if e]
+    errors = [e for e in comm.allgather_object(error) if e]
     return values, (errors[0] if errors else None)
+
+
+def announce_devices(device: torch.device, comm: Communicator) -> None:
+    """Rank 0 prints every rank's device in one line when some rank is not on the CPU (every rank calls this):
+    the first sign that a GPU job got past set-up, and of which rank took which GPU."""
+    devices = comm.allgather_object(str(device))
+    if comm.rank == 0 and any(name != "cpu" for name in devices):
+        print("devices: " + ", ".join(f"rank {rank} {name}" for rank, name in enumerate(devices)), flush=True)
 
 
 def listen_for_stop_signals(strategy: str) -> StopSignals:
@@ -143,11 +165,11 @@ def listen_for_stop_signals(strategy: str) -> StopSignals:
     return StopSignals().install()
 
 
-def build_model(task, seed: int, comm: MPI.Comm):
+def build_model(task, seed: int, comm: Communicator):
     """The same initial weights on every rank, then a different random stream per rank (dropout)."""
     torch.manual_seed(seed)
     model = task.build_model()
-    torch.manual_seed(seed * 1000 + 1 + comm.Get_rank())
+    torch.manual_seed(seed * 1000 + 1 + comm.rank)
     return model
 
 
@@ -156,7 +178,7 @@ def to_device(batch, device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(task, model, batch_size: int, val_steps: int, seed: int, comm: MPI.Comm, device: torch.device,
+def evaluate(task, model, batch_size: int, val_steps: int, seed: int, comm: Communicator, device: torch.device,
              autocast=nullcontext) -> dict:
     """The validation columns, from `val_steps` batches per rank (0: all; the same ones every epoch), under `autocast`.
 
@@ -173,7 +195,7 @@ def evaluate(task, model, batch_size: int, val_steps: int, seed: int, comm: MPI.
     model.train()
     keys = sorted(totals)
     summed = numpy.array([totals[k] for k in keys], dtype=numpy.float64)
-    comm.Allreduce(MPI.IN_PLACE, summed, op=MPI.SUM)  # element-wise (a pickled list's "sum" would concatenate)
+    comm.all_reduce_sum_(torch.from_numpy(summed))  # element-wise, in place (the tensor shares summed's memory)
     return task.val_columns(dict(zip(keys, summed.tolist())))
 
 
@@ -227,7 +249,7 @@ class Run:
 
     task: object
     config: RunConfig
-    comm: MPI.Comm
+    comm: Communicator
     device: torch.device
     prepared: Prepared
     optimizer: torch.optim.Optimizer
@@ -236,7 +258,7 @@ class Run:
     total_steps: int  # optimizer steps in the whole run
 
 
-def train(task, config: RunConfig, comm: MPI.Comm, device: torch.device, experiment: str,
+def train(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str,
           stop: StopSignals) -> tuple[Path | None, Stopped | None]:
     """The training loop for fsdp-mpi, ddp and torch-fsdp: (the CSV's path on rank 0, how a signal stopped it).
 
@@ -247,7 +269,7 @@ def train(task, config: RunConfig, comm: MPI.Comm, device: torch.device, experim
     model = build_model(task, config.seed, comm)
     recorder = RunRecorder(task, config, comm, device, experiment, model)
     prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision)
-    total_steps = total_optimizer_steps(len(task.train), config.batching, config.epochs, comm.Get_size())
+    total_steps = total_optimizer_steps(len(task.train), config.batching, config.epochs, comm.world_size)
     optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
                                                  config.warmup_steps)
     run = Run(task, config, comm, device, prepared, optimizer, schedule, recorder, total_steps)
@@ -277,16 +299,16 @@ def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: Ru
     config, comm, tally = run.config, run.comm, position.tally
     steps = epoch_steps(len(run.task.train), config.batching, comm, position.epoch, config.seed)
     progress = tqdm(steps[tally.steps:], initial=tally.steps, total=len(steps), desc=f"epoch {position.epoch}",
-                    disable=config.no_progress or comm.Get_rank() != 0, file=sys.stdout, dynamic_ncols=True)
+                    disable=config.no_progress or comm.rank != 0, file=sys.stdout, dynamic_ncols=True)
     clock = EpochClock(run.prepared, tally)
-    comm.Barrier()
+    comm.barrier()
     clock.start()
     for step in progress:
         step_loss, losses = optimizer_step(run.task, run.prepared, run.optimizer, run.schedule, step, config,
                                            position.epoch, run.device)
         tally.add_step(step_loss, sum(micro.samples for micro in step))
         position.step += 1
-        if comm.Get_rank() == 0:
+        if comm.rank == 0:
             progress.set_postfix(loss=f"{losses.mean().item():.3f}")
         received = stop.agreed(run.prepared.allreduce_max)
         if received or (checkpoints and checkpoints.due(position.step)):
@@ -298,7 +320,7 @@ def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: Ru
             clock.start()
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
-    comm.Barrier()
+    comm.barrier()
     clock.pause()
     return None
 

@@ -29,8 +29,11 @@ QUICK = ["--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4", "--seq-
          "--no-progress"]
 
 
-def launch(script: str, nprocs: int, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", FSDP_MPI_DATA_DIR=str(SHARED_DATA), PYTHONUNBUFFERED="1")
+def launch(script: str, nprocs: int, *args, timeout: float = 300,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs experiments/<script> on `nprocs` ranks (with `env` added to the environment)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", FSDP_MPI_DATA_DIR=str(SHARED_DATA), PYTHONUNBUFFERED="1",
+               **(env or {}))
     command = [mpiexec(), "-n", str(nprocs), sys.executable, str(EXPERIMENTS / script), *map(str, args)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -119,7 +122,7 @@ def test_accumulated_micro_batches_hold_the_samples_and_weights_of_one_batch(num
 
     def steps(rank, batch_size, grad_accum, steps_per_epoch=0):
         batching = Batching(batch_size, grad_accum, steps_per_epoch)
-        return epoch_steps(num_samples, batching, SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: world), 1, 3)
+        return epoch_steps(num_samples, batching, SimpleNamespace(rank=rank, world_size=world), 1, 3)
 
     per_rank = [steps(rank, batch_size=2, grad_accum=2) for rank in range(world)]
     assert [len(micro_batches) for micro_batches in per_rank[0]] == [2, 2, 1]  # 5 micro-batches of up to 2
@@ -344,6 +347,32 @@ def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):
     result = launch("run_gpt2.py", 2, *args, "--out-dir", tmp_path, timeout=120)
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert not list(tmp_path.glob("*.csv"))
+
+
+# Imported first by every rank of a launch whose PYTHONPATH starts with its folder: torch then reports
+# FAKE_CUDA_DEVICES visible GPUs (which it cannot use: a CPU build fails at the first tensor placed on one).
+FAKE_GPUS = """import os
+
+import torch
+
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: int(os.environ["FAKE_CUDA_DEVICES"])
+"""
+
+
+@pytest.mark.one_mpi
+@needs_data
+def test_a_run_on_gpus_gets_past_set_up_with_each_rank_on_its_node_local_gpu(tmp_path):
+    """Issue 36: on a GPU, rank 0 used to compute its node-local rank (a collective) alone, inside the set-up
+    it runs before the others, and the job hung silently. Now set-up ends, rank 0 names every rank's device,
+    and the job fails promptly where a CPU build of torch first puts a tensor on the GPU it was shown."""
+    (tmp_path / "sitecustomize.py").write_text(FAKE_GPUS)
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = launch("run_gpt2.py", 2, *QUICK, "--device", "cuda", "--out-dir", tmp_path, timeout=90,
+                    env={"PYTHONPATH": python_path, "FAKE_CUDA_DEVICES": "2", "FSDP_MPI_TIMEOUT": "30"})
+    assert "devices: rank 0 cuda:0, rank 1 cuda:1\n" in result.stdout, result.stdout + result.stderr
+    assert result.returncode != 0 and "Torch not compiled with CUDA enabled" in result.stderr, result.stderr
     assert not list(tmp_path.glob("*.csv"))
 
 
