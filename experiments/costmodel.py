@@ -8,6 +8,8 @@ parameter bytes, with shard groups of g ranks and r = ranks / g replicas,
     backward   all-gather S again, unless the unit is the root     (if g > 1)
                reduce-scatter S within the group                   (if g > 1)
                all-reduce S / g over the replicas                  (if r > 1)
+    end of backward: all-reduce 4 bytes per parameter tensor over all ranks, which of them got
+               a gradient on some rank                                 (if ranks > 1)
 
 Computation comes from a ``Profile`` (measured on one rank, or computed from
 FLOPs for hardware that is not here); communication from a ``Network`` that
@@ -33,6 +35,7 @@ class Unit:
     forward_s: float  # its own computation (nested units excluded)
     backward_s: float
     is_root: bool = False
+    tensors: int = 0  # trainable parameter tensors in it (one flag each at the end of backward)
 
 
 @dataclass
@@ -123,6 +126,10 @@ def collectives(profile: Profile, layout: Layout) -> list[Collective]:
         if r > 1:
             issued.append(Collective("backward", "all_reduce", unit.name, elements // g * profile.grad_bytes, r,
                                      replicas_leave))
+    if layout.ranks > 1:
+        issued.append(Collective("backward", "all_reduce", "<which parameters got gradients>",
+                                 4 * sum(unit.tensors for unit in profile.units), layout.ranks,
+                                 layout.spans_nodes(layout.ranks)))
     return issued
 
 

@@ -59,6 +59,8 @@ def measure_profile(args) -> Profile:
     blocks = [m for m in model.modules() if isinstance(m, GPT2Block)]
     block_numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
     root_numel = model.num_parameters() - sum(block_numels)
+    block_tensors = len(list(blocks[0].parameters()))
+    root_tensors = len(list(model.parameters())) - len(blocks) * block_tensors
 
     block_seconds = [0.0] * len(blocks)  # each block's last forward
 
@@ -92,8 +94,9 @@ def measure_profile(args) -> Profile:
     block_forward = [statistics.median(step[3][i] for step in steps) for i in range(len(blocks))]
     backward_per_forward = backward / forward  # each unit's backward taken in the step's own proportion
     root_forward = max(forward - sum(block_forward), 0.0)
-    units = [Unit("<root>", root_numel, root_forward, root_forward * backward_per_forward, is_root=True)]
-    units += [Unit(f"block.{i}", numel, seconds, seconds * backward_per_forward)
+    units = [Unit("<root>", root_numel, root_forward, root_forward * backward_per_forward, is_root=True,
+                  tensors=root_tensors)]
+    units += [Unit(f"block.{i}", numel, seconds, seconds * backward_per_forward, tensors=block_tensors)
               for i, (numel, seconds) in enumerate(zip(block_numels, block_forward))]
     return Profile(units, optimizer_s, activations, args.batch_size * args.seq_len)
 
@@ -113,14 +116,18 @@ def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flop
     tokens_per_step = batch_size * seq_len
     block_numel = sum(p.numel() for p in model.transformer.h[0].parameters())
     root_numel = model.num_parameters() - config.n_layer * block_numel
+    block_tensors = len(list(model.transformer.h[0].parameters()))
+    root_tensors = len(list(model.parameters())) - config.n_layer * block_tensors
 
     def seconds(forward_flops_per_token):
         forward = forward_flops_per_token * tokens_per_step / (peak_flops * mfu)
         return forward, 2 * forward
 
     attention = 4 * seq_len * config.n_embd  # scores and weighted values, per token, forward
-    units = [Unit("<root>", root_numel, *seconds(2 * config.n_embd * config.vocab_size), is_root=True)]
-    units += [Unit(f"block.{i}", block_numel, *seconds(2 * block_numel + attention)) for i in range(config.n_layer)]
+    units = [Unit("<root>", root_numel, *seconds(2 * config.n_embd * config.vocab_size), is_root=True,
+                  tensors=root_tensors)]
+    units += [Unit(f"block.{i}", block_numel, *seconds(2 * block_numel + attention), tensors=block_tensors)
+              for i in range(config.n_layer)]
     optimizer = 36 * model.num_parameters() / memory_bytes_per_s
     return Profile(units, optimizer, activations, tokens_per_step, param_bytes=2, grad_bytes=4)
 

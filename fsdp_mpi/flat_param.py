@@ -74,17 +74,20 @@ class ParamSlot:
 
 class FullViews(torch.autograd.Function):
     """Full-shape views of a gathered (padded_numel,) buffer, one per parameter; backward writes their
-    gradients, times `scale`, into one flat gradient (zeros for a view that got none, and for the padding).
+    gradients, times `scale`, into one flat gradient (zeros for a view that got none, and for the padding),
+    and marks in `got_gradient` (one flag per view) the views that got one.
 
     It does what ``torch.split`` does, with the scaling folded into the copy that
     assembles the flat gradient where ``torch.split``'s backward would concatenate.
-    ``ctx`` keeps sizes and shapes only, no reference to the handle.
+    ``ctx`` keeps sizes, shapes and the flags, no reference to the handle.
     """
 
     @staticmethod
-    def forward(ctx, full: torch.Tensor, shapes: tuple[torch.Size, ...], scale: float) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, full: torch.Tensor, shapes: tuple[torch.Size, ...], scale: float,
+                got_gradient: list[bool]) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.shapes, ctx.scale, ctx.like = shapes, scale, (full.numel(), full.dtype, full.device)
+        ctx.got_gradient = got_gradient
         return split_into_views(full, shapes)
 
     @staticmethod
@@ -92,15 +95,17 @@ class FullViews(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         padded_numel, dtype, device = ctx.like
         full_grad = torch.empty(padded_numel, dtype=dtype, device=device)
-        for piece, grad in zip(split_into_views(full_grad, ctx.shapes), grads):
+        for index, (piece, grad) in enumerate(zip(split_into_views(full_grad, ctx.shapes), grads)):
             if grad is None:
                 piece.zero_()
-            elif ctx.scale == 1.0:
+                continue
+            ctx.got_gradient[index] = True
+            if ctx.scale == 1.0:
                 piece.copy_(grad)
             else:
                 torch.mul(grad, ctx.scale, out=piece)
         full_grad[sum(shape.numel() for shape in ctx.shapes):].zero_()  # the padding
-        return full_grad, None, None
+        return full_grad, None, None, None
 
 
 def split_into_views(full: torch.Tensor, shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:
@@ -174,6 +179,10 @@ class FlatParamHandle:
         # True from a forward that autograd records until this handle's gradient is reduced.
         self.awaiting_gradient = False
         self._full_views: list[torch.Tensor] | None = None  # the last forward's views, one per slot
+        # Per slot: whether backward gave it a gradient on this rank since the last reduction (FullViews sets
+        # them), and whether its sharded view holds a gradient (one process's ``.grad is not None``).
+        self.got_gradient = [False] * len(self.slots)
+        self._holds_gradient = [False] * len(self.slots)
         self._pending_gather = None  # the Pending of a prefetch in flight
         self._pending_reduction = None  # (Pending, shard_grad) of an asynchronous reduce-scatter
 
@@ -255,7 +264,7 @@ class FlatParamHandle:
         """
         if fresh or self._full_views is None:
             scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0
-            self._full_views = FullViews.apply(self.full_flat, self._shapes, scale)
+            self._full_views = FullViews.apply(self.full_flat, self._shapes, scale, self.got_gradient)
         self.show(self._full_views)
 
     def split_full(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -334,8 +343,20 @@ class FlatParamHandle:
         for slot, view in zip(self.slots, self.sharded_views):
             view.grad = self.shard_grad[slot.shard_start:slot.shard_stop]
 
+    def drop_gradients_of_unused(self, used_on_some_rank: list[bool]) -> None:
+        """After a reduction: a parameter that no rank used since the last ``zero_grad`` has ``.grad`` None, as in
+        one process, so that optimizers leave it alone (no weight decay, no momentum step)."""
+        for index, (used, view) in enumerate(zip(used_on_some_rank, self.sharded_views)):
+            self._holds_gradient[index] = self._holds_gradient[index] or used
+            if not self._holds_gradient[index]:
+                view.grad = None
+        self.got_gradient[:] = [False] * len(self.slots)
+
     def release_gradient_cleared_by_user(self) -> None:
         """``optimizer.zero_grad()`` sets the views' ``.grad`` to None: their part of ``shard_grad`` is gone too."""
+        for index, view in enumerate(self.sharded_views):
+            if view.grad is None:
+                self._holds_gradient[index] = False
         if self.shard_grad is None:
             return
         cleared = [slot for slot, view in zip(self.slots, self.sharded_views)

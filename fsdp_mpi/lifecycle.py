@@ -8,7 +8,8 @@ lifecycle in one training step::
     forward hook:       reshard (free), hook the outputs for backward
     backward:           first gradient reaches an output -> unshard again
                         autograd finishes the unit's gradient -> reduce-scatter -> reshard
-    end of backward (root only): reduce what got no gradient, reshard what is left
+    end of backward (root only): reduce what got no gradient, reshard what is left,
+                        and set .grad = None where no rank used a parameter (one small all-reduce)
 
 so at any moment a rank holds its shards plus the full parameters of the units
 that are computing. Because the hooks sit on the module itself, it computes
@@ -198,7 +199,8 @@ class ShardedUnit:
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        """Reduces gradients that never arrived (unused units or outputs) and frees everything.
+        """Reduces gradients that never arrived (unused units or outputs), frees everything, and leaves
+        ``.grad`` None on every parameter that no rank used.
 
         Runs in the same unit order on every rank, so ranks stay in step even when
         some unit's parameters took no part in this backward. A gradient kept
@@ -212,7 +214,24 @@ class ShardedUnit:
                 handle.awaiting_gradient = False
             unit._reshard()
             unit.state = TrainingState.IDLE
+        if self.requires_gradient_sync:
+            self._drop_gradients_no_rank_used()
         self._end_of_backward_queued = False
+
+    def _drop_gradients_no_rank_used(self) -> None:
+        """One small all-reduce per backward tells every rank which parameters got a gradient on any rank
+        (a skipped branch, an expert no token chose, a head used on some ranks only); the others get
+        ``.grad = None``, as in one process. A parameter used on some ranks keeps the average."""
+        handles = [handle for unit in self.units for handle in unit.handles if handle.requires_grad]
+        flags = torch.tensor([flag for handle in handles for flag in handle.got_gradient], dtype=torch.float32)
+        if not flags.numel():
+            return
+        self.comm.all_reduce_sum_(flags, "<which parameters got gradients>")
+        used_on_some_rank = (flags > 0).tolist()
+        start = 0
+        for handle in handles:
+            handle.drop_gradients_of_unused(used_on_some_rank[start:start + len(handle.slots)])
+            start += len(handle.slots)
 
     def _finish_reduction_in_flight(self) -> None:
         if self._reduction_in_flight is not None:

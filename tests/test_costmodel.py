@@ -30,8 +30,8 @@ def run_predict(*args, timeout=600, launcher=()):
 
 
 def small_profile(root_numel=10, block_numel=7, blocks=2) -> Profile:
-    units = [Unit("<root>", root_numel, 1.0, 2.0, is_root=True)]
-    units += [Unit(f"block.{i}", block_numel, 0.5, 1.0) for i in range(blocks)]
+    units = [Unit("<root>", root_numel, 1.0, 2.0, is_root=True, tensors=2)]
+    units += [Unit(f"block.{i}", block_numel, 0.5, 1.0, tensors=3) for i in range(blocks)]
     return Profile(units, optimizer_s=0.4, activation_bytes=1000, tokens_per_rank=64)
 
 
@@ -39,23 +39,25 @@ def test_each_strategy_issues_the_collectives_of_the_lifecycle():
     profile = small_profile()
     shapes = lambda layout: [(c.phase, c.operation, c.unit, c.bytes, c.group) for c in collectives(profile, layout)]
     # FULL_SHARD over 4: every unit gathered in forward, all but the root again in backward, every gradient
-    # reduce-scattered; flat buffers padded to a multiple of 4 elements (10 -> 12, 7 -> 8) of 4 bytes
+    # reduce-scattered; flat buffers padded to a multiple of 4 elements (10 -> 12, 7 -> 8) of 4 bytes; last,
+    # one 4-byte flag per parameter tensor (2 + 3 + 3) over every rank: which ones got a gradient somewhere
+    flags = ("backward", "all_reduce", "<which parameters got gradients>", 32, 4)
     assert shapes(Layout("FULL_SHARD", nodes=1, ranks_per_node=4)) == [
         ("forward", "all_gather", "<root>", 48, 4), ("forward", "all_gather", "block.0", 32, 4),
         ("forward", "all_gather", "block.1", 32, 4),
         ("backward", "all_gather", "block.1", 32, 4), ("backward", "reduce_scatter", "block.1", 32, 4),
         ("backward", "all_gather", "block.0", 32, 4), ("backward", "reduce_scatter", "block.0", 32, 4),
-        ("backward", "reduce_scatter", "<root>", 48, 4)]
+        ("backward", "reduce_scatter", "<root>", 48, 4), flags]
     # HYBRID_SHARD, 2 groups of 2: the same within the group (padding to 2), then the shard's gradient all-reduced
     hybrid = shapes(Layout("HYBRID_SHARD", nodes=2, ranks_per_node=2))
     assert [c for c in hybrid if c[1] == "all_reduce"] == [
         ("backward", "all_reduce", "block.1", 16, 2), ("backward", "all_reduce", "block.0", 16, 2),
-        ("backward", "all_reduce", "<root>", 20, 2)]
-    assert {c[4] for c in hybrid} == {2}
+        ("backward", "all_reduce", "<root>", 20, 2), flags]
+    assert {c[4] for c in hybrid if c != flags} == {2}
     # NO_SHARD: nothing gathered, each whole gradient all-reduced over every rank
     assert shapes(Layout("NO_SHARD", nodes=2, ranks_per_node=2)) == [
         ("backward", "all_reduce", "block.1", 28, 4), ("backward", "all_reduce", "block.0", 28, 4),
-        ("backward", "all_reduce", "<root>", 40, 4)]
+        ("backward", "all_reduce", "<root>", 40, 4), flags]
     # which collectives leave the node: the shard group stays inside, the replicas (one group apart) do not
     spans = {(c.operation, c.spans_nodes) for c in collectives(profile, Layout("HYBRID_SHARD", 2, 2))}
     assert spans == {("all_gather", False), ("reduce_scatter", False), ("all_reduce", True)}
@@ -67,8 +69,8 @@ def test_serial_step_is_computation_plus_every_collective():
     network = RingNetwork(intra=Link(0.0, 1.0), inter=Link(0.0, 1.0))  # a collective's seconds: its ring bytes
     layout = Layout("FULL_SHARD", nodes=1, ranks_per_node=4)
     prediction = predict(profile, network, layout)
-    ring_bytes = 3 / 4 * (2 * 48 + 6 * 32)  # (p - 1) / p of each buffer: the root's gather and reduce-scatter,
-    # each block's two gathers and reduce-scatter
+    ring_bytes = 3 / 4 * (2 * 48 + 6 * 32 + 2 * 32)  # (p - 1) / p of each buffer: the root's gather and
+    # reduce-scatter, each block's two gathers and reduce-scatter, the gradient flags' all-reduce (two passes)
     assert prediction.comm_s == pytest.approx(ring_bytes)
     compute = (1 + 0.5 + 0.5) + (2 + 1 + 1) + 0.4 / 4  # forward, backward, optimizer on a quarter of the state
     assert prediction.compute_s == pytest.approx(compute)

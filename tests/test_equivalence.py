@@ -16,6 +16,7 @@ def check_equivalence(results: dict) -> None:
             assert check["worst_tensor_ratio"] <= 1.0, where
             assert check["loss_error"] <= check["loss_bound"], where
             assert check["param_ratio"] <= 1.0, where
+            assert check["same_parameters_without_gradient"], where
             if "clip_norm_error" in check:
                 assert check["clip_norm_error"] <= check["clip_norm_bound"], where
                 assert check["clip_scale_error"] <= check["clip_scale_bound"], where
@@ -40,6 +41,25 @@ def test_four_ranks_with_empty_parts(tmp_path):
     out = tmp_path / "equivalence.json"
     check_ok(run_mpi("equivalence.py", 4, out, "mlp,gpt2"))
     check_equivalence(json.loads(out.read_text()))
+
+
+def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
+    """A skipped branch (a unit, and a layer in the root), an expert no token chose, a head used on one rank
+    only, a computed but unused layer: .grad None exactly where one process has it, so AdamW leaves those
+    parameters bit for bit alone; the rest match one process (see workers/unused_parameters.py)."""
+    out = tmp_path / "unused.json"
+    check_ok(run_mpi("unused_parameters.py", 3, out))
+    report = json.loads(out.read_text())
+    always = ["experts.linears.3.bias", "experts.linears.3.weight", "router.bias", "router.weight"]
+    skipped = ["branch.0.bias", "branch.0.weight", *always[:2], "rare_head.bias", "rare_head.weight", *always[2:],
+               "side.bias", "side.weight"]
+    assert report["sync"]["no_gradient_names"] == report["bf16"]["no_gradient_names"] == [always, skipped] * 2
+    assert report["no_sync"]["no_gradient_names"][2] == sorted(["branch.0.bias", "branch.0.weight", "side.bias",
+                                                                "side.weight", *always])
+    for mode, result in report.items():
+        assert result["none_pattern_matches"] == [True] * 4, mode
+        assert result["untouched_when_no_gradient"] == [True] * 4, mode
+        assert result["worst_gradient_ratio"] <= 1.0, mode
 
 
 def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing(tmp_path):

@@ -298,8 +298,9 @@ def test_mixed_precision_trains_within_two_percent_of_fp32(results_dir, tmp_path
         width, layers, _ = SHAPES["run_gpt2"]
         parameters = int(rows[0]["parameters"])
         blocks = layers * (12 * width**2 + 13 * width)
-        gathered = (parameters + blocks) * 2 + parameters * 4  # bf16 and fp16 gather 2 bytes per element
-        fp32 = (parameters + blocks) * 4 + parameters * 4
+        flags = 4 * (4 + 12 * layers)  # one per parameter tensor (4 in the root, 12 per block): used anywhere?
+        gathered = (parameters + blocks) * 2 + parameters * 4 + flags  # bf16 and fp16 gather 2 bytes per element
+        fp32 = (parameters + blocks) * 4 + parameters * 4 + flags
         assert float(rows[0]["comm_mb_per_step"]) == pytest.approx(gathered / 2**20, abs=1e-4)
         assert float(reference[0]["comm_mb_per_step"]) == pytest.approx(fp32 / 2**20, abs=1e-4)
 
@@ -374,6 +375,19 @@ def test_a_run_on_gpus_gets_past_set_up_with_each_rank_on_its_node_local_gpu(tmp
     assert "devices: rank 0 cuda:0, rank 1 cuda:1\n" in result.stdout, result.stdout + result.stderr
     assert result.returncode != 0 and "Torch not compiled with CUDA enabled" in result.stderr, result.stderr
     assert not list(tmp_path.glob("*.csv"))
+
+
+@pytest.mark.one_mpi
+@needs_data
+def test_nccl_strategies_refuse_two_ranks_on_one_gpu(tmp_path):
+    """torch's nccl cannot put two ranks on one GPU: the run says so in set-up instead of failing inside torch."""
+    (tmp_path / "sitecustomize.py").write_text(FAKE_GPUS)
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = launch("run_gpt2.py", 2, *QUICK, "--device", "cuda", "--strategy", "ddp", "--out-dir", tmp_path,
+                    timeout=90, env={"PYTHONPATH": python_path, "FAKE_CUDA_DEVICES": "1", "FSDP_MPI_TIMEOUT": "30"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "ddp communicates through nccl, which cannot share a GPU between ranks: this node runs 2 ranks on 1 " \
+           "visible GPU(s)" in result.stderr, result.stderr
 
 
 @pytest.mark.one_mpi

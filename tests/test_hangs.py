@@ -38,8 +38,9 @@ def test_uneven_steps_end_with_the_watchdog_report_after_the_timeout(tmp_path):
     report = result.stderr
     assert f"rank 0 has waited {timeout}." in report, report
     # What it waits in (the next step's first gather: the root unit), and the history before it.
-    assert "in collective #46 all_gather of unit '<root>', sending 6,208 float32" in report, report
-    assert "#45 reduce_scatter of unit '<root>'" in report and "not finished" in report
+    assert "in collective #48 all_gather of unit '<root>', sending 6,208 float32" in report, report
+    assert "#46 reduce_scatter of unit '<root>'" in report and "not finished" in report
+    assert "#47 all_reduce of unit '<which parameters got gradients>'" in report
     assert elapsed < timeout + START_UP_SECONDS, f"took {elapsed:.0f} s"
 
 

@@ -27,6 +27,7 @@ NAMES = "tests/test_equivalence.py::test_wrapped_models_generate_and_show_origin
 STAGING_VARIABLE = "tests/test_comm.py::test_force_staging_variable_is_read_and_one_rank_stages_nothing"
 MIXED = "tests/test_mixed_precision.py"
 ONE_RANK = "tests/test_comm.py::test_one_rank_makes_no_mpi_call"
+UNUSED = "tests/test_equivalence.py::test_parameters_that_no_rank_used_get_no_gradient"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
 DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
@@ -113,6 +114,11 @@ MUTANTS = {
     "staged chunks land in the wrong place": (
         "fsdp_mpi/staging.py", "pipeline.copy_in(full_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))",
         "pipeline.copy_in(full_by_rank[:, a:b], recv[a:b].repeat(world).view(world, b - a))", [COLLECTIVES]),
+    "parameters no rank used keep a zero gradient": (
+        "fsdp_mpi/lifecycle.py", "            self._drop_gradients_no_rank_used()", "            pass", [UNUSED]),
+    "a parameter used on one rank only loses its gradient": (
+        "fsdp_mpi/lifecycle.py", 'self.comm.all_reduce_sum_(flags, "<which parameters got gradients>")', "pass",
+        [UNUSED]),
     "one rank gathers through MPI": (
         "fsdp_mpi/flat_param.py", "if self.comm.world_size == 1:  # a group of one: gathering is a cast",
         "if False:", [ONE_RANK]),

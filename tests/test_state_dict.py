@@ -95,7 +95,7 @@ def test_state_dicts_summon_and_wrap_time_broadcast_across_ranks(nprocs, tmp_pat
         "summon_writeback_False_kept_edit": False, "summon_writeback_False_others_same": True,
         "nothing_gathered_after_summon": True,
         "abandoned_forward_cleared": True, "abandoned_forward_then_step_has_gradients": True,
-        "ignored_unit_gets_zero_gradient": True, "ignored_unit_resharded": True,
+        "ignored_unit_gets_no_gradient": True, "ignored_unit_resharded": True,
         "size_policy_units": ["", "transformer.h.0", "transformer.h.1"], "size_policy_state_same": True,
     }
     if nprocs > 1:

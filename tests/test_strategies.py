@@ -22,10 +22,12 @@ def test_hybrid_and_no_shard_train_as_one_process_keep_the_expected_bytes_and_ch
             assert (rank["shard_group_size"], rank["replicas"]) == (group, replicas), strategy
             assert rank["shard_bytes"] == rank["grad_bytes"] == rank["padded_bytes"] // group, strategy
             assert rank["gathered_after_step"] == 0, strategy
-            # a step's gradients: reduce-scattered in the shard group, the shard then all-reduced over replicas
+            # a step's gradients: reduce-scattered in the shard group, the shard then all-reduced over replicas;
+            # then one 4-byte flag per parameter tensor over every rank (which got a gradient somewhere)
             moved = rank["moved"]
             assert moved.get("reduce_scatter", 0) == (rank["padded_bytes"] if group > 1 else 0), strategy
-            assert moved.get("all_reduce", 0) == (rank["padded_bytes"] // group if replicas > 1 else 0), strategy
+            flags = 4 * rank["parameter_tensors"]
+            assert moved.get("all_reduce", 0) == (rank["padded_bytes"] // group if replicas > 1 else 0) + flags, strategy
     assert result["checkpoint_loads"] == [True] * 4  # saved under HYBRID_SHARD, loaded under FULL_SHARD
 
     groups = result["groups"]

@@ -206,6 +206,7 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
                     loss.backward()
             our_loss += comm.allreduce_sum_float(loss.item()) / comm.world_size
         ours = full_gradients(sharded)
+        ours_without_gradient = {name for name, p in sharded.named_parameters() if p.requires_grad and p.grad is None}
 
         losses, grads = {}, {}
         for name, model, dtype in (("policy", same_policy, policy_dtype), ("fp64", reference64, torch.float64)):
@@ -214,7 +215,11 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
             loss = loss_fn(model, *(t.to(dtype) if t.is_floating_point() else t for t in batch))
             loss.backward()
             losses[name], grads[name] = loss.item(), reference_gradients(model, torch.float64)
+            if name == "policy":  # which parameters one process leaves without a gradient (our names only)
+                reference_without_gradient = {n for n, p in model.named_parameters()
+                                              if p.requires_grad and p.grad is None}
         check = compare_gradients(ours, grads["policy"], grads["fp64"], comm.world_size, u)
+        check["same_parameters_without_gradient"] = ours_without_gradient == reference_without_gradient
         check["loss_error"] = abs(our_loss - losses["fp64"])
         check["loss_bound"] = 4 * max(abs(losses["policy"] - losses["fp64"]), 16 * u * abs(losses["fp64"]))
 
@@ -223,11 +228,12 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
             reference.load_state_dict(start)
         for name, param in reference.named_parameters(remove_duplicate=False):
             if param.requires_grad:
-                param.grad = ours[name].clone()
+                param.grad = None if name in ours_without_gradient else ours[name].clone()
         if optimizer_kind == "adamw":
             check.update(compare_clipping(sharded, reference, ours))
             for name, clipped in full_gradients(sharded).items():  # step from exactly our clipped gradients
-                dict(reference.named_parameters(remove_duplicate=False))[name].grad = clipped
+                if name not in ours_without_gradient:
+                    dict(reference.named_parameters(remove_duplicate=False))[name].grad = clipped
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reference_optimizer.step()
@@ -270,7 +276,7 @@ def compare_clipping(sharded, reference, ours: dict) -> dict:
     torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
     clipped = full_gradients(sharded)
     scale_error = max(float((clipped[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-30))
-                      for n, p in reference.named_parameters(remove_duplicate=False) if p.requires_grad)
+                      for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None)
     return {"clip_norm_error": abs(our_norm - torch_norm) / torch_norm, "clip_norm_bound": numel * U,
             "clip_scale_error": scale_error, "clip_scale_bound": (numel + 4) * U,
             "clip_inf_norm_equal": inf_norm == torch_inf, "norm": torch_norm}

@@ -38,6 +38,7 @@ def kept_bytes(comm: Communicator, **wrap) -> dict:
             "grad_bytes": sum(h.shard_grad.numel() * h.shard_grad.element_size() for h in handles),
             "gathered_after_step": sum(h.gathered_bytes for h in handles),
             "padded_bytes": sum(h.padded_numel * h.shard.element_size() for h in handles),
+            "parameter_tensors": sum(len(h.slots) for h in handles if h.requires_grad),
             "shard_group_size": handles[0].comm.world_size,
             "replicas": 1 if handles[0].replicas is None else handles[0].replicas.world_size,
             "moved": {operation: count - moved_before.get(operation, 0) for operation, count in comm.bytes_moved.items()}}
