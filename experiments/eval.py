@@ -39,7 +39,7 @@ from data import DataError
 from options import RunConfig, UsageError
 from results import EVAL_COLUMNS, CsvWriter, git_commit
 from saved_run import SavedRunError, read_run_file
-from strategies import node_local_rank
+from strategies import node_placement
 from training import (announce_devices, communicator_for_the_run, evaluate, pick_device, set_up_rank_0_first,
                       to_device)
 
@@ -230,7 +230,7 @@ def main() -> int:
     comm = communicator_for_the_run(argument_parser.prog)
     if comm is None:
         return 2
-    local_rank = node_local_rank(comm)  # here, on every rank: set-up runs on rank 0 alone first
+    local_rank, _ = node_placement(comm)  # here, on every rank: set-up runs on rank 0 alone first
     values, error = set_up_rank_0_first(lambda: _set_up(args, comm, local_rank), comm)
     if error:
         if comm.rank == 0:

@@ -46,10 +46,12 @@ class Prepared:
     comm_bytes: Callable[[], int] = lambda: 0  # bytes moved by collectives so far (0 if unknown)
 
 
-def node_local_rank(comm: Communicator) -> int:
-    """This rank's place among the ranks of `comm` on its node, which picks its GPU there. A collective: every
-    rank calls it, never inside set-up that rank 0 runs alone first (``training.set_up_rank_0_first``)."""
-    return comm.split(None).rank
+def node_placement(comm: Communicator) -> tuple[int, int]:
+    """(this rank's place among the ranks of `comm` on its node, which picks its GPU there; how many ranks the
+    node runs). A collective: every rank calls it, never inside set-up that rank 0 runs alone first
+    (``training.set_up_rank_0_first``)."""
+    node = comm.split(None)
+    return node.rank, node.world_size
 
 
 def init_torch_distributed(comm: Communicator, device: torch.device) -> None:
@@ -67,7 +69,7 @@ def init_torch_distributed(comm: Communicator, device: torch.device) -> None:
             port = probe.getsockname()[1]
     port = comm.broadcast_object(port, root=0)
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(comm.rank),
-                      WORLD_SIZE=str(comm.world_size), LOCAL_RANK=str(node_local_rank(comm)))
+                      WORLD_SIZE=str(comm.world_size), LOCAL_RANK=str(node_placement(comm)[0]))
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=comm.rank, world_size=comm.world_size)
 

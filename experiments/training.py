@@ -32,7 +32,7 @@ from results import model_state_bytes
 from resume import EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
 from saved_run import write_run_file
 from sampling import Batching, MicroBatch, epoch_steps, total_optimizer_steps
-from strategies import Prepared, full_state_dict_on_rank0, node_local_rank, prepare
+from strategies import TORCH_DISTRIBUTED, Prepared, full_state_dict_on_rank0, node_placement, prepare
 
 from fsdp_mpi import CheckpointError as ShardedCheckpointError
 from fsdp_mpi import Communicator, abort_job_on_uncaught_exception
@@ -42,7 +42,7 @@ from models.checkpoint import CheckpointError
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
     """The device for --device `choice`: a rank on a GPU node takes the GPU of its node-local rank (``local_rank``,
-    from ``strategies.node_local_rank``). No collective: rank 0 calls it alone in ``set_up_rank_0_first``."""
+    from ``strategies.node_placement``). No collective: rank 0 calls it alone in ``set_up_rank_0_first``."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is visible")
@@ -50,12 +50,21 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _set_up(task_type, config: RunConfig, comm: Communicator, local_rank: int):
-    """(task, device, None) or (None, None, error message) for input this machine cannot run."""
+def _set_up(task_type, config: RunConfig, comm: Communicator, node: tuple[int, int]):
+    """(task, device, None) or (None, None, error message) for input this machine cannot run.
+
+    `node`: this rank's place on its node and the node's rank count (``strategies.node_placement``).
+    """
     try:
         check_config(config)
         torch.set_num_threads(config.threads)
+        local_rank, ranks_on_node = node
         device = pick_device(config.device, local_rank)
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+        if config.strategy in TORCH_DISTRIBUTED and device.type == "cuda" and ranks_on_node > gpus:
+            raise UsageError(f"{config.strategy} communicates through nccl, which cannot share a GPU between ranks: "
+                             f"this node runs {ranks_on_node} ranks on {gpus} visible GPU(s). "
+                             "Start one rank per GPU, or use fsdp-mpi or lightning-fsdp-mpi, which can share one")
         if config.strategy == "lightning-fsdp" and device.type != "cuda":
             raise UsageError("lightning-fsdp needs a GPU (Lightning's FSDP does not run on CPU); "
                              "use fsdp-mpi, torch-fsdp or lightning-ddp here")
@@ -88,8 +97,8 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
     if comm is None:
         return 2
     stop = listen_for_stop_signals(config.strategy)
-    local_rank = node_local_rank(comm)  # here, on every rank: set-up runs on rank 0 alone first
-    values, error = set_up_rank_0_first(lambda: _set_up(task_type, config, comm, local_rank), comm)
+    node = node_placement(comm)  # here, on every rank: set-up runs on rank 0 alone first
+    values, error = set_up_rank_0_first(lambda: _set_up(task_type, config, comm, node), comm)
     if error:
         if comm.rank == 0:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
