@@ -22,6 +22,16 @@ Writes the summary to ``--out`` and every run of every round beside it
 (``*-rounds.csv``). A strategy whose model state would not fit in this
 machine's memory is not started; its row gives the computed requirement.
 
+On a GPU (``--device cuda``, each rank on the GPU of its place on its node;
+several ranks may share one): steps are timed to the GPU's end of the step, MFU
+is against the GPU's published dense peak for the compute dtype
+(``results.PUBLISHED_DENSE_PEAK_FLOPS``; measured where the GPU is not listed)
+counting each GPU in use once, ``peak_gpu_mb`` is the busiest rank's peak GPU
+memory, and ``hidden_fraction`` is the share of fsdp-mpi's time in collectives
+that its step does not add to plain torch's, ``1 - beyond_plain_s / mpi_blocked_s``
+(0: nothing overlaps; 1: all of it is hidden). DDP and FSDP2 use nccl there,
+which needs a GPU per rank: with fewer GPUs their rows say they were not run.
+
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
 A ``:PRECISION`` suffix (``fsdp-mpi:bf16-mixed``, ``ddp:bf16-mixed``) picks the
@@ -44,11 +54,12 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precis
 
 REPLICATED = ("plain", "ddp", "lightning-ddp")
 BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
-MEASURED = ["step_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb", "mpi_blocked_s",
-            "comm_mb_per_step"]  # what bench_worker.py reports per run
+MEASURED = ["step_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb", "peak_gpu_mb",
+            "mpi_blocked_s", "comm_mb_per_step"]  # what bench_worker.py reports per run (peak_gpu_mb: on a GPU)
 FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio",
           "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
-          "peak_rss_mb", "comm_mb_per_step", "mpi_blocked_s", "beyond_plain_s", "note"]
+          "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "mpi_blocked_s", "beyond_plain_s", "hidden_fraction",
+          "note"]
 
 
 def available_memory_bytes() -> int:
@@ -67,6 +78,9 @@ def run_one(spec: str, ranks: int, args) -> dict:
     precision = precision or "32"
     strategy, *overlap = spec.split("+")
     parameters = parameter_count(args)
+    if args.device == "cuda" and strategy in ("ddp", "torch-fsdp") and ranks > gpu_count():
+        return {"strategy": spec, "precision": precision, "ranks": ranks,
+                "note": f"not run: nccl cannot share a GPU between ranks ({ranks} ranks, {gpu_count()} GPU(s))"}
     needed = ranks * BYTES_PER_PARAMETER * parameters if strategy in REPLICATED else 0
     if needed > available_memory_bytes():
         return {"strategy": spec, "precision": precision, "ranks": ranks,
@@ -77,10 +91,10 @@ def run_one(spec: str, ranks: int, args) -> dict:
         mpiexec = Path(sys.executable).parent / "mpiexec"
         command = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks), sys.executable,
                    str(Path(__file__).parent / "bench_worker.py"), "--strategy", strategy, "--json", str(output),
-                   "--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
+                   "--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(per_rank_batch(args, ranks)),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision,
-                   "--sharding-strategy", args.sharding_strategy]
+                   "--sharding-strategy", args.sharding_strategy, "--device", args.device]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         if not args.malloc_as_shipped:
             env["GLIBC_TUNABLES"] = MALLOC_REUSE
@@ -90,6 +104,17 @@ def run_one(spec: str, ranks: int, args) -> dict:
             last_line = (finished.stderr.strip().splitlines() or ["no output"])[-1]
             return {"strategy": spec, "precision": precision, "ranks": ranks, "note": f"failed (exit {finished.returncode}): {last_line}"}
         return json.loads(output.read_text())
+
+
+def per_rank_batch(args, ranks: int) -> int:
+    """--batch-size per rank, or split over the ranks with --same-global-batch."""
+    return args.batch_size // ranks if args.same_global_batch else args.batch_size
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def parameter_count(args) -> int:
@@ -126,7 +151,7 @@ def summarise(rounds: list[dict]) -> list[dict]:
             summary.append({**row, "rounds": 0, "note": runs[0].get("note", "")})
             continue
         steps = [run["step_s"] for run in done]
-        row.update({field: statistics.median(run[field] for run in done) for field in MEASURED},
+        row.update({field: _median_of_known(run.get(field) for run in done) for field in MEASURED},
                    rounds=len(done), step_s_min=min(steps), step_s_max=max(steps),
                    note="" if len(done) == len(runs) else f"{len(runs) - len(done)} round(s) failed: "
                                                           f"{next(r['note'] for r in runs if 'step_s' not in r)}")
@@ -143,8 +168,16 @@ def summarise(rounds: list[dict]) -> list[dict]:
                        fsdp_mpi_ratio_max=max(ratios))
         if beyond:
             row["beyond_plain_s"] = statistics.median(beyond)
+            if row.get("mpi_blocked_s"):  # communication hidden under computation, of the time spent in it
+                row["hidden_fraction"] = min(max(1 - row["beyond_plain_s"] / row["mpi_blocked_s"], 0.0), 1.0)
         summary.append(row)
     return summary
+
+
+def _median_of_known(values) -> float | None:
+    """The median of the values that were measured (a GPU's memory is not, on the CPU); None if none was."""
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
 
 
 def print_table(rows: list[dict]) -> None:
@@ -157,27 +190,32 @@ def print_table(rows: list[dict]) -> None:
             return ""
         return f"{number(row[field])} ({number(row[field + '_min'])}-{number(row[field + '_max'])})"
 
-    columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)", "CPU s/step",
-               "model state MB", "peak RSS MB", "comm MB/step", "blocked in MPI s", "beyond plain s", "note"]
+    columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)", "tokens/s", "MFU",
+               "CPU s/step", "model state MB", "peak RSS MB", "peak GPU MB", "comm MB/step", "blocked in MPI s",
+               "beyond plain s", "hidden", "note"]
     print("| " + " | ".join(columns) + " |")
     print("| " + " | ".join("---" for _ in columns) + " |")
     for row in rows:
         cells = [row["strategy"], row["precision"], str(row["ranks"]), spread(row, "step_s"),
-                 spread(row, "fsdp_mpi_ratio"), number(row.get("cpu_s")), number(row.get("model_state_mb"), 4),
-                 number(row.get("peak_rss_mb"), 4), number(row.get("comm_mb_per_step"), 4),
-                 number(row.get("mpi_blocked_s")), number(row.get("beyond_plain_s")), row.get("note") or ""]
+                 spread(row, "fsdp_mpi_ratio"), number(row.get("tokens_per_s")), number(row.get("mfu")),
+                 number(row.get("cpu_s")), number(row.get("model_state_mb"), 4), number(row.get("peak_rss_mb"), 4),
+                 number(row.get("peak_gpu_mb"), 4), number(row.get("comm_mb_per_step"), 4),
+                 number(row.get("mpi_blocked_s")), number(row.get("beyond_plain_s")),
+                 number(row.get("hidden_fraction"), 2), row.get("note") or ""]
         print("| " + " | ".join(cells) + " |")
 
 
 def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "batch_size", "seq_len", "threads", "malloc", *fields],
+        writer = csv.DictWriter(f, fieldnames=["model", "batch_size", "global_batch", "seq_len", "threads", "malloc",
+                                               *fields],
                                 extrasaction="ignore")
         writer.writeheader()
         malloc = "as shipped (fsdp-mpi only)" if args.malloc_as_shipped else "reuse for all"
         for row in rows:
-            writer.writerow({"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            writer.writerow({"model": args.model, "batch_size": args.batch_size,
+                             "global_batch": args.same_global_batch, "seq_len": args.seq_len,
                              "threads": args.threads, "malloc": malloc, **row})
 
 
@@ -202,6 +240,11 @@ def main() -> int:
     parser.add_argument("--malloc-as-shipped", action="store_true",
                         help="only fsdp-mpi keeps freed memory for reuse (as it does when imported); by default "
                              "every strategy runs with the same glibc setting: " + MALLOC_REUSE)
+    parser.add_argument("--same-global-batch", action="store_true",
+                        help="--batch-size is the global batch, split over each strategy's ranks (one process on "
+                             "--batch-size against N ranks on --batch-size / N)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: each rank on the GPU of its place on its node (default: %(default)s)")
     parser.add_argument("--out", default="results/bench.csv")
     args = parser.parse_args()
     if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads, args.rounds) < 1 or args.warmup < 0:
@@ -215,11 +258,15 @@ def main() -> int:
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") or not set(overlap) <= set(OVERLAP) \
                 or (overlap and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")
+        if base == "lightning-ddp" and args.device == "cuda":
+            parser.error("lightning-ddp is benchmarked on the CPU only; on a GPU compare plain, fsdp-mpi and torch-fsdp")
         if name.partition(":")[2] not in ("", *PRECISIONS):
             parser.error(f"{item!r}: the precision after : must be one of {', '.join(PRECISIONS)}")
         if ranks and not ranks.isdigit():
             parser.error(f"{item!r}: the rank count after @ must be a number")
-        plan.append((name, 1 if name == "plain" else int(ranks or args.ranks)))
+        plan.append((name, 1 if base == "plain" else int(ranks or args.ranks)))
+    if args.same_global_batch and any(args.batch_size % ranks for _, ranks in plan):
+        parser.error("--same-global-batch: --batch-size must divide by every strategy's rank count")
     if len(set(plan)) < len(plan):
         parser.error("a strategy is listed twice")
     rounds, log = [], []
@@ -233,7 +280,9 @@ def main() -> int:
     rows = summarise(rounds)
     allocator = ("fsdp-mpi reuses freed memory, the others use glibc's defaults" if args.malloc_as_shipped
                  else "every strategy reuses freed memory")
-    print(f"\n{args.model}, vocabulary {args.vocab_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "
+    batch = "global batch" if args.same_global_batch else "batch"
+    print(f"\n{args.model}, vocabulary {args.vocab_size}, {batch} {args.batch_size} x {args.seq_len} tokens"
+          f"{'' if args.same_global_batch else ' per rank'}, "
           f"{args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup} warm-up per run, "
           f"{args.rounds} rounds in rotated order; allocator: {allocator}\n")
     print_table(rows)

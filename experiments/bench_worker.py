@@ -1,4 +1,4 @@
-"""One strategy's share of ``bench.py``: time training steps of GPT-2 on synthetic tokens.
+"""One strategy's share of ``bench.py``: time training steps of GPT-2 on synthetic tokens, on the CPU or a GPU.
 
 Launched by bench.py as ``mpiexec -n N python experiments/bench_worker.py --strategy S ...``;
 rank 0 writes the measurements as JSON. Per step: the slowest rank's wall time, the busiest
@@ -6,10 +6,14 @@ rank's CPU time (user + system, all its threads), the time a rank spent blocked 
 (fsdp-mpi only) and the bytes of the step's collectives: counted by fsdp-mpi's communicator,
 counted at torch.distributed's Python entry points for torch FSDP2 (in one extra, untimed
 step), and for DDP (whose reducer calls C++ directly) the gradient bytes its all-reduces carry.
+On a GPU (``--device cuda``: each rank takes the GPU of its place on the node) a step ends when
+the GPU has finished it, MFU is against the GPU's published dense peak for the compute dtype,
+and the peak GPU memory per rank is reported beside the host's.
 """
 
 import argparse
 import json
+import socket
 import statistics
 import time
 from contextlib import contextmanager
@@ -17,8 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from results import measured_peak_flops, model_state_bytes, peak_rss_mb
-from strategies import PRECISIONS, Prepared, prepare, torch_amp
+from results import measured_peak_flops, model_state_bytes, peak_rss_mb, published_peak_flops
+from strategies import PRECISIONS, Prepared, node_placement, prepare, torch_amp
 
 from fsdp_mpi import Communicator, ShardingStrategy
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
@@ -39,13 +43,14 @@ def arguments():
                         help="fsdp-mpi's (default: %(default)s)")
     parser.add_argument("--hybrid-group-size", type=int, default=None, help="fsdp-mpi's HYBRID_SHARD group")
     parser.add_argument("--precision", default="32", choices=list(PRECISIONS))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", required=True)
     return parser.parse_args()
 
 
-def synthetic_batch(args, rank: int):
+def synthetic_batch(args, rank: int, device: torch.device):
     generator = torch.Generator().manual_seed(1234 + rank)
-    tokens = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+    tokens = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator).to(device)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -59,7 +64,7 @@ def train_step(prepared: Prepared, optimizer, batch) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator):
+def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, device: torch.device):
     """Per step after warm-up: (slowest rank's wall time, busiest rank's CPU time, this rank's time blocked
     in MPI, its bytes moved by collectives). fsdp-mpi trains over `comm` itself, so the step's figures are
     read before the timing's own collectives on it."""
@@ -69,6 +74,8 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator):
         mpi_before, bytes_before = prepared.comm_seconds(), prepared.comm_bytes()
         cpu_start, start = time.process_time(), time.perf_counter()
         train_step(prepared, optimizer, batch)
+        if device.type == "cuda":  # the step has ended when the GPU has run it
+            torch.cuda.synchronize(device)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         blocked.append(prepared.comm_seconds() - mpi_before)
         moved.append(prepared.comm_bytes() - bytes_before)
@@ -170,19 +177,26 @@ def main() -> None:
     args = arguments()
     comm = Communicator()
     torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", node_placement(comm)[0] % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     comm.barrier()
-    peak_flops = measured_peak_flops(torch.device("cpu"))  # every rank at once: contention included
+    compute_dtype = {"32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}[args.precision]
+    # A GPU's published peak, else measured on every rank at once (contention included)
+    peak_flops = published_peak_flops(device, compute_dtype) or measured_peak_flops(device)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))
     flops_per_token = model.training_flops_per_token(args.seq_len)
     parameters = model.num_parameters()
-    batch = synthetic_batch(args, comm.rank)
+    batch = synthetic_batch(args, comm.rank, device)
     if args.strategy == "lightning-ddp":
         times, cpu, optimizer, measured = lightning_steps(model, batch, args, comm)
         blocked, moved = [float("nan")], [gradient_bytes(model)]
     else:
         if args.strategy == "plain":
-            autocast, scaler = torch_amp("cpu", args.precision)
+            model.to(device)
+            autocast, scaler = torch_amp(device.type, args.precision)
             prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
                                 allreduce_max=float, autocast=autocast)  # one process: its own value
         else:
@@ -190,19 +204,23 @@ def main() -> None:
             if args.strategy == "fsdp-mpi":
                 options.update(sharding_strategy=ShardingStrategy[args.sharding_strategy],
                                hybrid_group_size=args.hybrid_group_size)
-            prepared = prepare(args.strategy, model, GPT2Block, torch.device("cpu"), comm, args.precision, **options)
+            prepared = prepare(args.strategy, model, GPT2Block, device, comm, args.precision, **options)
         measured = prepared.model
         optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
         if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
             with counting_torch_collectives() as torch_bytes:
                 train_step(prepared, optimizer, batch)
-        times, cpu, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm)
+        times, cpu, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm, device)
         if args.strategy == "torch-fsdp":
             moved = torch_bytes
         elif args.strategy == "ddp":
             moved = [gradient_bytes(model)]
     state_bytes = max(comm.allgather_object(model_state_bytes(measured, optimizer)))
     rss = max(comm.allgather_object(peak_rss_mb()))
+    on_gpu = device.type == "cuda"
+    # MFU's denominator: the peak of every GPU in use, once each (ranks may share one), or of every rank's cores
+    processors = len(set(comm.allgather_object((socket.gethostname(), str(device))))) if on_gpu else comm.world_size
+    gpu_mb = max(comm.allgather_object(torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else 0))
     blocked_median = statistics.median(comm.allgather_object(statistics.median(blocked)))
     if comm.rank == 0:
         step = statistics.median(times)
@@ -214,8 +232,9 @@ def main() -> None:
                 "precision": args.precision, "ranks": comm.world_size, "parameters": parameters,
                 "step_s": step, "step_times_s": times, "cpu_s": statistics.median(cpu), "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,
-                "mfu": tokens_per_s * flops_per_token / (peak_flops * comm.world_size),
-                "peak_rss_mb": rss, "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
+                "mfu": tokens_per_s * flops_per_token / (peak_flops * processors),
+                "peak_rss_mb": rss, "peak_gpu_mb": gpu_mb if on_gpu else None,
+                "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
                 "comm_mb_per_step": statistics.median(moved) / 2**20,
             }, f)
 

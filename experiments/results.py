@@ -62,6 +62,24 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return total
 
 
+# Published dense peaks (no sparsity) of the GPUs a GPU benchmark is likely to meet, in FLOP/s, by the name
+# torch reports and the dtype the matrix multiplications run in (fp32 means TF32 off).
+PUBLISHED_DENSE_PEAK_FLOPS = {
+    ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "fp32"): 67e12,  # SXM
+    ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "fp32"): 67e12,
+    ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "fp32"): 19.5e12,
+}
+
+
+def published_peak_flops(device: torch.device, compute_dtype: str) -> float | None:
+    """The GPU's published dense peak for `compute_dtype` ("bf16", "fp16", "fp32"), None if not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_properties(device).name
+    return next((flops for (model, dtype), flops in PUBLISHED_DENSE_PEAK_FLOPS.items()
+                 if model in name and dtype == compute_dtype), None)
+
+
 def measured_peak_flops(device: torch.device, repeats: int = 3) -> float:
     """FLOP/s of a large fp32 matrix multiplication on this rank, best of `repeats` (the MFU denominator).
 

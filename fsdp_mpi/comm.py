@@ -164,7 +164,8 @@ class Communicator:
     def device_path(self) -> str:
         """How device tensors reach MPI here, and why (for a run's log)."""
         if self.world_size == 1:
-            return "one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves gradients as they are)"
+            return ("one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves gradients as "
+                    "they are)")
         return describe_device_path(self.cuda_aware, self.force_staging)
 
     @property
