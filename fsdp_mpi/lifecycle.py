@@ -15,8 +15,13 @@ so at any moment a rank holds its shards plus the full parameters of the units
 that are computing. Because the hooks sit on the module itself, it computes
 correctly however it is called: through the ``FullyShardedDataParallel``
 wrapper, through its own ``__call__`` (a Hugging Face ``generate()``), nested or
-alone, with or without gradients. The outermost unit is the root; it owns the
-end-of-backward step and the recorded execution order for the whole tree.
+alone, with or without gradients. The modules inside a unit (its *parts*) carry
+the same hooks, which act only while the unit is not computing: a part called on
+its own (an encoder that ``generate()`` calls, ``model.encoder(x)``, one tower of
+a retrieval model) gathers its unit around that call exactly as the unit's own
+forward would, and backward follows it the same way. The outermost unit is the
+root; it owns the end-of-backward step and the recorded execution order for the
+whole tree.
 
 Under mixed precision (``mixed_precision.py``) the pre-hook also casts the
 forward's floating-point inputs to ``param_dtype``; gathering and reducing in
@@ -99,6 +104,10 @@ class ShardedUnit:
         module.__dict__[UNIT_ATTRIBUTE] = self
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
+        self._called_alone: nn.Module | None = None  # the part whose own call gathered this unit, if any
+        for part in _parts(module):
+            part.register_forward_pre_hook(self._pre_forward_of_part, prepend=True, with_kwargs=True)
+            part.register_forward_hook(self._post_forward_of_part)
 
         # This unit is the root until an outer unit is built around it; the root knows every unit below it.
         named_units = units_with_names(module)
@@ -141,9 +150,21 @@ class ShardedUnit:
             handle.use_full_views()
         self.state = TrainingState.FORWARD
 
+    def _pre_forward_of_part(self, part: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A module inside this unit is called while the unit is not computing: gather as for the unit's forward."""
+        if self.state is not TrainingState.IDLE or self._called_alone is not None:
+            return None  # the unit is computing (this part is one step of it), or another part gathered it
+        self._called_alone = part
+        return self._pre_forward(part, args, kwargs)
+
+    def _post_forward_of_part(self, part: nn.Module, args: tuple, output) -> None:
+        if self._called_alone is part:
+            self._post_forward(part, args, output)
+            self._called_alone = None
+
     def _post_forward(self, _module, _args, output) -> None:
         self.state = TrainingState.IDLE
-        if self.is_root:
+        if self.is_root and self._called_alone is None:  # the order of a whole forward, not of a part's
             self._execution_order.stop_recording()
         backward_follows = torch.is_grad_enabled()
         if backward_follows:
@@ -277,6 +298,13 @@ def _group_unit_params(module: nn.Module) -> list[list[tuple[nn.Parameter, list[
     for param, uses in uses_by_param.values():
         groups.setdefault((param.dtype, param.requires_grad), []).append((param, uses))
     return list(groups.values())
+
+
+def _parts(module: nn.Module) -> list[nn.Module]:
+    """The modules inside a unit's module that belong to it: not the module itself, nested units, nor the
+    wrappers around them (calling those gathers the nested unit, not this one)."""
+    return [part for _, part in modules_outside_units(module)
+            if part is not module and WRAPPED_MODULE not in part._modules]
 
 
 def modules_outside_units(module: nn.Module, prefix: str = "", seen: set | None = None):

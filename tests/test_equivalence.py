@@ -62,6 +62,22 @@ def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
         assert result["worst_gradient_ratio"] <= 1.0, mode
 
 
+def test_any_entry_point_gathers_what_it_needs_and_matches_one_process(tmp_path):
+    """A part of the root unit, a part of a nested unit, and an encoder-decoder's training step and generate(),
+    on 3 ranks against one process (see workers/entry_points.py)."""
+    out = tmp_path / "entry_points.json"
+    check_ok(run_mpi("entry_points.py", 3, out))
+    report = json.loads(out.read_text())
+    for key, value in report.items():
+        if key.endswith("_error"):
+            assert value <= (1e-6 if key.startswith("t5") else 1e-9), key
+        elif key != "t5_generate/length":
+            assert value is True, key
+    assert report["t5_generate/length"] == 7  # the start token and 6 generated
+    assert {key.split("/")[0] for key in report} == {"root_part_no_grad", "root_part_autograd", "nested_part_autograd",
+                                                     "t5_train", "t5_generate"}
+
+
 def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing(tmp_path):
     out = tmp_path / "variants.json"
     check_ok(run_mpi("variants.py", 3, out))

@@ -28,6 +28,7 @@ STAGING_VARIABLE = "tests/test_comm.py::test_force_staging_variable_is_read_and_
 MIXED = "tests/test_mixed_precision.py"
 ONE_RANK = "tests/test_comm.py::test_one_rank_makes_no_mpi_call"
 UNUSED = "tests/test_equivalence.py::test_parameters_that_no_rank_used_get_no_gradient"
+ENTRY_POINTS = "tests/test_equivalence.py::test_any_entry_point_gathers_what_it_needs_and_matches_one_process"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
 DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
@@ -119,6 +120,9 @@ MUTANTS = {
     "a parameter used on one rank only loses its gradient": (
         "fsdp_mpi/lifecycle.py", 'self.comm.all_reduce_sum_(flags, "<which parameters got gradients>")', "pass",
         [UNUSED]),
+    "a part called alone runs on the shards": (
+        "fsdp_mpi/lifecycle.py", "        self._called_alone = part\n        return self._pre_forward(part, args, kwargs)",
+        "        return None", [ENTRY_POINTS]),
     "one rank gathers through MPI": (
         "fsdp_mpi/flat_param.py", "if self.comm.world_size == 1:  # a group of one: gathering is a cast",
         "if False:", [ONE_RANK]),
