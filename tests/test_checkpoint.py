@@ -81,6 +81,17 @@ def test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run(tmp_path):
         assert abs(one.get(step, three[step]) - losses[step]) < one_step / 10
 
 
+def test_reshard_3_to_2_with_dropout_loads_every_bit_and_trains_on(tmp_path):
+    """Fewer ranks than saved, and not a divisor of them, with dropout on: the parameters and the optimizer
+    state load bit for bit (saved again at once), and the run goes on from the saved step."""
+    three = train(tmp_path, "three", 3, 6, "--save-at", 3)
+    two = train(tmp_path, "two", 2, 6, "--resume", tmp_path / "three" / "ckpt", "--save-after-load",
+                tmp_path / "two" / "loaded")
+    assert_same_state(consolidate_checkpoint(tmp_path / "three" / "ckpt"),
+                      consolidate_checkpoint(tmp_path / "two" / "loaded"))
+    assert list(two) == [3, 4, 5] and all(math.isfinite(loss) for loss in two.values())  # on from the saved step
+
+
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_whole(tmp_path):
     result = run_mpi("checkpoint.py", 2, tmp_path / "out.json", "crash", tmp_path)
     assert result.returncode != 0
