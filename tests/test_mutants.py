@@ -69,7 +69,7 @@ MUTANTS = {
         "fsdp_mpi/fully_sharded.py", "if sync_module_states:", "if False:", [STATE]),
     "end of backward reduces nothing": (
         "fsdp_mpi/lifecycle.py", "if unit.requires_gradient_sync and (handle.awaiting_gradient",
-        "if False and (handle.awaiting_gradient", [STATE]),
+        "if False and (handle.awaiting_gradient", [UNUSED]),
     "SHARD_GRAD_OP frees after forward": (
         "fsdp_mpi/lifecycle.py", "self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root",
         "self.is_root", [SWITCHES]),
