@@ -101,7 +101,8 @@ MUTANTS = {
         "fsdp_mpi/clip.py", "total = local if comm.world_size == 1 else over_ranks(local.item())", "total = local",
         [EQUIVALENCE]),
     "no_sync still reduces": (
-        "fsdp_mpi/lifecycle.py", "        if self.requires_gradient_sync:\n", "        if True:\n", [NO_SYNC]),
+        "fsdp_mpi/lifecycle.py", "        if self.requires_gradient_sync:\n            asynchronous",
+        "        if True:\n            asynchronous", [NO_SYNC]),
     "zero_grad does not release the sharded gradient": (
         "fsdp_mpi/flat_param.py", "if len(cleared) == len(holding):", "if False:", [NO_SYNC]),
     "wrapper names leak into named_parameters": (
@@ -124,8 +125,8 @@ MUTANTS = {
         "fsdp_mpi/lifecycle.py", "        self._called_alone = part\n        return self._pre_forward(part, args, kwargs)",
         "        return None", [ENTRY_POINTS]),
     "one rank gathers through MPI": (
-        "fsdp_mpi/flat_param.py", "if self.comm.world_size == 1:  # a group of one: gathering is a cast",
-        "if False:", [ONE_RANK]),
+        "fsdp_mpi/comm.py", "        if self.world_size == 1:\n            _copy_unless_same(full, shard)",
+        "        if False:\n            _copy_unless_same(full, shard)", [ONE_RANK]),
     "FSDP_MPI_FORCE_STAGING is ignored": (
         "fsdp_mpi/comm.py", "bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None", "False if force_staging is None",
         [STAGING_VARIABLE]),
