@@ -159,6 +159,16 @@ def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch
     assert "FSDP_MPI_CUDA_AWARE=1)" in gpu_support.describe_device_path(cuda_aware=True, force_staging=False)
 
 
+@pytest.mark.parametrize("rank,printed", [(0, 1), (1, 0)])
+def test_the_device_path_is_printed_once_by_rank_0(capsys, monkeypatch, rank, printed):
+    from fsdp_mpi import gpu_support
+
+    monkeypatch.setattr(gpu_support, "_reported_device_path", False)
+    for _ in range(3):  # every model a process wraps reports; the log gets the line once
+        gpu_support.report_device_path_once("device buffers are staged (...)", rank)
+    assert capsys.readouterr().err == "fsdp_mpi: device buffers are staged (...)\n" * printed
+
+
 @pytest.mark.one_rank
 def test_mismatched_buffers_are_refused():
     comm = Communicator()
