@@ -126,6 +126,7 @@ class ShardedUnit:
 
     # ----------------------------------------------------------------- forward
 
+    @torch.compiler.disable  # gathering talks to MPI: compiled code calls it, never traces it
     def _pre_forward(self, _module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state is TrainingState.BACKWARD:
             # Activation checkpointing re-runs a forward during backward: show the forward's views again.
@@ -162,6 +163,7 @@ class ShardedUnit:
             self._post_forward(part, args, output)
             self._called_alone = None
 
+    @torch.compiler.disable
     def _post_forward(self, _module, _args, output) -> None:
         self.state = TrainingState.IDLE
         if self.is_root and self._called_alone is None:  # the order of a whole forward, not of a part's

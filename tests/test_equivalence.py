@@ -43,6 +43,28 @@ def test_four_ranks_with_empty_parts(tmp_path):
     check_equivalence(json.loads(out.read_text()))
 
 
+def test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process(tmp_path):
+    """ALBERT's one layer group computes 4 times per forward; BERT with frozen whole units (the gradient flows
+    through them) and frozen parameters inside units and the root (see workers/equivalence.py)."""
+    out = tmp_path / "families.json"
+    check_ok(run_mpi("equivalence.py", 2, out, "families"))
+    results = json.loads(out.read_text())
+    assert set(results) == {"hf_albert/adamw/none", "hf_albert/sgd/no_sync", "hf_bert_frozen/adamw/none",
+                            "hf_bert_frozen/sgd/none/bf16"}
+    check_equivalence(results)
+
+
+def test_compiled_units_and_a_compiled_model_train_as_one_eager_process(tmp_path):
+    """torch.compile (inductor) on each wrapped unit's module, and on the whole wrapped model, on 2 ranks: the
+    same step checks as eager sharding, against one eager process (compiled kernels round differently,
+    within the bounds' float32 rounding)."""
+    out = tmp_path / "compiled.json"
+    check_ok(run_mpi("equivalence.py", 2, out, "compiled", timeout=600))
+    results = json.loads(out.read_text())
+    assert set(results) == {"gpt2/adamw/none/units", "gpt2/sgd/no_sync/whole"}
+    check_equivalence(results)
+
+
 def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
     """A skipped branch (a unit, and a layer in the root), an expert no token chose, a head used on one rank
     only, a computed but unused layer: .grad None exactly where one process has it, so AdamW leaves those

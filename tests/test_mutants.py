@@ -29,6 +29,7 @@ MIXED = "tests/test_mixed_precision.py"
 ONE_RANK = "tests/test_comm.py::test_one_rank_makes_no_mpi_call"
 UNUSED = "tests/test_equivalence.py::test_parameters_that_no_rank_used_get_no_gradient"
 ENTRY_POINTS = "tests/test_equivalence.py::test_any_entry_point_gathers_what_it_needs_and_matches_one_process"
+FAMILIES = "tests/test_equivalence.py::test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
 DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
@@ -124,6 +125,14 @@ MUTANTS = {
     "a part called alone runs on the shards": (
         "fsdp_mpi/lifecycle.py", "        self._called_alone = part\n        return self._pre_forward(part, args, kwargs)",
         "        return None", [ENTRY_POINTS]),
+    "a part called alone leaves its unit gathered": (
+        "fsdp_mpi/lifecycle.py", "            self._post_forward(part, args, output)\n", "", [ENTRY_POINTS]),
+    "frozen parameters share a flat buffer with trained ones": (
+        "fsdp_mpi/lifecycle.py", "groups.setdefault((param.dtype, param.requires_grad), [])",
+        "groups.setdefault((param.dtype,), [])", [FAMILIES]),
+    "accumulating sharded gradients keeps the last micro-batch's": (
+        "fsdp_mpi/flat_param.py", "            self.shard_grad += shard_grad", "            self.shard_grad = shard_grad",
+        [EQUIVALENCE]),
     "one rank gathers through MPI": (
         "fsdp_mpi/comm.py", "        if self.world_size == 1:\n            _copy_unless_same(full, shard)",
         "        if False:\n            _copy_unless_same(full, shard)", [ONE_RANK]),

@@ -98,9 +98,9 @@ def hf_gpt2():
     return model, {block}, lambda step: gpt_batch(step, 64), lambda m, x, y: m(input_ids=x, labels=x).loss
 
 
-def hf_bert():
+def hf_bert(num_hidden_layers: int = 2):
     import transformers
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+    config = transformers.BertConfig(num_hidden_layers=num_hidden_layers, hidden_size=32, num_attention_heads=4,
                                      intermediate_size=64, vocab_size=100, max_position_embeddings=32,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = transformers.BertForPreTraining(config)
@@ -114,6 +114,44 @@ def hf_bert():
 
 MODELS = {"mlp": mlp, "gpt2": our_gpt2, "bert": our_bert, "torch_encoder": torch_encoder,
           "hf_gpt2": hf_gpt2, "hf_bert": hf_bert}
+
+
+# ----------------------------------------------------------------- families with their own pitfalls
+
+def hf_albert():
+    """ALBERT shares one layer group across all its layers: one unit computes 4 times per forward, and its
+    gradient is the sum of 4 uses (a reduction after the first use only would lose three quarters of it)."""
+    import transformers
+    config = transformers.AlbertConfig(embedding_size=16, hidden_size=32, num_hidden_layers=4, num_hidden_groups=1,
+                                       num_attention_heads=4, intermediate_size=64, vocab_size=100,
+                                       max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
+    model = transformers.AlbertForPreTraining(config)
+    group = type(model.albert.encoder.albert_layer_groups[0])
+
+    def loss(m, input_ids, token_type_ids, attention_mask, mlm_labels, order_labels):
+        return m(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
+                 labels=mlm_labels, sentence_order_label=order_labels).loss
+    return model, {group}, lambda step: bert_batch(step, 100), loss
+
+
+def hf_bert_frozen():
+    """BERT with frozen parts, as fine-tuning recipes freeze them: whole units (the middle layer and the
+    pooler, through both of which the gradient must still flow to the layers below) and parameters inside
+    units that otherwise train (every layer's attention LayerNorm; the position and segment embeddings in
+    the root, whose word embeddings, tied to the output layer, train)."""
+    model, (layer,), batch, loss = hf_bert(num_hidden_layers=3)
+    pooler = type(model.bert.pooler)
+    model.bert.encoder.layer[1].requires_grad_(False)
+    model.bert.pooler.requires_grad_(False)
+    for block in model.bert.encoder.layer:
+        block.attention.output.LayerNorm.requires_grad_(False)
+    model.bert.embeddings.position_embeddings.requires_grad_(False)
+    model.bert.embeddings.token_type_embeddings.requires_grad_(False)
+    return model, {layer, pooler}, batch, loss
+
+
+FAMILY_MODELS = {"hf_albert": hf_albert, "hf_bert_frozen": hf_bert_frozen}
 
 
 # ----------------------------------------------------------------- optimizers
@@ -173,11 +211,13 @@ def reference_gradients(model: nn.Module, dtype) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------- one run
 
 def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communicator,
-        param_dtype: torch.dtype | None = None, **wrap) -> dict:
-    """Steps of one training run, each checked against one process at the same parameters; `wrap`: more
-    FullyShardedDataParallel arguments (a sharding strategy)."""
+        param_dtype: torch.dtype | None = None, compiled: str | None = None, **wrap) -> dict:
+    """Steps of one training run, each checked against one process at the same parameters (eager, whatever
+    `compiled` says); `compiled`: "units" compiles each wrapped unit's module in place (``module.compile()``),
+    "whole" runs ``torch.compile(model)`` (with AOT autograd but no inductor: tracing around the hooks is
+    what it checks, and inductor's kernels are the units' test); `wrap`: more FullyShardedDataParallel arguments (a sharding strategy)."""
     torch.manual_seed(0)
-    initial, wrap_classes, batch_fn, loss_fn = MODELS[model_kind]()
+    initial, wrap_classes, batch_fn, loss_fn = {**MODELS, **FAMILY_MODELS}[model_kind]()
     reference, reference64 = copy.deepcopy(initial), copy.deepcopy(initial).double()
     # One process with the same policy: computes in param_dtype from the same masters (fp32: `reference` itself).
     same_policy = copy.deepcopy(initial).to(param_dtype) if param_dtype else reference
@@ -185,6 +225,7 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
     u = torch.finfo(policy_dtype).eps / 2
     sharded = FullyShardedDataParallel(copy.deepcopy(initial), comm=comm, auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
                                        mixed_precision=MixedPrecision(param_dtype=param_dtype), **wrap)
+    calls = compile_model(sharded, wrap_classes, compiled)
     optimizer = make_optimizer(optimizer_kind, sharded.named_parameters())
     reference_optimizer = make_optimizer(optimizer_kind, reference.named_parameters())
     micro_batches = 2 if accumulation != "none" else 1
@@ -198,11 +239,11 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
             local = [local_part(t, micro * comm.world_size + comm.rank, parts) for t in batch]
             syncing = accumulation != "no_sync" or micro == micro_batches - 1
             if syncing:
-                loss = loss_fn(sharded, *local) / micro_batches
+                loss = loss_fn(calls, *local) / micro_batches
                 loss.backward()
             else:
                 with sharded.no_sync():
-                    loss = loss_fn(sharded, *local) / micro_batches
+                    loss = loss_fn(calls, *local) / micro_batches
                     loss.backward()
             our_loss += comm.allreduce_sum_float(loss.item()) / comm.world_size
         ours = full_gradients(sharded)
@@ -241,6 +282,17 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
                                         reference_optimizer))
         checks.append(check)
     return {"steps": checks}
+
+
+def compile_model(sharded: FullyShardedDataParallel, wrap_classes: set, compiled: str | None):
+    """What the training loop calls: `sharded`, or a compiled form of it (see ``run``)."""
+    if compiled == "whole":  # the graph breaks at each unit's hooks are the point here, not inductor's kernels
+        return torch.compile(sharded, backend="aot_eager")
+    if compiled == "units":
+        for module in sharded.modules():
+            if isinstance(module, tuple(wrap_classes)):
+                module.compile()
+    return sharded
 
 
 def compare_gradients(ours: dict, fp32: dict, fp64: dict, world_size: int, u: float) -> dict:
@@ -299,13 +351,26 @@ def compare_parameters(our_state: dict, reference, start: dict, reference_optimi
     return {"param_ratio": worst, "param_worst": worst_name}
 
 
+# Every model with each optimizer, accumulation and bf16 on some (the main matrix); the families above; compiled
+# training (the units compiled in place, and the whole model).
+MAIN_RUNS = [(m, o, "none", None) for m in MODELS for o in ("sgd", "adamw")]
+MAIN_RUNS += [("gpt2", "adamw", "sharded", None), ("gpt2", "adamw", "no_sync", None), ("hf_gpt2", "sgd", "no_sync", None)]
+MAIN_RUNS += [("mlp", "sgd", "none", "bf16"), ("gpt2", "adamw", "sharded", "bf16"), ("bert", "sgd", "none", "bf16"),
+              ("torch_encoder", "adamw", "none", "bf16"), ("hf_gpt2", "adamw", "none", "bf16")]
+FAMILY_RUNS = [("hf_albert", "adamw", "none", None), ("hf_albert", "sgd", "no_sync", None),
+               ("hf_bert_frozen", "adamw", "none", None), ("hf_bert_frozen", "sgd", "none", "bf16")]
+COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("gpt2", "sgd", "no_sync", None, "whole")]
+
 if __name__ == "__main__":
+    # argv: output path, then optionally "families" or "compiled" (those runs), or model names (their main runs).
     comm = Communicator()
-    runs = [(m, o, "none", None) for m in MODELS for o in ("sgd", "adamw")]
-    runs += [("gpt2", "adamw", "sharded", None), ("gpt2", "adamw", "no_sync", None), ("hf_gpt2", "sgd", "no_sync", None)]
-    runs += [("mlp", "sgd", "none", "bf16"), ("gpt2", "adamw", "sharded", "bf16"), ("bert", "sgd", "none", "bf16"),
-             ("torch_encoder", "adamw", "none", "bf16"), ("hf_gpt2", "adamw", "none", "bf16")]
     selected = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    results = {"/".join(filter(None, (m, o, a, p))): run(m, o, a, comm, p and torch.bfloat16)
-               for m, o, a, p in runs if selected is None or m in selected}
+    if selected is None:
+        runs = MAIN_RUNS
+    elif selected in (["families"], ["compiled"]):
+        runs = FAMILY_RUNS if selected == ["families"] else COMPILED_RUNS
+    else:
+        runs = [run_ for run_ in MAIN_RUNS if run_[0] in selected]
+    results = {"/".join(filter(None, (m, o, a, p, *c))): run(m, o, a, comm, p and torch.bfloat16, *c)
+               for m, o, a, p, *c in runs}
     write_json(output_path(), results)
