@@ -3,7 +3,7 @@
     model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
 
-Read in this order: collective_log -> gpu_support -> staging -> comm -> strategy -> flat_param -> mixed_precision
+Read in this order: collective_log -> gpu_support -> staging -> background -> comm -> strategy -> flat_param -> mixed_precision
 -> lifecycle -> state_dict -> clip -> grad_scaler -> deferred_init -> fully_sharded -> wrap; then checkpoint and pretrained (files on disk) and even_batches;
 last, lightning (``FSDPMPIStrategy``, imported only on its own: it needs PyTorch Lightning).
 """

@@ -69,7 +69,8 @@ class CollectiveLog:
 
     def __init__(self, capacity: int = RECORDS_KEPT):
         self.records: deque[CollectiveRecord] = deque(maxlen=capacity)
-        self.blocked: tuple[CollectiveRecord, float, float, int] | None = None  # record, since, timeout, rank
+        # Per thread (the main one, a communication thread): (record, since, timeout, rank) while blocked.
+        self.blocked: dict[int, tuple[CollectiveRecord, float, float, int]] = {}
         self._watchdog: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -83,11 +84,12 @@ class CollectiveLog:
         """Marks this rank as waiting in `record` (watched if `timeout` > 0); `finishes` stamps its end time."""
         if timeout > 0:
             self._start_watchdog()
-        self.blocked = (record, time.monotonic(), timeout, rank)
+        thread = threading.get_ident()
+        self.blocked[thread] = (record, time.monotonic(), timeout, rank)
         try:
             yield
         finally:
-            self.blocked = None
+            del self.blocked[thread]
             if finishes:
                 record.finished = time.monotonic()
 
@@ -111,15 +113,14 @@ class CollectiveLog:
 
     def _watch(self) -> None:
         while True:
-            blocked = self.blocked
-            if blocked is None:
-                time.sleep(0.5)
-                continue
-            record, since, timeout, rank = blocked
-            waited = time.monotonic() - since
-            if timeout > 0 and waited >= timeout:
-                abort_job(self._timeout_message(record, waited, timeout, rank))
-            time.sleep(min(0.5, max(timeout - waited, 0.01)) if timeout > 0 else 0.5)
+            pause = 0.5
+            for record, since, timeout, rank in list(self.blocked.values()):
+                waited = time.monotonic() - since
+                if timeout > 0 and waited >= timeout:
+                    abort_job(self._timeout_message(record, waited, timeout, rank))
+                if timeout > 0:
+                    pause = min(pause, max(timeout - waited, 0.01))
+            time.sleep(pause)
 
     def _timeout_message(self, record: CollectiveRecord, waited: float, timeout: float, rank: int) -> str:
         return (

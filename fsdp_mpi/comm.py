@@ -34,6 +34,7 @@ import numpy
 import torch
 from mpi4py import MPI
 
+from fsdp_mpi.background import CommunicationThread, Started, threads_may_call_mpi_at_once
 from fsdp_mpi.collective_log import PROCESS_LOG, VERIFY_ENV, CollectiveRecord, timeout_from_environment
 from fsdp_mpi.gpu_support import FORCE_STAGING_ENV, describe_device_path, env_flag, mpi_is_cuda_aware
 from fsdp_mpi.launcher import check_launcher_agrees
@@ -63,14 +64,18 @@ class Pending:
     own references (a temporary send buffer, say) cannot free them under MPI.
     """
 
-    def __init__(self, comm: "Communicator", request=None, record: CollectiveRecord | None = None, buffers=()):
+    def __init__(self, comm: "Communicator", request=None, record: CollectiveRecord | None = None, buffers=(),
+                 started: Started | None = None):
         self._comm, self._request, self._record, self._buffers = comm, request, record, buffers
+        self._started = started  # a staged collective on the communication thread (``background.py``)
 
     def wait(self) -> None:
         if self._request is not None:
             with self._comm._waiting(self._record):
                 self._request.Wait()
-            self._request, self._buffers = None, ()
+        if self._started is not None:
+            self._started.wait()  # the worker's own collective is watched and timed where it runs
+        self._request, self._started, self._buffers = None, None, ()
 
 
 class DeviceBuffer:
@@ -159,6 +164,8 @@ class Communicator:
         self.staging_chunk_bytes = STAGING_CHUNK_BYTES
         self.traffic = Traffic()  # shared with the communicators split from this one
         self._staged = StagedCollectives()
+        # Where the library lets two threads call MPI at once, staged collectives started early run there.
+        self._background = CommunicationThread() if threads_may_call_mpi_at_once() else None
 
     @property
     def device_path(self) -> str:
@@ -281,11 +288,15 @@ class Communicator:
     def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> Pending:
         """Like ``all_gather_into``, returning before the data has arrived: ``wait()`` before reading `full`.
 
-        Only a direct (unstaged, unchunked) transfer is left running; the others complete here.
-        MPI moves the data when its progress engine runs: inside later MPI calls, or in
-        the background where the library has a progress thread or offloads to hardware.
+        A staged transfer runs on the communication thread (``background.py``). A direct
+        (unchunked) one is a nonblocking MPI call: MPI moves the data when its progress
+        engine runs, inside later MPI calls, or in the background where the library has a
+        progress thread or offloads to hardware. Others complete here.
         """
         self._check_pair(full, shard, "start_all_gather_into")
+        if self.world_size > 1 and self._needs_staging(full) and self._background is not None:
+            started = self._background.start(partial(self.all_gather_into, full, shard, unit), full.device)
+            return Pending(self, buffers=(full, shard), started=started)
         if self.world_size == 1 or self._needs_staging(full) or shard.numel() > self.max_elements_per_message:
             self.all_gather_into(full, shard, unit)
             return Pending(self)
@@ -298,6 +309,9 @@ class Communicator:
     def start_reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> Pending:
         """Like ``reduce_scatter_sum``, returning at once: `shard` holds the sum after ``wait()``."""
         self._check_pair(full, shard, "start_reduce_scatter_sum")
+        if self.world_size > 1 and self._needs_staging(full) and self._background is not None:
+            started = self._background.start(partial(self.reduce_scatter_sum, shard, full, unit), full.device)
+            return Pending(self, buffers=(full, shard), started=started)
         direct = (self.world_size > 1 and not self._needs_staging(full)
                   and shard.numel() <= self.max_elements_per_message)
         if not direct or shard.dtype in _SUM_IN_FP32 or (full.is_cuda and not self.device_reductions_in_background):
@@ -424,6 +438,8 @@ class Communicator:
         `sent` is the tensor this rank contributes (its size and dtype are logged).
         A nonblocking call passes ``finishes=False``: its ``Pending.wait()`` completes the record.
         """
+        if self._background is not None:  # what was handed to the communication thread goes first
+            self._background.wait_for_all()
         if sent is not None:
             numel, dtype = sent.numel(), str(sent.dtype).removeprefix("torch.")
         record = PROCESS_LOG.begin(self.collectives_started, operation, unit, numel, dtype)

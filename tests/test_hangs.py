@@ -131,4 +131,4 @@ def test_the_log_keeps_only_the_last_records_in_order():
             pass
     assert [record.sequence for record in log.records] == [2, 3, 4]
     assert log.recent().splitlines()[0].startswith("  #2 all_gather of unit 'h.0', sending 10 float32: took ")
-    assert log.blocked is None
+    assert log.blocked == {}

@@ -136,6 +136,9 @@ MUTANTS = {
     "one rank gathers through MPI": (
         "fsdp_mpi/comm.py", "        if self.world_size == 1:\n            _copy_unless_same(full, shard)",
         "        if False:\n            _copy_unless_same(full, shard)", [ONE_RANK]),
+    "started staged collectives complete before start returns": (
+        "fsdp_mpi/comm.py", "self._background = CommunicationThread() if threads_may_call_mpi_at_once() else None",
+        "self._background = None", [COLLECTIVES]),
     "FSDP_MPI_FORCE_STAGING is ignored": (
         "fsdp_mpi/comm.py", "bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None", "False if force_staging is None",
         [STAGING_VARIABLE]),

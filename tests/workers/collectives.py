@@ -5,6 +5,8 @@ rank r's full buffer (r + 1) * arange(N*S) averages to (N + 1) / 2 * arange(N*S)
 All values are small integers (or halves), exact in every dtype tested.
 """
 
+import time
+
 import torch
 from common import output_path, write_json
 
@@ -63,6 +65,41 @@ def device_buffers(comm: Communicator, dtype: torch.dtype) -> dict:
             "device_buffer_all_gather": torch.equal(received, everything)}
 
 
+def started_while_the_partner_is_away(comm: Communicator, dtype: torch.dtype) -> dict:
+    """A started staged collective returns before its partners have joined: the communication thread runs it.
+
+    Rank 0 starts an all-gather, then messages rank 1 over a side channel; rank 1
+    joins the all-gather only after that message (or, if it never comes, after
+    20 s, and reports that start blocked). Then the same for a reduce-scatter.
+    """
+    side = comm.mpi_comm.Dup()
+    n, r = comm.world_size, comm.rank
+    everything = torch.arange(n * S, dtype=dtype)
+    results = {}
+    for what in ("start_all_gather", "start_reduce_scatter_sum"):
+        received = torch.empty(n * S if what == "start_all_gather" else S, dtype=dtype)
+        returned_first = True
+        if r == 1:
+            deadline = time.monotonic() + 20
+            while not side.Iprobe(source=0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            returned_first = side.Iprobe(source=0)
+        if what == "start_all_gather":
+            pending = comm.start_all_gather_into(received, everything[r * S:(r + 1) * S].clone())
+        else:
+            pending = comm.start_reduce_scatter_sum(received, everything * (r + 1))
+        if r == 0:
+            side.send("returned", dest=1)
+        pending.wait()
+        if r == 1:
+            side.recv(source=0)
+        expected = everything if what == "start_all_gather" else everything[r * S:(r + 1) * S] * (n * (n + 1) // 2)
+        results[f"{what}/returns_before_the_partner_joins"] = returned_first
+        results[f"{what}/in_background_equals"] = torch.equal(received, expected)
+    side.Free()
+    return results
+
+
 if __name__ == "__main__":
     report = {}
     for staging in (False, True):
@@ -78,6 +115,9 @@ if __name__ == "__main__":
     for name, dtype in DTYPES.items():
         for what, ok in device_buffers(comm, dtype).items():
             report[f"{what}/{name}"] = all(comm.allgather_object(ok))
+    staged = Communicator(force_staging=True)
+    for what, ok in started_while_the_partner_is_away(staged, torch.float32).items():
+        report[f"{what}/staged"] = all(staged.allgather_object(ok))
     report["sum_and_max_of_floats"] = [comm.allreduce_sum_float(comm.rank + 0.5),
                                        comm.allreduce_max_float(-comm.rank)]
     write_json(output_path(), report)

@@ -3,7 +3,8 @@
 Each variant must give bit-identical parameters to plain FULL_SHARD with direct
 MPI buffers: forced host staging, messages split into tiny chunks, SHARD_GRAD_OP,
 activation checkpointing inside each block, and prefetching with asynchronous
-reduce-scatter.
+reduce-scatter, direct and staged (the staged collectives then run on the
+communication thread).
 """
 
 import copy
@@ -48,6 +49,9 @@ if __name__ == "__main__":
         "checkpointed": train(with_checkpointing(copy.deepcopy(initial)), comm),
         "overlapped": train(copy.deepcopy(initial), comm, forward_prefetch=True, backward_prefetch=True,
                             async_reduce_scatter=True),
+        # staged, so prefetches and reductions run on the communication thread beside the main one
+        "staged_overlapped": train(copy.deepcopy(initial), Communicator(force_staging=True), forward_prefetch=True,
+                                   backward_prefetch=True, async_reduce_scatter=True),
     }
     direct = train(copy.deepcopy(initial), comm)
     if comm.rank == 0:

@@ -1,0 +1,94 @@
+"""A communication thread per communicator, so that a staged collective started early runs behind compute.
+
+A staged collective (``staging.py``) is host work: copy chunks out, call MPI,
+copy chunks back. Started on the main thread it would run to its end before the
+main thread could queue the next kernel, so a prefetch or an asynchronous
+reduce-scatter on that path would overlap nothing. Here ``start()`` hands the
+whole collective to one worker thread and returns; MPI and the copies run while
+the main thread goes on queueing compute (mpi4py and torch release the GIL
+inside their calls); ``wait()`` on the returned handle joins it.
+
+The ranks must still enter every collective of a communicator in the same
+order. The worker runs its collectives first come, first served, and a
+collective called on the main thread first waits for everything handed to the
+worker (``wait_for_all()``, called by every ``Communicator`` collective). So each
+rank issues its collectives in program order, whichever thread issues them.
+Two threads may then be inside MPI at once only on different communicators
+(a replica all-reduce beside a shard group's prefetch), which MPI allows at
+``MPI_THREAD_MULTIPLE``; where the library gives less, nothing is handed over and
+a started staged collective completes before ``start()`` returns, as before.
+"""
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+
+
+def threads_may_call_mpi_at_once() -> bool:
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+class CommunicationThread:
+    """Runs the collectives handed to it one at a time, in order, on a worker thread started on first use.
+
+    On a GPU the worker queues its device work (staging copies, casts) on a side
+    stream of its own, which first waits for what the caller's stream had queued
+    when the collective was started, and no longer: compute queued after that
+    runs beside the collective. Waiting for the collective makes the caller's
+    stream wait for the side stream's work.
+    """
+
+    def __init__(self):
+        self._executor: ThreadPoolExecutor | None = None
+        self._worker: threading.Thread | None = None
+        self._queued: list[Future] = []
+        self._side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+    def start(self, collective: Callable[[], None], device: torch.device) -> "Started":
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_mpi communication")
+        caller_stream = ready = side = None
+        if device.type == "cuda":
+            caller_stream = torch.cuda.current_stream(device)
+            ready = torch.cuda.Event()
+            ready.record(caller_stream)
+            side = self._side_streams.setdefault(device, torch.cuda.Stream(device))
+        self._queued = [future for future in self._queued if not future.done()]
+        future = self._executor.submit(self._run, collective, ready, side)
+        self._queued.append(future)
+        return Started(future, caller_stream)
+
+    def _run(self, collective: Callable[[], None], ready, side):
+        self._worker = threading.current_thread()
+        if side is None:
+            collective()
+            return None
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            collective()
+            done = torch.cuda.Event()
+            done.record(side)
+        return done
+
+    def wait_for_all(self) -> None:
+        """Completes every collective queued so far (re-raising what one raised); a no-op on the worker."""
+        if not self._queued or threading.current_thread() is self._worker:
+            return
+        queued, self._queued = self._queued, []
+        for future in queued:
+            future.result()
+
+
+class Started:
+    """One collective handed to the worker; ``wait()`` completes it and every one queued before it."""
+
+    def __init__(self, future: Future, caller_stream):
+        self._future, self._caller_stream = future, caller_stream
+
+    def wait(self) -> None:
+        done = self._future.result()
+        if done is not None:
+            self._caller_stream.wait_event(done)
