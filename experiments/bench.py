@@ -34,6 +34,9 @@ which needs a GPU per rank: with fewer GPUs their rows say they were not run.
 
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
+``plain+compile`` and ``fsdp-mpi+compile`` compile each GPT-2 block in place
+(``block.compile()``, inductor); give ``--warmup 2`` or more, so that compiling
+is not timed.
 A ``:PRECISION`` suffix (``fsdp-mpi:bf16-mixed``, ``ddp:bf16-mixed``) picks the
 experiments' ``--precision``.
 """
@@ -69,6 +72,7 @@ def available_memory_bytes() -> int:
 
 
 OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
+COMPILE = "compile"  # plain+compile, fsdp-mpi+compile: each GPT-2 block compiled in place (inductor)
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 
@@ -255,8 +259,9 @@ def main() -> int:
     for item in args.strategies.split(","):
         name, _, ranks = item.strip().partition("@")
         base, *overlap = name.partition(":")[0].split("+")
-        if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") or not set(overlap) <= set(OVERLAP) \
-                or (overlap and base != "fsdp-mpi"):
+        if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
+                or not set(overlap) <= {*OVERLAP, COMPILE} or (set(overlap) - {COMPILE} and base != "fsdp-mpi") \
+                or (COMPILE in overlap and base not in ("plain", "fsdp-mpi")):
             parser.error(f"unknown strategy {name!r}")
         if base == "lightning-ddp" and args.device == "cuda":
             parser.error("lightning-ddp is benchmarked on the CPU only; on a GPU compare plain, fsdp-mpi and torch-fsdp")
