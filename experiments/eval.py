@@ -35,7 +35,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 import run_bert
 import run_gpt2
 from compare import markdown
-from data import DataError
+from corpora.files import DataError
 from options import RunConfig, UsageError
 from results import EVAL_COLUMNS, CsvWriter, git_commit
 from saved_run import SavedRunError, read_run_file

@@ -8,9 +8,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from data import default_data_dir
-from datasets import IGNORE_INDEX, MASK_FRACTION, cornell_pairs
-from tokenization import BertTokenizer
+from corpora.files import default_data_dir
+from corpora.datasets import IGNORE_INDEX, MASK_FRACTION, cornell_pairs
+from corpora.tokenization import BertTokenizer
 from options import RunConfig, UsageError, argument_parser
 from training import main
 

@@ -9,9 +9,9 @@ import sys
 from dataclasses import dataclass
 
 import torch.nn.functional as F
-from data import default_data_dir
-from datasets import shakespeare_windows
-from tokenization import CharTokenizer, GPT2Tokenizer, save_description
+from corpora.files import default_data_dir
+from corpora.datasets import shakespeare_windows
+from corpora.tokenization import CharTokenizer, GPT2Tokenizer, save_description
 from options import RunConfig, UsageError, argument_parser
 from training import main
 

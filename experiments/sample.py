@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import torch
-from data import DataError, default_data_dir
-from tokenization import tokenizer_from_description
+from corpora.files import DataError, default_data_dir
+from corpora.tokenization import tokenizer_from_description
 from training import communicator_for_the_run
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from data import DataError
+from corpora.files import DataError
 from options import RunConfig, UsageError, check_checkpoint_options, check_config
 from recipe import optimizer_and_schedule
 from recorder import RunRecorder

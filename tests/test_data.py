@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
-from data import DataError, data_file, read_cornell, read_text
-from datasets import IGNORE_INDEX, NOT_NEXT, SentencePairs, _truncate_pair, cornell_pairs, shakespeare_windows
+from corpora import files
+from corpora.datasets import IGNORE_INDEX, NOT_NEXT, SentencePairs, _truncate_pair, cornell_pairs, shakespeare_windows
+from corpora.files import DataError, data_file, read_cornell, read_text
+from corpora.tokenization import BertTokenizer, CharTokenizer, GPT2Tokenizer
 from sampling import global_batch_size, rank_batches, steps_per_epoch
-from tokenization import BertTokenizer, CharTokenizer, GPT2Tokenizer
 
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", Path(__file__).parents[2] / "shared" / "data"))
 needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(),
@@ -94,7 +94,7 @@ def test_download_extracts_cornell_files_from_the_zip(tmp_path, monkeypatch):
         z.writestr("cornell movie-dialogs corpus/movie_conversations.txt", "u0 +++$+++ u1 +++$+++ m0 +++$+++ ['L1', 'L2']\n")
         z.writestr("cornell movie-dialogs corpus/movie_lines.txt", "L1 +++$+++ u0 +++$+++ m0 +++$+++ A +++$+++ Hi.\n"
                    "L2 +++$+++ u1 +++$+++ m0 +++$+++ B +++$+++ Hello.\n")
-    monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(archive.getvalue()))
+    monkeypatch.setattr(files.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(archive.getvalue()))
     corpus = read_cornell(tmp_path)
     assert corpus.dialogues == [["Hi.", "Hello."]] and corpus.speakers == [["A", "B"]] and corpus.skipped == 0
     assert (tmp_path / "cornell_movie_dialogs/movie_lines.txt").is_file()

@@ -1,4 +1,4 @@
-"""Training samples for the two experiments, built from the corpora in ``data``.
+"""Training samples for the two experiments, built from the corpora that ``files`` reads.
 
 GPT-2: Tiny Shakespeare, split 90/10 by position, cut into non-overlapping
 windows of seq_len + 1 tokens (inputs and next-token targets).
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from data import DataError, data_file, read_cornell, read_text
+from corpora.files import DataError, data_file, read_cornell, read_text
 
 IGNORE_INDEX = -100
 IS_NEXT, NOT_NEXT = 0, 1  # Hugging Face's next-sentence label convention

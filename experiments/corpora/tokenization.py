@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from data import data_file
+from corpora.files import data_file
 
 
 class CharTokenizer:
