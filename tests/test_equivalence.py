@@ -43,6 +43,7 @@ def test_four_ranks_with_empty_parts(tmp_path):
     check_equivalence(json.loads(out.read_text()))
 
 
+@pytest.mark.one_mpi  # the sharding layer's handling of these models; their collectives are the matrix's
 def test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process(tmp_path):
     """ALBERT's one layer group computes 4 times per forward; BERT with frozen whole units (the gradient flows
     through them) and frozen parameters inside units and the root (see workers/equivalence.py)."""
@@ -54,6 +55,7 @@ def test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process(tmp_
     check_equivalence(results)
 
 
+@pytest.mark.one_mpi  # compiled code around the same collectives as eager
 def test_compiled_units_and_a_compiled_model_train_as_one_eager_process(tmp_path):
     """torch.compile (inductor) on each wrapped unit's module, and on the whole wrapped model, on 2 ranks: the
     same step checks as eager sharding, against one eager process (compiled kernels round differently,
