@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 from profiling import slowest_rank_seconds
-from strategies import init_torch_distributed
+from training.strategies import init_torch_distributed
 
 from fsdp_mpi import Communicator
 

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from results import measured_peak_flops, model_state_bytes, peak_rss_mb, published_peak_flops
-from strategies import PRECISIONS, Prepared, node_placement, prepare, torch_amp
+from training.results import measured_peak_flops, model_state_bytes, peak_rss_mb, published_peak_flops
+from training.strategies import PRECISIONS, Prepared, node_placement, prepare, torch_amp
 
 from fsdp_mpi import Communicator, ShardingStrategy
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config

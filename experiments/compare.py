@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from results import COLUMNS, EVAL_COLUMNS, STEP_COLUMNS
+from training.results import COLUMNS, EVAL_COLUMNS, STEP_COLUMNS
 
 GROUP = ["experiment", "model", "strategy", "precision", "world_size"]
 EVAL_SHOWN = ["run_id", "model", "world_size", "precision", "batch_size", "size_mb", "val_loss", "val_perplexity",

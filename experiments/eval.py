@@ -36,12 +36,12 @@ import run_bert
 import run_gpt2
 from compare import markdown
 from corpora.files import DataError
-from options import RunConfig, UsageError
-from results import EVAL_COLUMNS, CsvWriter, git_commit
-from saved_run import SavedRunError, read_run_file
-from strategies import node_placement
-from training import (announce_devices, communicator_for_the_run, evaluate, pick_device, set_up_rank_0_first,
-                      to_device)
+from training.evaluation import evaluate, to_device
+from training.options import RunConfig, UsageError
+from training.results import EVAL_COLUMNS, CsvWriter, git_commit
+from training.saved_run import SavedRunError, read_run_file
+from training.startup import announce_devices, communicator_for_the_run, pick_device, set_up_rank_0_first
+from training.strategies import node_placement
 
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, PretrainedError,
                       abort_job_on_uncaught_exception, load_pretrained)

@@ -42,7 +42,7 @@ def saved_activation_bytes(model, inputs, targets) -> int:
 def measure_profile(args) -> Profile:
     """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as bench_worker.py does."""
     import torch
-    from strategies import prepare
+    from training.strategies import prepare
 
     from fsdp_mpi import Communicator
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from corpora.files import default_data_dir
 from corpora.datasets import IGNORE_INDEX, MASK_FRACTION, cornell_pairs
 from corpora.tokenization import BertTokenizer
-from options import RunConfig, UsageError, argument_parser
-from training import main
+from training.options import RunConfig, UsageError, argument_parser
+from training.run import main
 
 from models.bert import BERT_CONFIGS, BertForPreTraining, BertLayer, bert_config
 

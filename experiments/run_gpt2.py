@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from corpora.files import default_data_dir
 from corpora.datasets import shakespeare_windows
 from corpora.tokenization import CharTokenizer, GPT2Tokenizer, save_description
-from options import RunConfig, UsageError, argument_parser
-from training import main
+from training.options import RunConfig, UsageError, argument_parser
+from training.run import main
 
 from models.gpt2 import GPT2_CONFIGS, GPT2Block, GPT2LMHeadModel, gpt2_config
 

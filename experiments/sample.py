@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from corpora.files import DataError, default_data_dir
 from corpora.tokenization import tokenizer_from_description
-from training import communicator_for_the_run
+from training.startup import communicator_for_the_run
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
 from models.checkpoint import CheckpointError

@@ -8,7 +8,7 @@
 # are the same command. Add --checkpoint-every N to the arguments to save also every N optimizer steps,
 # in case a node fails (#SBATCH --requeue then requeues the job by itself).
 
-STOPPED_WITH_CHECKPOINT=3                  # the experiments' exit code for it (experiments/resume.py)
+STOPPED_WITH_CHECKPOINT=3                  # the experiments' exit code for it (experiments/training/resume.py)
 MAX_REQUEUES="${MAX_REQUEUES:-20}"         # a bound, should each allocation end before the run gets anywhere
 
 run_resumable() {

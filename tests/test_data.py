@@ -12,7 +12,7 @@ from corpora import files
 from corpora.datasets import IGNORE_INDEX, NOT_NEXT, SentencePairs, _truncate_pair, cornell_pairs, shakespeare_windows
 from corpora.files import DataError, data_file, read_cornell, read_text
 from corpora.tokenization import BertTokenizer, CharTokenizer, GPT2Tokenizer
-from sampling import global_batch_size, rank_batches, steps_per_epoch
+from training.sampling import global_batch_size, rank_batches, steps_per_epoch
 
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", Path(__file__).parents[2] / "shared" / "data"))
 needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(),

@@ -9,7 +9,7 @@ import sys
 import pytest
 from test_experiments import EXPERIMENTS, QUICK, launch, needs_data, read_rows
 
-from results import EVAL_COLUMNS
+from training.results import EVAL_COLUMNS
 
 pytestmark = [needs_data, pytest.mark.one_mpi]  # one_mpi: evaluation's logic, not the MPI library
 

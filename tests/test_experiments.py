@@ -15,9 +15,9 @@ from torch import nn
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
 from models.bert import BertForPreTraining, BertLayer, bert_config
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
-from recipe import optimizer_and_schedule, parameter_groups
-from results import COLUMNS, STEP_COLUMNS
-from sampling import Batching, epoch_steps, total_optimizer_steps
+from training.recipe import optimizer_and_schedule, parameter_groups
+from training.results import COLUMNS, STEP_COLUMNS
+from training.sampling import Batching, epoch_steps, total_optimizer_steps
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))

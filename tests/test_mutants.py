@@ -173,7 +173,7 @@ MUTANTS = {
         "fsdp_mpi/checkpoint.py", "writes_elements = replicas is None or replicas.rank == 0", "writes_elements = True",
         [STRATEGIES]),
     "validation reports one rank's share": (
-        "experiments/training.py", "comm.all_reduce_sum_(torch.from_numpy(summed))", "pass", [EVAL_RANKS]),
+        "experiments/training/evaluation.py", "comm.all_reduce_sum_(torch.from_numpy(summed))", "pass", [EVAL_RANKS]),
     "int8 quantizes nothing": (
         "experiments/eval.py", "return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8, inplace=True)",
         "return model", [EVAL_SIZES]),

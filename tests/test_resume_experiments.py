@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from mpi_launch import mpiexec
-from resume import FORMAT, STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT, ResumeError, RunCheckpoints
+from training.resume import FORMAT, STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT, ResumeError, RunCheckpoints
 from test_checkpoint import assert_same_parameters_and_optimizer_state
 from test_experiments import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
 

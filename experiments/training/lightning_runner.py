@@ -18,14 +18,15 @@ from lightning.pytorch.plugins.environments import MPIEnvironment
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torch.utils.data import DataLoader, Dataset
 
-from options import RunConfig
-from recipe import optimizer_and_schedule
-from recorder import RunRecorder
-from results import model_state_bytes
-from resume import EpochTally
-from sampling import epoch_steps, total_optimizer_steps
-from strategies import full_state_dict_on_rank0
-from training import build_model, evaluate, save_trained
+from training.evaluation import evaluate
+from training.options import RunConfig
+from training.recipe import optimizer_and_schedule
+from training.recorder import RunRecorder
+from training.results import model_state_bytes
+from training.resume import EpochTally
+from training.sampling import epoch_steps, total_optimizer_steps
+from training.saved_run import save_trained
+from training.strategies import build_model, full_state_dict_on_rank0
 
 from fsdp_mpi import Communicator, full_state_dict
 from fsdp_mpi.lightning import FSDPMPIStrategy
@@ -159,5 +160,5 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
             state = {name.removeprefix("model."): tensor for name, tensor in state.items()} if state else None
         else:  # DDP trained `model` in place, whole on every rank
             state = full_state_dict_on_rank0(config.strategy, model, comm)
-        save_trained(task, state, config, recorder)
+        save_trained(task, state, config, recorder.fixed)
     return recorder.finish()

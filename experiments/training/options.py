@@ -1,6 +1,6 @@
 """The experiments' command line, the ``RunConfig`` it becomes, and the checks that refuse what cannot run.
 
-The parser exists only in ``training.main``: it turns the command line into a
+The parser exists only in ``run.main``: it turns the command line into a
 ``RunConfig`` (frozen; field names are the options' names), and everything after
 reads that. A checkpoint compares its fields on resume, and ``run.json`` records them.
 """
@@ -9,9 +9,9 @@ import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from resume import LATEST
-from sampling import Batching
-from strategies import PRECISIONS, STRATEGIES
+from training.resume import LATEST
+from training.sampling import Batching
+from training.strategies import PRECISIONS, STRATEGIES
 
 
 class UsageError(Exception):

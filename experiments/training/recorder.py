@@ -1,6 +1,6 @@
 """The CSV rows a training run writes: one per epoch, and one per optimizer step (its loss curve).
 
-Both the training loop (``training``) and Lightning's runner hand each epoch's
+Both our training loop (``loop``) and Lightning's runner hand each epoch's
 ``EpochTally`` to one ``RunRecorder``; the columns are ``results.COLUMNS`` and
 ``results.STEP_COLUMNS``.
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy
 import torch
 
-from options import RunConfig
-from results import STEP_COLUMNS, CsvWriter, git_commit, measured_peak_flops, peak_rss_mb
-from resume import EpochTally
+from training.options import RunConfig
+from training.results import STEP_COLUMNS, CsvWriter, git_commit, measured_peak_flops, peak_rss_mb
+from training.resume import EpochTally
 
 from fsdp_mpi import Communicator
 

@@ -1,4 +1,4 @@
-"""What a ``--save-dir`` directory says about the run that trained it: ``run.json`` beside the weights.
+"""A ``--save-dir`` directory: the trained weights in Hugging Face's layout, and ``run.json`` beside them.
 
 The weights (``model.safetensors``, ``config.json``) say what the model is; ``run.json``
 says how it was trained: the experiment, its options (model, sequence length,
@@ -9,6 +9,8 @@ from it, so a user names only the directory.
 import json
 from pathlib import Path
 
+from training.options import RunConfig
+
 RUN_FILE = "run.json"
 # Where things were on the machine that trained: meaningless elsewhere, so not kept.
 MACHINE_PATHS = ("data_dir", "out_dir", "save_dir", "checkpoint_dir")
@@ -16,6 +18,22 @@ MACHINE_PATHS = ("data_dir", "out_dir", "save_dir", "checkpoint_dir")
 
 class SavedRunError(Exception):
     """A directory that is not a complete ``--save-dir`` of run_gpt2.py or run_bert.py."""
+
+
+def save_trained(task, state: dict | None, config: RunConfig, trained: dict) -> None:
+    """Rank 0 writes the trained weights in Hugging Face's layout to --save-dir, the task's extras and run.json.
+
+    `trained`: the run's fixed CSV columns (``RunRecorder.fixed``).
+    """
+    if state is None:
+        return
+    directory = Path(config.save_dir)
+    model = task.build_model()
+    model.load_state_dict(state)
+    model.save_pretrained(directory)
+    if hasattr(task, "save_extras"):
+        task.save_extras(directory)
+    write_run_file(directory, trained["experiment"], config.as_dict(), trained)
 
 
 def write_run_file(directory: Path, experiment: str, options: dict, trained: dict) -> None:

@@ -74,6 +74,14 @@ def init_torch_distributed(comm: Communicator, device: torch.device) -> None:
     dist.init_process_group(backend, rank=comm.rank, world_size=comm.world_size)
 
 
+def build_model(task, seed: int, comm: Communicator):
+    """The same initial weights on every rank, then a different random stream per rank (dropout)."""
+    torch.manual_seed(seed)
+    model = task.build_model()
+    torch.manual_seed(seed * 1000 + 1 + comm.rank)
+    return model
+
+
 def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: Communicator,
             precision: str = "32", **fsdp_options) -> Prepared:
     """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones) at `precision`.
