@@ -44,12 +44,13 @@ experiments' ``--precision``.
 import argparse
 import csv
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from measuring import launch
 
 from models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
 
@@ -58,7 +59,7 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precis
 REPLICATED = ("plain", "ddp", "lightning-ddp")
 BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
 MEASURED = ["step_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb", "peak_gpu_mb",
-            "mpi_blocked_s", "comm_mb_per_step"]  # what bench_worker.py reports per run (peak_gpu_mb: on a GPU)
+            "mpi_blocked_s", "comm_mb_per_step"]  # what bench_worker reports per run (peak_gpu_mb: on a GPU)
 FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio",
           "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
           "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "mpi_blocked_s", "beyond_plain_s", "hidden_fraction",
@@ -77,7 +78,7 @@ MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 
 def run_one(spec: str, ranks: int, args) -> dict:
-    """Launches bench_worker.py for one strategy; its JSON, or a row explaining why there is none."""
+    """Launches measuring/bench_worker.py for one strategy; its JSON, or a row explaining why there is none."""
     spec, _, precision = spec.partition(":")
     precision = precision or "32"
     strategy, *overlap = spec.split("+")
@@ -92,14 +93,12 @@ def run_one(spec: str, ranks: int, args) -> dict:
                         f"({ranks} x 16 B x {parameters:,}), {available_memory_bytes() / 2**30:.1f} GiB available"}
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "result.json"
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        command = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks), sys.executable,
-                   str(Path(__file__).parent / "bench_worker.py"), "--strategy", strategy, "--json", str(output),
+        command = [*launch.bench_worker(ranks), "--strategy", strategy, "--json", str(output),
                    "--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(per_rank_batch(args, ranks)),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision,
                    "--sharding-strategy", args.sharding_strategy, "--device", args.device]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        env = launch.environment(OMP_NUM_THREADS=str(args.threads))
         if not args.malloc_as_shipped:
             env["GLIBC_TUNABLES"] = MALLOC_REUSE
         print(f"-- {spec} on {ranks} rank(s)", flush=True)

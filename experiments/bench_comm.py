@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
-from profiling import slowest_rank_seconds
+from measuring.profiling import slowest_rank_seconds
 from training.strategies import init_torch_distributed
 
 from fsdp_mpi import Communicator

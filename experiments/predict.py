@@ -12,8 +12,8 @@ many ranks, for sizes from 16 KiB to 128 MiB (a latency and a bandwidth per size
 both, then measures real steps of 2-4 ranks under FULL_SHARD, HYBRID_SHARD and
 NO_SHARD, interleaved in rounds, and reports the prediction's error per round.
 ``cluster`` computes a profile from FLOPs for hardware that is not here and
-prices collectives on a ring network of stated links. The model: costmodel.py
-and docs/design.md ("Predicting a run"); the profile and the timings: profiling.py.
+prices collectives on a ring network of stated links. The model: measuring/costmodel.py
+and docs/design.md ("Predicting a run"); the profile and the timings: measuring/profiling.py.
 """
 
 import argparse
@@ -25,13 +25,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from costmodel import STRATEGIES, Layout, Link, RingNetwork, predict, state_bytes
-from profiling import (SIZES, PredictError, load_network, load_profile, measure_profile, profile_from_flops,
-                       save_profile, time_collectives)
+from measuring import launch
+from measuring.costmodel import STRATEGIES, Layout, Link, RingNetwork, predict, state_bytes
+from measuring.launch import mpiexec
+from measuring.profiling import (SIZES, PredictError, load_network, load_profile, measure_profile,
+                                 profile_from_flops, save_profile, time_collectives)
 
 from models.gpt2 import GPT2_CONFIGS, gpt2_config
 
-HERE = Path(__file__).parent
 MiB = 2**20
 
 
@@ -39,16 +40,11 @@ MiB = 2**20
 
 
 def run_checked(command: list[str], what: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = launch.environment(OMP_NUM_THREADS="1")
     finished = subprocess.run(command, env=env, capture_output=True, text=True)
     if finished.returncode != 0:
         last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
         raise PredictError(f"{what} failed (exit {finished.returncode}): {last}")
-
-
-def mpiexec(ranks: int) -> list[str]:
-    launcher = Path(sys.executable).parent / "mpiexec"
-    return [str(launcher) if launcher.exists() else "mpiexec", "-n", str(ranks)]
 
 
 def model_options(args) -> list[str]:
@@ -67,7 +63,7 @@ def layouts(ranks: list[int], strategies: list[str], group_size: int):
 
 
 def validate(args) -> list[dict]:
-    """Rounds of: a one-rank profile, then each layout measured (bench_worker.py) and predicted from that profile.
+    """Rounds of: a one-rank profile, then each layout measured (bench_worker) and predicted from that profile.
 
     The collectives are timed once, before the rounds. Each row is
     one layout: the median over rounds of predicted / measured, with its range.
@@ -113,7 +109,7 @@ def validate(args) -> list[dict]:
 
 
 def measure_steps(args, layout: Layout, output: Path) -> dict:
-    command = [*mpiexec(layout.ranks), sys.executable, str(HERE / "bench_worker.py"), "--strategy", "fsdp-mpi",
+    command = [*launch.bench_worker(layout.ranks), "--strategy", "fsdp-mpi",
                *model_options(args), "--sharding-strategy", layout.strategy, "--json", str(output)]
     if layout.strategy == "HYBRID_SHARD":
         command += ["--hybrid-group-size", str(layout.shard_group)]

@@ -1,4 +1,4 @@
-"""The cost model (experiments/costmodel.py) and its command line (experiments/predict.py).
+"""The cost model (experiments/measuring/costmodel.py) and its command line (experiments/predict.py).
 
 Whether predictions are close to measured step times is a benchmark (predict.py
 validate, quoted in the closing notes), not a test: this machine's timings move
@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from costmodel import Collective, Layout, Link, MeasuredNetwork, Profile, RingNetwork, Unit, collectives, predict
+from measuring.costmodel import (Collective, Layout, Link, MeasuredNetwork, Profile, RingNetwork, Unit, collectives,
+                                 predict)
 from mpi_launch import REPO_ROOT, mpiexec
 
 pytestmark = pytest.mark.one_mpi  # the cost model's arithmetic and bookkeeping, not the MPI library

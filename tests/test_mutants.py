@@ -178,7 +178,7 @@ MUTANTS = {
         "experiments/eval.py", "return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8, inplace=True)",
         "return model", [EVAL_SIZES]),
     "the cost model forgets the backward all-gather": (
-        "experiments/costmodel.py", "if g > 1 and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
+        "experiments/measuring/costmodel.py", "if g > 1 and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
     "split communicators count their traffic nowhere": (
         "fsdp_mpi/comm.py", "child.traffic = self.traffic", "pass", [STRATEGIES]),
 }

@@ -1,6 +1,6 @@
 """What the cost model is fed: one rank's computation profile (measured here, or computed from FLOPs for
 hardware that is not here) and timings of fsdp-mpi's collectives. predict.py runs these as its ``profile``
-and ``time-comm`` commands; costmodel.py prices a step from them.
+and ``time-comm`` commands; ``costmodel`` prices a step from them.
 """
 
 import json
@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from costmodel import MeasuredNetwork, Profile, Unit
+from measuring.costmodel import MeasuredNetwork, Profile, Unit
 
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
@@ -40,7 +40,7 @@ def saved_activation_bytes(model, inputs, targets) -> int:
 
 
 def measure_profile(args) -> Profile:
-    """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as bench_worker.py does."""
+    """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as ``bench_worker`` does."""
     import torch
     from training.strategies import prepare
 

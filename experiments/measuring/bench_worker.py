@@ -1,14 +1,14 @@
 """One strategy's share of ``bench.py``: time training steps of GPT-2 on synthetic tokens, on the CPU or a GPU.
 
-Launched by bench.py as ``mpiexec -n N python experiments/bench_worker.py --strategy S ...``;
-rank 0 writes the measurements as JSON. Per step: the slowest rank's wall time, the busiest
-rank's CPU time (user + system, all its threads), the time a rank spent blocked in MPI
-(fsdp-mpi only) and the bytes of the step's collectives: counted by fsdp-mpi's communicator,
-counted at torch.distributed's Python entry points for torch FSDP2 (in one extra, untimed
-step), and for DDP (whose reducer calls C++ directly) the gradient bytes its all-reduces carry.
-On a GPU (``--device cuda``: each rank takes the GPU of its place on the node) a step ends when
-the GPU has finished it, MFU is against the GPU's published dense peak for the compute dtype,
-and the peak GPU memory per rank is reported beside the host's.
+Launched by bench.py and predict.py (``launch.bench_worker``) as ``mpiexec -n N python -m
+measuring.bench_worker --strategy S ...``; rank 0 writes the measurements as JSON. Per step: the
+slowest rank's wall time, the busiest rank's CPU time (user + system, all its threads), the time a
+rank spent blocked in MPI (fsdp-mpi only) and the bytes of the step's collectives: counted by
+fsdp-mpi's communicator, counted at torch.distributed's Python entry points for torch FSDP2 (in one
+extra, untimed step), and for DDP (whose reducer calls C++ directly) the gradient bytes its
+all-reduces carry. On a GPU (``--device cuda``: each rank takes the GPU of its place on the node) a
+step ends when the GPU has finished it, MFU is against the GPU's published dense peak for the
+compute dtype, and the peak GPU memory per rank is reported beside the host's.
 """
 
 import argparse
