@@ -8,8 +8,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from corpora.files import default_data_dir
 from corpora.datasets import IGNORE_INDEX, MASK_FRACTION, cornell_pairs
+from corpora.files import default_data_dir
 from corpora.tokenization import BertTokenizer
 from training.options import RunConfig, UsageError, argument_parser
 from training.run import main

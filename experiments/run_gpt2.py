@@ -9,8 +9,8 @@ import sys
 from dataclasses import dataclass
 
 import torch.nn.functional as F
-from corpora.files import default_data_dir
 from corpora.datasets import shakespeare_windows
+from corpora.files import default_data_dir
 from corpora.tokenization import CharTokenizer, GPT2Tokenizer, save_description
 from training.options import RunConfig, UsageError, argument_parser
 from training.run import main

@@ -1,0 +1,113 @@
+"""The layout's import arrows, read from the source (no MPI, nothing imported).
+
+experiments/ holds entry scripts at its top and library packages below them (corpora -> training -> measuring);
+fsdp_mpi/ is the layer they all stand on and imports none of them. A circle of imports, or an arrow into
+experiments/ or models/ from fsdp_mpi/, fails here with the modules named.
+"""
+
+import ast
+from pathlib import Path
+
+from mpi_launch import REPO_ROOT
+
+EXPERIMENTS = REPO_ROOT / "experiments"
+CORE = REPO_ROOT / "fsdp_mpi"
+
+
+def module_name(path: Path, root: Path) -> str:
+    """'training.loop' for experiments/training/loop.py, 'training' for its __init__.py, 'eval' for eval.py."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: Path, root: Path) -> set[str]:
+    """Every module `path` imports, absolute, and for ``from X import Y`` also ``X.Y`` (Y may be a module)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from .x import y inside a package
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def experiments_graph() -> dict[str, set[str]]:
+    """Each module under experiments/ and the modules under experiments/ it imports."""
+    paths = {module_name(path, EXPERIMENTS): path for path in EXPERIMENTS.rglob("*.py")}
+    return {name: {imported for imported in imported_names(path, EXPERIMENTS) if imported in paths and imported != name}
+            for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of arrows in `graph` (its nodes in order, the first repeated at the end), or None."""
+    state = dict.fromkeys(graph, "new")
+    trail: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        trail.append(node)
+        for target in sorted(graph[node]):
+            if state[target] == "open":
+                return trail[trail.index(target):] + [target]
+            if state[target] == "new" and (cycle := visit(target)):
+                return cycle
+        trail.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if state[node] == "new" and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle_and_passes_a_ladder():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_module_under_experiments_imports_in_a_circle():
+    graph = experiments_graph()
+    assert "training.loop" in graph and "run_gpt2" in graph, sorted(graph)  # the walk reached the packages
+    cycle = find_cycle(graph)
+    assert cycle is None, "experiments/ imports in a circle: " + " -> ".join(cycle)
+
+
+def test_experiments_packages_import_one_way_and_never_an_entry_script():
+    graph = experiments_graph()
+    packages = {name.split(".")[0] for name in graph if "." in name}
+    arrows: dict[str, set[str]] = {package: set() for package in packages}
+    for name, targets in graph.items():
+        if "." not in name:
+            continue  # an entry script may import anything
+        scripts = sorted(target for target in targets if "." not in target and target not in packages)
+        assert not scripts, f"library module {name} imports the entry script(s) {scripts}"
+        arrows[name.split(".")[0]] |= {target.split(".")[0] for target in targets} - {name.split(".")[0]}
+    cycle = find_cycle(arrows)
+    assert cycle is None, "experiments' packages import each other in a circle: " + " -> ".join(cycle)
+
+
+def test_fsdp_mpi_never_imports_experiments_or_models():
+    outside = {"experiments", "models"} | {name.split(".")[0] for name in experiments_graph()}
+    offending = {}
+    for path in CORE.rglob("*.py"):
+        names = {name.split(".")[0] for name in imported_names(path, REPO_ROOT)}
+        if names & outside:
+            offending[str(path.relative_to(REPO_ROOT))] = sorted(names & outside)
+    assert list(CORE.rglob("*.py")), CORE
+    assert not offending, f"fsdp_mpi/ must stand alone: {offending}"
+
+
+def test_every_entry_script_says_what_it_is_for_and_is_listed():
+    listing = (EXPERIMENTS / "README.md").read_text()
+    for path in sorted(EXPERIMENTS.glob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert docstring.strip(), f"{path.name} has no docstring saying what it is for"
+        assert f"`{path.name}`" in listing, f"experiments/README.md does not list {path.name}"
