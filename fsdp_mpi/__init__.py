@@ -3,15 +3,17 @@
     model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
 
-Read in this order: collective_log -> gpu_support -> staging -> background -> comm -> strategy -> flat_param -> mixed_precision
--> lifecycle -> state_dict -> clip -> grad_scaler -> deferred_init -> fully_sharded -> wrap; then checkpoint and pretrained (files on disk) and even_batches;
-last, lightning (``FSDPMPIStrategy``, imported only on its own: it needs PyTorch Lightning).
+Read in this order: collective_log -> gpu_support -> staging -> background -> comm -> strategy -> compression
+-> flat_param -> mixed_precision -> lifecycle -> state_dict -> clip -> grad_scaler -> deferred_init -> fully_sharded
+-> wrap; then checkpoint and pretrained (files on disk) and even_batches; last, lightning (``FSDPMPIStrategy``,
+imported only on its own: it needs PyTorch Lightning).
 """
 
 from fsdp_mpi.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_mpi.clip import clip_grad_norm_
 from fsdp_mpi.comm import CollectiveMismatchError, Communicator
+from fsdp_mpi.compression import Compression
 from fsdp_mpi.even_batches import even_batches
 from fsdp_mpi.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.grad_scaler import ShardedGradScaler
@@ -27,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
     "Communicator",
+    "Compression",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "PretrainedError",

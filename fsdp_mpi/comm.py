@@ -270,6 +270,37 @@ class Communicator:
                 self._wait_for_producer(part)
                 self._mpi_all_reduce(part)
 
+    def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, unit: str = "") -> None:
+        """received (world_size * K,) <- chunk `rank` of every rank's `sent` (world_size * K,), in rank order:
+        chunk j of `sent` (elements [j*K, (j+1)*K)) goes to rank j. It moves bits, no arithmetic: the
+        compressed gradient reduction (``compression.py``) sends encoded chunks and sums them itself."""
+        if received.numel() != sent.numel() or sent.numel() % self.world_size:
+            raise ValueError(f"all_to_all: {sent.numel()} elements sent, {received.numel()} received: both must be "
+                             f"the same multiple of {self.world_size} ranks")
+        if received.dtype != sent.dtype or not (received.is_contiguous() and sent.is_contiguous()):
+            raise ValueError("all_to_all: buffers must be contiguous and of one dtype")
+        if self.world_size == 1:
+            _copy_unless_same(received, sent)
+            return
+        self.bytes_moved["all_to_all"] += sent.numel() * sent.element_size()
+        if self._needs_staging(sent):
+            with self._collective("all_to_all", sent, unit):
+                self._staged.all_to_all(received, sent, self.world_size, self._staging_chunk_numel(sent),
+                                        self._mpi_all_to_all)
+            return
+        chunk_numel = sent.numel() // self.world_size
+        sent_by_rank, received_by_rank = sent.view(self.world_size, -1), received.view(self.world_size, -1)
+        for start in range(0, chunk_numel, self.max_elements_per_message):
+            stop = min(start + self.max_elements_per_message, chunk_numel)
+            whole = stop - start == chunk_numel
+            send = sent if whole else sent_by_rank[:, start:stop].contiguous()
+            receive = received if whole else torch.empty_like(send)
+            with self._collective("all_to_all", send, unit):
+                self._wait_for_producer(send)
+                self._mpi_all_to_all(send, receive)
+            if not whole:
+                received_by_rank[:, start:stop].copy_(receive)
+
     def split(self, color: int | None) -> "Communicator":
         """A communicator over the ranks that pass the same `color` (None: the ranks of this node), in rank
         order, with this one's settings. A group of one rank is its own only split."""
@@ -407,6 +438,9 @@ class Communicator:
 
     def _mpi_reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         self.mpi_comm.Reduce_scatter_block(_numbers(send), _numbers(recv), op=MPI.SUM)
+
+    def _mpi_all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self.mpi_comm.Alltoall(_bits(send), _bits(recv))
 
     def _mpi_all_reduce(self, tensor: torch.Tensor) -> None:
         self.mpi_comm.Allreduce(MPI.IN_PLACE, _numbers(tensor), op=MPI.SUM)

@@ -31,9 +31,12 @@ sums, and nothing divides afterwards. Autograd sums the gradient of every use
 ``reduce_gradient()`` reduce-scatters (in ``reduce_dtype``) into ``shard_grad``, of
 the shard's dtype; each sharded view's ``.grad`` is the matching slice of it.
 A 16-bit gradient (mixed precision) is not scaled, since 1/3 would round in 16
-bits: its fp32 sum is divided instead. State dicts and ``summon_full_params``
-gather the shards themselves into a separate buffer (``gather_shard_dtype()``),
-never ``full_flat``.
+bits: its fp32 sum is divided instead. Under ``Compression`` (``compression.py``)
+the gather moves the encoded fp32 shard and decodes it into ``full_flat``, and the
+reduction is an all-to-all of encoded gradient chunks summed here in fp32; the
+shard and ``shard_grad`` keep their layout and dtype. State dicts and
+``summon_full_params`` gather the shards themselves into a separate buffer
+(``gather_shard_dtype()``), never ``full_flat``.
 
 Every rank must flatten the same parameters in the same order, or the all-gather
 would silently mix up parameters; the unit checks this across ranks at wrap time.
@@ -45,6 +48,8 @@ import torch
 from torch import nn
 
 from fsdp_mpi.comm import Communicator
+from fsdp_mpi.compression import (CompressedAllGather, Compression, compressed_all_reduce_sum_,
+                                  compressed_reduce_scatter_sum)
 
 # Set on each original parameter once it is flattened, so that a second unit
 # claiming the same (shared) parameter is caught instead of silently untying it.
@@ -131,11 +136,14 @@ class FlatParamHandle:
             ``copy_into_shard()``.
         replicas: the ranks holding this same shard in other shard groups (HYBRID_SHARD,
             NO_SHARD), over which each reduced gradient is then averaged; None: none.
+        compression: how gathered weights and reduced gradients travel (``compression.py``; floating-point
+            parameters only); None: in ``param_dtype`` and ``reduce_dtype``.
     """
 
     def __init__(self, params: list[tuple[nn.Parameter, list[ParamUse]]], comm: Communicator, unit_name: str,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 device: torch.device | None = None, replicas: Communicator | None = None):
+                 device: torch.device | None = None, replicas: Communicator | None = None,
+                 compression: Compression | None = None):
         first = params[0][0]
         device = first.device if device is None or not first.is_meta else device
         self.comm = comm
@@ -145,6 +153,8 @@ class FlatParamHandle:
         low_precision_applies = first.is_floating_point()
         self.param_dtype = param_dtype if param_dtype and low_precision_applies else first.dtype
         self.reduce_dtype = reduce_dtype if reduce_dtype and low_precision_applies else first.dtype
+        compression = compression if compression is not None and low_precision_applies else Compression()
+        self.weight_codec, self.gradient_codec = compression.weight_codec, compression.gradient_codec
         self.numel = sum(param.numel() for param, _ in params)
         self.padded_numel = -(-self.numel // comm.world_size) * comm.world_size
         self.shard_numel = self.padded_numel // comm.world_size
@@ -217,6 +227,9 @@ class FlatParamHandle:
             self._allocate_full_storage()
             if self.comm.world_size == 1:  # a group of one: gathering is a cast (or nothing, when aliased)
                 self.full_flat.data.copy_(self.shard)
+            elif self.weight_codec is not None:  # the fp32 shard encoded, gathered, decoded into param_dtype
+                CompressedAllGather(self.comm, self.full_flat.data, self.shard, self.weight_codec,
+                                    self.unit_name).wait()
             else:
                 self.comm.all_gather_into(self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
 
@@ -226,8 +239,12 @@ class FlatParamHandle:
             self.unshard()
         elif self._pending_gather is None and not self.is_unsharded:
             self._allocate_full_storage()
-            self._pending_gather = self.comm.start_all_gather_into(
-                self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
+            if self.weight_codec is not None:  # decoded when unshard() waits for it
+                self._pending_gather = CompressedAllGather(self.comm, self.full_flat.data, self.shard,
+                                                           self.weight_codec, self.unit_name, start_only=True)
+            else:
+                self._pending_gather = self.comm.start_all_gather_into(
+                    self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
 
     def gather_shard_dtype(self) -> torch.Tensor:
         """A new (padded_numel,) buffer of every rank's shard, in the shard's own dtype (for state dicts)."""
@@ -293,7 +310,8 @@ class FlatParamHandle:
         by the number of ranks, unless it is 16-bit (then the sum is divided here).
         A handle that got no gradient this backward contributes zeros, so every
         rank takes part in the same collectives. `asynchronous` only
-        starts the reduce-scatter; ``finish_gradient_reduction()`` completes it.
+        starts the reduce-scatter; ``finish_gradient_reduction()`` completes it. A compressed
+        reduction (``Compression.gradients``) always completes here.
         """
         full_grad = self.full_flat.grad  # (padded_numel,) of param_dtype
         if full_grad is None:
@@ -305,7 +323,11 @@ class FlatParamHandle:
             self._average_over_replicas_and_accumulate(full_grad)
             return
         shard_grad = torch.empty_like(self.shard, dtype=self.reduce_dtype)  # (shard_numel,)
-        if asynchronous:
+        if self.gradient_codec is not None:  # an all-to-all of encoded chunks and a local sum: it completes here
+            compressed_reduce_scatter_sum(self.comm, shard_grad, full_grad.contiguous(), self.gradient_codec,
+                                          self.unit_name)
+            self._average_over_replicas_and_accumulate(shard_grad)
+        elif asynchronous:
             pending = self.comm.start_reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)
             self._pending_reduction = (pending, shard_grad)
         else:
@@ -328,7 +350,10 @@ class FlatParamHandle:
 
     def _average_over_replicas_and_accumulate(self, shard_grad: torch.Tensor) -> None:
         if self.replicas is not None:
-            self.replicas.all_reduce_sum_(shard_grad, self.unit_name)
+            if self.gradient_codec is not None:
+                compressed_all_reduce_sum_(self.replicas, shard_grad, self.gradient_codec, self.unit_name)
+            else:
+                self.replicas.all_reduce_sum_(shard_grad, self.unit_name)
         if not self.scale_in_backward and self.gradient_divisor > 1:
             shard_grad.div_(self.gradient_divisor)
         self._accumulate(shard_grad)

@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp_mpi.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.comm import Communicator
+from fsdp_mpi.compression import Compression
 from fsdp_mpi.deferred_init import is_deferred, materialize_into_shards
 from fsdp_mpi.gpu_support import report_device_path_once
 from fsdp_mpi.host_memory import keep_freed_host_memory_for_reuse
@@ -40,6 +41,8 @@ class FullyShardedDataParallel(nn.Module):
             ``FSDP_MPI_HYBRID_GROUP_SIZE``, else the ranks of each node.
         mixed_precision: ``MixedPrecision(param_dtype=torch.bfloat16)`` gathers and computes in bf16
             over fp32 master shards (see ``mixed_precision.py``). None: everything in the parameters' dtype.
+        compression: ``Compression(weights="int8", gradients="bf16")`` gathers weights and reduces gradients
+            in fewer bytes, whatever dtype the module computes in (see ``compression.py``). None: uncompressed.
         device: where the unit computes; the module is moved there. Defaults to the parameters' device.
         sync_module_states: broadcast rank 0's parameters and buffers first, so every rank starts identical
             (for a model on the meta device: rank 0's random generator state before initialising).
@@ -59,6 +62,7 @@ class FullyShardedDataParallel(nn.Module):
         auto_wrap_policy=None,
         sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
         mixed_precision: MixedPrecision | None = None,
+        compression: Compression | None = None,
         device: torch.device | str | int | None = None,
         sync_module_states: bool = True,
         forward_prefetch: bool = False,
@@ -76,6 +80,7 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision = MixedPrecision() if mixed_precision is None else mixed_precision
         if not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"mixed_precision must be a fsdp_mpi.MixedPrecision, got {mixed_precision!r}")
+        _check_compression(compression, mixed_precision)
         device = torch.device(device) if isinstance(device, (str, int)) else device
         check_module_can_be_sharded(module, device)
         comm = comm if isinstance(comm, Communicator) else Communicator(comm)
@@ -106,12 +111,13 @@ class FullyShardedDataParallel(nn.Module):
         if auto_wrap_policy is not None:
             def wrap_nested(child: nn.Module) -> FullyShardedDataParallel:
                 return FullyShardedDataParallel(child, comm=comm, sharding_strategy=sharding_strategy,
-                                                mixed_precision=mixed_precision, device=device, **overlap,
-                                                _groups=_groups)
+                                                mixed_precision=mixed_precision, compression=compression,
+                                                device=device, **overlap, _groups=_groups)
 
             apply_wrap_policy(module, auto_wrap_policy, wrap_nested, FullyShardedDataParallel)
         self.add_module(WRAPPED_MODULE, module)
-        self._unit = ShardedUnit(module, comm, _groups, sharding_strategy, overlap, mixed_precision, device)
+        self._unit = ShardedUnit(module, comm, _groups, sharding_strategy, overlap, mixed_precision, device,
+                                 compression)
         if deferred and not nested_in_wrap:
             materialize_into_shards(module, self._unit.units, param_init_fn, comm, sync_module_states)
 
@@ -204,6 +210,15 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _check_compression(compression: Compression | None, mixed_precision: MixedPrecision) -> None:
+    if compression is not None and not isinstance(compression, Compression):
+        raise TypeError(f"compression must be a fsdp_mpi.Compression, got {compression!r}")
+    if compression is not None and compression.gradients and mixed_precision.reduce_dtype is not None:
+        raise ValueError(f"Compression(gradients={compression.gradients!r}) and MixedPrecision(reduce_dtype="
+                         f"{mixed_precision.reduce_dtype}) both say how gradients are reduced: set only one "
+                         "(a compressed reduction always sums in fp32)")
 
 
 def _broadcast_module_states(module: nn.Module, comm: Communicator) -> None:

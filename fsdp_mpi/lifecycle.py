@@ -41,6 +41,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from fsdp_mpi.comm import Communicator
+from fsdp_mpi.compression import Compression
 from fsdp_mpi.execution_order import ExecutionOrder
 from fsdp_mpi.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
 from fsdp_mpi.mixed_precision import MixedPrecision, cast_floating_tensors
@@ -79,11 +80,13 @@ class ShardedUnit:
         sharding_strategy: a ``ShardingStrategy``.
         overlap: ``forward_prefetch``, ``backward_prefetch``, ``async_reduce_scatter`` flags.
         mixed_precision: the dtypes to gather, compute and reduce in.
+        compression: how gathered weights and reduced gradients travel (None: uncompressed).
         device: where shards of parameters on the meta device are created (deferred initialisation).
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, groups: ShardGroups, sharding_strategy: ShardingStrategy,
-                 overlap: dict, mixed_precision: MixedPrecision, device: torch.device | None = None):
+                 overlap: dict, mixed_precision: MixedPrecision, device: torch.device | None = None,
+                 compression: Compression | None = None):
         self.module = module
         self.comm = comm
         self.groups = groups
@@ -92,7 +95,7 @@ class ShardedUnit:
         self.mixed_precision = mixed_precision
         unit_name = type(module).__name__
         self.handles = [FlatParamHandle(params, groups.shard, unit_name, mixed_precision.param_dtype,
-                                        mixed_precision.reduce_dtype, device, groups.replicas)
+                                        mixed_precision.reduce_dtype, device, groups.replicas, compression)
                         for params in _group_unit_params(module)]
         for handle in self.handles:
             if handle.requires_grad:

@@ -78,6 +78,22 @@ class StagedCollectives:
                 reduce(send[world * a:world * b], recv[a:b])
                 pipeline.copy_in(shard[a:b], recv[a:b])
 
+    def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, world: int, chunk_numel: int,
+                   exchange: MpiStep) -> None:
+        """received (W * K,) <- chunk `rank` of every rank's `sent` (W * K,); ``exchange(send (W * c,), recv (W * c,))``
+        moves the same c columns of all W chunks at once."""
+        send = self.buffers.get("all_to_all_send", sent.numel(), sent.dtype)  # chunk after chunk, each (W, c)
+        recv = self.buffers.get("all_to_all_recv", received.numel(), received.dtype)
+        sent_by_rank, received_by_rank = sent.view(world, -1), received.view(world, -1)
+        chunks = chunk_bounds(sent_by_rank.shape[1], chunk_numel)
+        with _Pipeline(self, sent) as pipeline:
+            copied_out = [pipeline.copy_out(send[world * a:world * b].view(world, b - a), sent_by_rank[:, a:b])
+                          for a, b in chunks]
+            for (a, b), wait_until_copied in zip(chunks, copied_out):
+                wait_until_copied()
+                exchange(send[world * a:world * b], recv[world * a:world * b])
+                pipeline.copy_in(received_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))
+
     def in_place(self, tensor: torch.Tensor, chunk_numel: int, step: MpiStep, *, send: bool = True,
                  receive: bool = True, slot: str = "in_place") -> None:
         """``step(host (c,))`` on each chunk of the 1-D `tensor`, in place (all-reduce, broadcast).

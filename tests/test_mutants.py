@@ -43,6 +43,8 @@ STRATEGIES = "tests/test_strategies.py"
 EVAL_RANKS = "tests/test_eval.py::test_two_ranks_evaluate_the_whole_split_as_one_process_does"
 COST_COLLECTIVES = "tests/test_costmodel.py::test_each_strategy_issues_the_collectives_of_the_lifecycle"
 EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
+INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_half_a_step_of_each_blocks_absmax"
+RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
@@ -181,6 +183,12 @@ MUTANTS = {
         "experiments/measuring/costmodel.py", "if g > 1 and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
     "split communicators count their traffic nowhere": (
         "fsdp_mpi/comm.py", "child.traffic = self.traffic", "pass", [STRATEGIES]),
+    "a quantizer that ignores the scale": (
+        "fsdp_mpi/compression.py", "codes = torch.round(blocks / divisors)", "codes = torch.round(blocks)",
+        [INT8_ROUND_TRIP]),
+    "compressed gradients summed in low precision": (
+        "fsdp_mpi/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
+        [RANK_ORDER_SUM]),
 }
 
 

@@ -29,6 +29,9 @@ def test_hybrid_and_no_shard_train_as_one_process_keep_the_expected_bytes_and_ch
             flags = 4 * rank["parameter_tensors"]
             assert moved.get("all_reduce", 0) == (rank["padded_bytes"] // group if replicas > 1 else 0) + flags, strategy
     assert result["checkpoint_loads"] == [True] * 4  # saved under HYBRID_SHARD, loaded under FULL_SHARD
+    # int8 weights and gradients in groups of 2: the compressed replica all-reduce keeps replicas identical
+    assert result["compressed_hybrid"] == [{"bytes_as_closed_form": True, "loss_falls": True,
+                                            "replicas_identical": True}] * 4
 
     groups = result["groups"]
     assert groups["by_node"] == 4 and groups["from_environment"] == 2  # one machine is one node

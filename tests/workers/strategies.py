@@ -6,13 +6,15 @@ that load under any other strategy and rank count.
 
 import os
 import sys
+from collections import Counter
 
 import torch
 from common import gpt_batch, local_part, output_path, write_json
 from equivalence import run
 
-from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy, full_state_dict,
-                      load_checkpoint, save_checkpoint)
+from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy,
+                      full_state_dict, load_checkpoint, save_checkpoint)
+from fsdp_mpi.lifecycle import units_with_names
 from fsdp_mpi.strategy import HYBRID_GROUP_SIZE_ENV, ShardGroups
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
@@ -64,6 +66,45 @@ def checkpoint_loads_under_full_shard(comm: Communicator, directory: str) -> boo
     return sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved)
 
 
+def compressed_hybrid(comm: Communicator, block_size: int = 256) -> dict:
+    """HYBRID_SHARD with int8 weights and gradients (their bounds are checked in workers/compression.py): two
+    AdamW steps leave the replicas' shards bit-identical and lower the loss, and a step moves the closed form's
+    bytes. Per handle of S elements per rank, G ranks per group and R replicas, with int8(n) = n + 4 ceil(n / B):
+    gathers of G int8(S) (twice but for the root), an all-to-all of G int8(S) in the group, then the replicas'
+    all-to-all and all-gather of G chunks of ceil(S / R): R int8(ceil(S / R)) each."""
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(GPT2LMHeadModel(gpt2_config("gpt2-tiny")), comm=comm,
+                                     auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+                                     compression=Compression("int8", "int8", block_size), **STRATEGIES["hybrid"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs, targets = gpt_batch(0, 128)
+    losses = []
+    for _ in range(2):
+        comm.bytes_moved.clear()
+        _, loss = model(local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))
+        loss.backward()
+        losses.append(comm.allreduce_sum_float(loss.item()))
+        moved = dict(comm.bytes_moved)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def int8(numel: int) -> int:
+        return numel + 4 * -(-numel // block_size)
+
+    expected = Counter()
+    for name, unit in units_with_names(model):
+        for handle in unit.handles:
+            group, replicas, shard = handle.comm.world_size, handle.replicas.world_size, handle.shard_numel
+            replica_chunk = replicas * int8(-(-shard // replicas))
+            expected["all_gather"] += (1 if name == "" else 2) * group * int8(shard) + replica_chunk
+            expected["all_to_all"] += group * int8(shard) + replica_chunk
+            expected["all_reduce"] += 4 * len(handle.slots)
+    shards = comm.allgather_object([handle.shard for _, unit in units_with_names(model) for handle in unit.handles])
+    replica = shards[(comm.rank + GROUP) % comm.world_size]
+    return {"bytes_as_closed_form": moved == dict(expected), "loss_falls": losses[1] < losses[0],
+            "replicas_identical": all(torch.equal(mine, theirs) for mine, theirs in zip(shards[comm.rank], replica))}
+
+
 def group_sizes_and_refusals(comm: Communicator) -> dict:
     """Shard group sizes by default (the node: this machine), from the environment, and what is refused."""
     by_node = ShardGroups(comm, ShardingStrategy.HYBRID_SHARD).shard.world_size
@@ -95,7 +136,8 @@ if __name__ == "__main__":
     memory = {name: comm.allgather_object(kept_bytes(comm, **wrap)) for name, wrap in
               {**STRATEGIES, "full_shard": {}}.items()}
     checkpoint = comm.allgather_object(checkpoint_loads_under_full_shard(comm, sys.argv[2]))
+    hybrid_int8 = comm.allgather_object(compressed_hybrid(comm))
     groups = group_sizes_and_refusals(comm)
     if comm.rank == 0:
         write_json(output_path(), {"equivalence": results, "memory": memory, "checkpoint_loads": checkpoint,
-                                   "groups": groups})
+                                   "groups": groups, "compressed_hybrid": hybrid_int8})
