@@ -4,7 +4,7 @@
 
 Every strategy trains the same GPT-2 on the same synthetic tokens with the same
 per-rank batch, threads and glibc allocator setting (fsdp-mpi's memory reuse,
-fsdp_mpi/host_memory.py; ``--malloc-as-shipped`` gives it to fsdp-mpi alone, as
+fsdp_mpi/communication/host_memory.py; ``--malloc-as-shipped`` gives it to fsdp-mpi alone, as
 a user would run them). A shared machine drifts by more than the differences
 between strategies, so a strategy is only compared with the others of its
 round: each of ``--rounds`` rounds runs every strategy once, in an order

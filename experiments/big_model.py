@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from fsdp_mpi import (FullyShardedDataParallel, ModuleWrapPolicy, full_state_dict, load_checkpoint,
                           save_checkpoint)
-    from fsdp_mpi.lifecycle import units_with_names
+    from fsdp_mpi.sharding.lifecycle import units_with_names
     from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
     rows = []

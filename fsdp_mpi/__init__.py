@@ -3,26 +3,32 @@
     model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
 
-Read in this order: collective_log -> gpu_support -> staging -> background -> comm -> strategy -> compression
--> flat_param -> mixed_precision -> lifecycle -> state_dict -> clip -> grad_scaler -> deferred_init -> fully_sharded
--> wrap; then checkpoint and pretrained (files on disk) and even_batches; last, lightning (``FSDPMPIStrategy``,
-imported only on its own: it needs PyTorch Lightning).
+The package has four layers, each a subpackage, and imports point only downwards:
+
+    communication/   talking to MPI: the Communicator, its log and watchdog, GPU paths, compression
+    sharding/        flat shards and the unit lifecycle, state dicts, the FullyShardedDataParallel wrapper
+    loop/            what a training loop calls beside the model: clipping, loss scaling, uneven data
+    files/           checkpoints and Hugging Face files on disk
+
+Read them in that order (each subpackage's docstring orders its files); last, lightning
+(``FSDPMPIStrategy``, imported only on its own: it needs PyTorch Lightning). The names below are the
+public API.
 """
 
-from fsdp_mpi.abort import abort_job_on_uncaught_exception
-from fsdp_mpi.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
-from fsdp_mpi.clip import clip_grad_norm_
-from fsdp_mpi.comm import CollectiveMismatchError, Communicator
-from fsdp_mpi.compression import Compression
-from fsdp_mpi.even_batches import even_batches
-from fsdp_mpi.fully_sharded import FSDP, FullyShardedDataParallel
-from fsdp_mpi.grad_scaler import ShardedGradScaler
-from fsdp_mpi.lifecycle import TrainingState
-from fsdp_mpi.mixed_precision import MixedPrecision
-from fsdp_mpi.pretrained import PretrainedError, export_pretrained, load_pretrained
-from fsdp_mpi.state_dict import full_state_dict, load_full_state_dict, summon_full_params
-from fsdp_mpi.strategy import ShardingStrategy
-from fsdp_mpi.wrap import ModuleWrapPolicy, SizeBasedWrapPolicy
+from fsdp_mpi.communication.abort import abort_job_on_uncaught_exception
+from fsdp_mpi.communication.comm import CollectiveMismatchError, Communicator
+from fsdp_mpi.communication.compression import Compression
+from fsdp_mpi.sharding.fully_sharded import FSDP, FullyShardedDataParallel
+from fsdp_mpi.sharding.lifecycle import TrainingState
+from fsdp_mpi.sharding.mixed_precision import MixedPrecision
+from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict, summon_full_params
+from fsdp_mpi.sharding.strategy import ShardingStrategy
+from fsdp_mpi.sharding.wrap import ModuleWrapPolicy, SizeBasedWrapPolicy
+from fsdp_mpi.loop.clip import clip_grad_norm_
+from fsdp_mpi.loop.even_batches import even_batches
+from fsdp_mpi.loop.grad_scaler import ShardedGradScaler
+from fsdp_mpi.files.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from fsdp_mpi.files.pretrained import PretrainedError, export_pretrained, load_pretrained
 
 __all__ = [
     "FSDP",

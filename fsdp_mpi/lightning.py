@@ -42,13 +42,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from fsdp_mpi.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from fsdp_mpi.clip import clip_grad_norm_
-from fsdp_mpi.comm import Communicator
-from fsdp_mpi.fully_sharded import FullyShardedDataParallel
-from fsdp_mpi.mixed_precision import MixedPrecision
-from fsdp_mpi.strategy import ShardingStrategy
-from fsdp_mpi.wrap import ModuleWrapPolicy
+from fsdp_mpi.files.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fsdp_mpi.loop.clip import clip_grad_norm_
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.sharding.fully_sharded import FullyShardedDataParallel
+from fsdp_mpi.sharding.mixed_precision import MixedPrecision
+from fsdp_mpi.sharding.strategy import ShardingStrategy
+from fsdp_mpi.sharding.wrap import ModuleWrapPolicy
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"  # beside the shards in a checkpoint directory
 _PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}

@@ -45,7 +45,7 @@ run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time lim
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
-  python -c "from fsdp_mpi.gpu_support import describe_device_path as d, mpi_is_cuda_aware as a; print(d(a(), False))"
+  python -c "from fsdp_mpi.communication.gpu_support import describe_device_path as d, mpi_is_cuda_aware as a; print(d(a(), False))"
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
@@ -75,8 +75,12 @@ done
 # One process against 2 ranks sharing the GPU on the same global batch, and FSDP2 (nccl) on one rank.
 bench="--device cuda --model gpt2 --seq-len 1024 --rounds 3 --steps 10 --warmup 3 --same-global-batch"
 run bench-gpu 600 python experiments/bench.py $bench --ranks 2 --batch-size 16 --out "$out/bench.csv" \
-    --strategies plain:bf16-mixed,fsdp-mpi@1:bf16-mixed,fsdp-mpi:bf16-mixed,torch-fsdp@1:bf16-mixed
+    --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1,fsdp-mpi:bf16-mixed,torch-fsdp:bf16-mixed@1
 overlapped=fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter
 run bench-gpu-prefetch 600 python experiments/bench.py $bench --ranks 2 --batch-size 16 \
     --out "$out/bench-prefetch.csv" --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed,$overlapped:bf16-mixed
+# The stretch target: compiled blocks, gpt2-medium on one GPU (>= 35% bf16 MFU, faster than FSDP2).
+run bench-gpu-compiled 600 python experiments/bench.py --device cuda --model gpt2-medium --seq-len 1024 --rounds 3 \
+    --steps 10 --warmup 3 --ranks 1 --batch-size 8 --out "$out/bench-compiled.csv" \
+    --strategies plain+compile:bf16-mixed,fsdp-mpi+compile:bf16-mixed@1,fsdp-mpi:bf16-mixed@1,torch-fsdp:bf16-mixed@1
 echo "logs, CSVs and summary in $out"

@@ -10,7 +10,7 @@ from mpi_launch import REPO_ROOT
 from torch import nn
 
 from fsdp_mpi import FullyShardedDataParallel, ShardingStrategy
-from fsdp_mpi.launcher import LauncherMismatchError, check_launcher_agrees
+from fsdp_mpi.communication.launcher import LauncherMismatchError, check_launcher_agrees
 
 
 def test_module_without_parameters():

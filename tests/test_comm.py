@@ -9,7 +9,7 @@ import torch
 from mpi_launch import check_ok, run_mpi
 
 from fsdp_mpi import Communicator
-from fsdp_mpi.gpu_support import HostStagingBuffers, env_flag, mpi_is_cuda_aware
+from fsdp_mpi.communication.gpu_support import HostStagingBuffers, env_flag, mpi_is_cuda_aware
 
 
 def test_cuda_awareness_can_be_overridden(monkeypatch):
@@ -86,7 +86,7 @@ def test_one_rank_makes_no_mpi_call(param_dtype):
     """A group of one rank trains (wrap, forward, backward, clipping, loss scaling, state dict) without
     a single MPI call or staged copy, and in fp32 exactly as plain torch does."""
     from fsdp_mpi import FSDP, MixedPrecision, ModuleWrapPolicy, ShardedGradScaler, clip_grad_norm_
-    from fsdp_mpi.collective_log import PROCESS_LOG
+    from fsdp_mpi.communication.collective_log import PROCESS_LOG
 
     comm = Communicator(OneRankThatRefusesCollectives(), force_staging=True)
     torch.manual_seed(0)
@@ -144,7 +144,7 @@ class FakeMpiLibrary:
 @pytest.mark.parametrize("kind,answer,aware", [("mpich", 1, True), ("mpich", 0, False), ("openmpi", 1, True),
                                                ("openmpi", 0, False), ("neither", 0, False)])
 def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch, kind, answer, aware):
-    from fsdp_mpi import gpu_support
+    from fsdp_mpi.communication import gpu_support
 
     monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
     monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary(kind, answer))
@@ -161,7 +161,7 @@ def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch
 
 @pytest.mark.parametrize("rank,printed", [(0, 1), (1, 0)])
 def test_the_device_path_is_printed_once_by_rank_0(capsys, monkeypatch, rank, printed):
-    from fsdp_mpi import gpu_support
+    from fsdp_mpi.communication import gpu_support
 
     monkeypatch.setattr(gpu_support, "_reported_device_path", False)
     for _ in range(3):  # every model a process wraps reports; the log gets the line once

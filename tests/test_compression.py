@@ -15,7 +15,7 @@ from mpi_launch import check_ok, run_mpi
 from torch import nn
 
 from fsdp_mpi import Compression, FullyShardedDataParallel, MixedPrecision
-from fsdp_mpi.compression import (BFloat16Codec, Int8BlockCodec, compressed_all_reduce_sum_, dequantize_int8,
+from fsdp_mpi.communication.compression import (BFloat16Codec, Int8BlockCodec, compressed_all_reduce_sum_, dequantize_int8,
                                   quantize_int8, sum_in_rank_order)
 
 U = torch.finfo(torch.float32).eps / 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec, run_mpi
 
-from fsdp_mpi.collective_log import TIMEOUT_ENV, CollectiveLog, timeout_from_environment
+from fsdp_mpi.communication.collective_log import TIMEOUT_ENV, CollectiveLog, timeout_from_environment
 
 # MPI start-up, importing torch and building the model take a few seconds per rank on a loaded 2-core machine.
 START_UP_SECONDS = 30
@@ -65,7 +65,7 @@ def test_even_batches_stops_every_rank_when_the_first_runs_out(tmp_path):
     check_ok(run_timed("even_batches", 3, out, **{TIMEOUT_ENV: "10"})[0])
     report = json.loads(out.read_text())
     assert report["taken"] == [[0, 1, 2]] * 3  # ranks held 5, 3 and 4 batches
-    assert report["warnings"] == ["fsdp_mpi.even_batches: a rank ran out of batches after 3; ranks [0, 2] had more, "
+    assert report["warnings"] == ["fsdp_mpi.loop.even_batches: a rank ran out of batches after 3; ranks [0, 2] had more, "
                                   "which were skipped so that no rank waits for the others"]
 
 

@@ -6,8 +6,10 @@ experiments/ or models/ from fsdp_mpi/, fails here with the modules named.
 """
 
 import ast
+import sys
 from pathlib import Path
 
+import pytest
 from mpi_launch import REPO_ROOT
 
 EXPERIMENTS = REPO_ROOT / "experiments"
@@ -111,3 +113,45 @@ def test_every_entry_script_says_what_it_is_for_and_is_listed():
         docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert docstring.strip(), f"{path.name} has no docstring saying what it is for"
         assert f"`{path.name}`" in listing, f"experiments/README.md does not list {path.name}"
+
+
+# fsdp_mpi's layers, lowest first; a layer imports only layers before it in this list (loop and files: not
+# each other). Within a layer, the order is the one its package docstring gives ("Read in this order: a -> b").
+CORE_LAYERS = ("communication", "sharding", ("loop", "files"))
+
+
+def reading_order(package: Path) -> list[str]:
+    docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    listed = docstring.split("Read in this order:")[1].split(".")[0]
+    return [name.strip() for name in listed.replace("\n", " ").split("->")]
+
+
+def test_fsdp_mpi_layers_import_downwards_in_their_reading_order():
+    rank = {}
+    for level, layers in enumerate(CORE_LAYERS):
+        for layer in (layers,) if isinstance(layers, str) else layers:
+            order = reading_order(CORE / layer)
+            files = sorted(path.stem for path in (CORE / layer).glob("*.py") if path.stem != "__init__")
+            assert sorted(order) == files, f"fsdp_mpi/{layer}/__init__.py's reading order lists {order}, not {files}"
+            rank.update({f"fsdp_mpi.{layer}.{name}": (level, layer, position) for position, name in enumerate(order)})
+    wrong = []
+    for name, (level, layer, position) in rank.items():
+        path = CORE / layer / f"{name.rsplit('.', 1)[1]}.py"
+        for imported in imported_names(path, REPO_ROOT) & set(rank):
+            its_level, its_layer, its_position = rank[imported]
+            if not (its_level < level or (its_layer == layer and its_position < position)):
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, "fsdp_mpi imports against its layers: " + "; ".join(sorted(wrong))
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path, monkeypatch):
+    """The same check on a copy of fsdp_mpi/ in which the communicator imports the lifecycle fails."""
+    import shutil
+    copy = tmp_path / "fsdp_mpi"
+    shutil.copytree(CORE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    comm = copy / "communication" / "comm.py"
+    comm.write_text("from fsdp_mpi.sharding.lifecycle import ShardedUnit\n" + comm.read_text())
+    monkeypatch.setattr(sys.modules[__name__], "CORE", copy)
+    monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="fsdp_mpi.communication.comm imports fsdp_mpi.sharding.lifecycle"):
+        test_fsdp_mpi_layers_import_downwards_in_their_reading_order()

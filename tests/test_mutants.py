@@ -49,130 +49,130 @@ RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
     "values copied into shards ignore the shard offset": (
-        "fsdp_mpi/flat_param.py", "start = self.shard_offset + slot.shard_start - slot.offset  # into",
+        "fsdp_mpi/sharding/flat_param.py", "start = self.shard_offset + slot.shard_start - slot.offset  # into",
         "start = slot.shard_start  # into", [STATE]),
     "deferred init ignores rank 0's generator": (
-        "fsdp_mpi/deferred_init.py", "torch.set_rng_state(comm.allgather_object(torch.get_rng_state())[0])",
+        "fsdp_mpi/sharding/deferred_init.py", "torch.set_rng_state(comm.allgather_object(torch.get_rng_state())[0])",
         "torch.get_rng_state()", [DEFERRED]),
     "checkpoint pieces read from the wrong offset": (
-        "fsdp_mpi/checkpoint.py", "get_slice(key)[lo - piece_start:hi - piece_start]", "get_slice(key)[lo:hi]",
+        "fsdp_mpi/files/checkpoint.py", "get_slice(key)[lo - piece_start:hi - piece_start]", "get_slice(key)[lo:hi]",
         [RESHARD]),
     "resume leaves the random generators alone": (
-        "fsdp_mpi/checkpoint.py", '_set_rng_states(state["rng"][comm.rank])', "pass", [RESUME]),
+        "fsdp_mpi/files/checkpoint.py", '_set_rng_states(state["rng"][comm.rank])', "pass", [RESUME]),
     "checksums not verified": (
-        "fsdp_mpi/checkpoint.py", 'if _sha256(path) != expected["sha256"]:', "if False:", [DAMAGE]),
+        "fsdp_mpi/files/checkpoint.py", 'if _sha256(path) != expected["sha256"]:', "if False:", [DAMAGE]),
     "summon never writes back": (
-        "fsdp_mpi/flat_param.py", "self.shard.copy_(full[self.shard_offset:self.shard_offset + self.shard_numel])",
+        "fsdp_mpi/sharding/flat_param.py", "self.shard.copy_(full[self.shard_offset:self.shard_offset + self.shard_numel])",
         "pass", [STATE]),
     "bad state dict is loaded before the check": (
-        "fsdp_mpi/state_dict.py", "    if problems:\n        raise", "    if False:\n        raise", [STATE]),
+        "fsdp_mpi/sharding/state_dict.py", "    if problems:\n        raise", "    if False:\n        raise", [STATE]),
     "summon without writeback keeps edits": (
-        "fsdp_mpi/state_dict.py", "            if writeback:\n", "            if True:\n", [STATE]),
+        "fsdp_mpi/sharding/state_dict.py", "            if writeback:\n", "            if True:\n", [STATE]),
     "no broadcast of rank 0's weights": (
-        "fsdp_mpi/fully_sharded.py", "if sync_module_states:", "if False:", [STATE]),
+        "fsdp_mpi/sharding/fully_sharded.py", "if sync_module_states:", "if False:", [STATE]),
     "end of backward reduces nothing": (
-        "fsdp_mpi/lifecycle.py", "if unit.requires_gradient_sync and (handle.awaiting_gradient",
+        "fsdp_mpi/sharding/lifecycle.py", "if unit.requires_gradient_sync and (handle.awaiting_gradient",
         "if False and (handle.awaiting_gradient", [UNUSED]),
     "SHARD_GRAD_OP frees after forward": (
-        "fsdp_mpi/lifecycle.py", "self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root",
+        "fsdp_mpi/sharding/lifecycle.py", "self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root",
         "self.is_root", [SWITCHES]),
     "backward prefetch does nothing": (
-        "fsdp_mpi/lifecycle.py", 'if self.overlap["backward_prefetch"] and', "if False and", [SWITCHES]),
+        "fsdp_mpi/sharding/lifecycle.py", 'if self.overlap["backward_prefetch"] and', "if False and", [SWITCHES]),
     "async reduce-scatter waits at once": (
-        "fsdp_mpi/lifecycle.py", 'asynchronous = self.overlap["async_reduce_scatter"]', "asynchronous = False",
+        "fsdp_mpi/sharding/lifecycle.py", 'asynchronous = self.overlap["async_reduce_scatter"]', "asynchronous = False",
         [SWITCHES]),
     "checkpointing never recomputes": (
         "models/gpt2.py", "if self.gradient_checkpointing and self.training", "if False and self.training",
         [SWITCHES]),
     "no gradient communication": (
-        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)",
+        "fsdp_mpi/sharding/flat_param.py", "            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)",
         "            shard_grad.copy_(full_grad[self.shard_offset:self.shard_offset + self.shard_numel])",
         [KNOWN_ANSWER]),
     "gradients summed, not averaged": (
-        "fsdp_mpi/flat_param.py", "scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0",
+        "fsdp_mpi/sharding/flat_param.py", "scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0",
         "scale = 1.0", [EQUIVALENCE]),
     "16-bit gradients summed, not averaged": (
-        "fsdp_mpi/flat_param.py", "            shard_grad.div_(self.gradient_divisor)", "            pass", [EQUIVALENCE]),
+        "fsdp_mpi/sharding/flat_param.py", "            shard_grad.div_(self.gradient_divisor)", "            pass", [EQUIVALENCE]),
     "gradient reduced into the wrong shard": (
-        "fsdp_mpi/flat_param.py", "            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)",
+        "fsdp_mpi/sharding/flat_param.py", "            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)",
         "            self.comm.reduce_scatter_sum(shard_grad, full_grad.roll(-self.shard_numel).contiguous(), self.unit_name)",
         [EQUIVALENCE]),
     "reshard frees nothing": (
-        "fsdp_mpi/flat_param.py", "        if self.is_unsharded and not self.aliases_shard:\n            self._free_full_storage()",
+        "fsdp_mpi/sharding/flat_param.py", "        if self.is_unsharded and not self.aliases_shard:\n            self._free_full_storage()",
         "        if False:\n            self._free_full_storage()", [MEMORY]),
     "clipping ignores other ranks": (
-        "fsdp_mpi/clip.py", "total = local if comm.world_size == 1 else over_ranks(local.item())", "total = local",
+        "fsdp_mpi/loop/clip.py", "total = local if comm.world_size == 1 else over_ranks(local.item())", "total = local",
         [EQUIVALENCE]),
     "no_sync still reduces": (
-        "fsdp_mpi/lifecycle.py", "        if self.requires_gradient_sync:\n            asynchronous",
+        "fsdp_mpi/sharding/lifecycle.py", "        if self.requires_gradient_sync:\n            asynchronous",
         "        if True:\n            asynchronous", [NO_SYNC]),
     "zero_grad does not release the sharded gradient": (
-        "fsdp_mpi/flat_param.py", "if len(cleared) == len(holding):", "if False:", [NO_SYNC]),
+        "fsdp_mpi/sharding/flat_param.py", "if len(cleared) == len(holding):", "if False:", [NO_SYNC]),
     "wrapper names leak into named_parameters": (
-        "fsdp_mpi/fully_sharded.py", "yield original_name(name), param", "yield name, param", [NAMES]),
+        "fsdp_mpi/sharding/fully_sharded.py", "yield original_name(name), param", "yield name, param", [NAMES]),
     "gathered views stay after reshard": (
-        "fsdp_mpi/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
+        "fsdp_mpi/sharding/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
         [NAMES]),
     "forced staging copies nothing through the host": (
-        "fsdp_mpi/comm.py", 'return self.force_staging or (tensor.device.type != "cpu" and not self.cuda_aware)',
+        "fsdp_mpi/communication/comm.py", 'return self.force_staging or (tensor.device.type != "cpu" and not self.cuda_aware)',
         'return tensor.device.type != "cpu" and not self.cuda_aware', [COLLECTIVES]),
     "staged chunks land in the wrong place": (
-        "fsdp_mpi/staging.py", "pipeline.copy_in(full_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))",
+        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(full_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))",
         "pipeline.copy_in(full_by_rank[:, a:b], recv[a:b].repeat(world).view(world, b - a))", [COLLECTIVES]),
     "parameters no rank used keep a zero gradient": (
-        "fsdp_mpi/lifecycle.py", "            self._drop_gradients_no_rank_used()", "            pass", [UNUSED]),
+        "fsdp_mpi/sharding/lifecycle.py", "            self._drop_gradients_no_rank_used()", "            pass", [UNUSED]),
     "a parameter used on one rank only loses its gradient": (
-        "fsdp_mpi/lifecycle.py", 'self.comm.all_reduce_sum_(flags, "<which parameters got gradients>")', "pass",
+        "fsdp_mpi/sharding/lifecycle.py", 'self.comm.all_reduce_sum_(flags, "<which parameters got gradients>")', "pass",
         [UNUSED]),
     "a part called alone runs on the shards": (
-        "fsdp_mpi/lifecycle.py", "        self._called_alone = part\n        return self._pre_forward(part, args, kwargs)",
+        "fsdp_mpi/sharding/lifecycle.py", "        self._called_alone = part\n        return self._pre_forward(part, args, kwargs)",
         "        return None", [ENTRY_POINTS]),
     "a part called alone leaves its unit gathered": (
-        "fsdp_mpi/lifecycle.py", "            self._post_forward(part, args, output)\n", "", [ENTRY_POINTS]),
+        "fsdp_mpi/sharding/lifecycle.py", "            self._post_forward(part, args, output)\n", "", [ENTRY_POINTS]),
     "frozen parameters share a flat buffer with trained ones": (
-        "fsdp_mpi/lifecycle.py", "groups.setdefault((param.dtype, param.requires_grad), [])",
+        "fsdp_mpi/sharding/lifecycle.py", "groups.setdefault((param.dtype, param.requires_grad), [])",
         "groups.setdefault((param.dtype,), [])", [FAMILIES]),
     "accumulating sharded gradients keeps the last micro-batch's": (
-        "fsdp_mpi/flat_param.py", "            self.shard_grad += shard_grad", "            self.shard_grad = shard_grad",
+        "fsdp_mpi/sharding/flat_param.py", "            self.shard_grad += shard_grad", "            self.shard_grad = shard_grad",
         [EQUIVALENCE]),
     "one rank gathers through MPI": (
-        "fsdp_mpi/comm.py", "        if self.world_size == 1:\n            _copy_unless_same(full, shard)",
+        "fsdp_mpi/communication/comm.py", "        if self.world_size == 1:\n            _copy_unless_same(full, shard)",
         "        if False:\n            _copy_unless_same(full, shard)", [ONE_RANK]),
     "started staged collectives complete before start returns": (
-        "fsdp_mpi/comm.py", "self._background = CommunicationThread() if threads_may_call_mpi_at_once() else None",
+        "fsdp_mpi/communication/comm.py", "self._background = CommunicationThread() if threads_may_call_mpi_at_once() else None",
         "self._background = None", [COLLECTIVES]),
     "FSDP_MPI_FORCE_STAGING is ignored": (
-        "fsdp_mpi/comm.py", "bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None", "False if force_staging is None",
+        "fsdp_mpi/communication/comm.py", "bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None", "False if force_staging is None",
         [STAGING_VARIABLE]),
     "the loss scaler decides on each rank alone": (
-        "fsdp_mpi/grad_scaler.py", "self.comm.allreduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
+        "fsdp_mpi/loop/grad_scaler.py", "self.comm.allreduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
     "inputs stay fp32 under mixed precision": (
-        "fsdp_mpi/lifecycle.py", "if self.mixed_precision.param_dtype is not None:", "if False:", [EQUIVALENCE]),
+        "fsdp_mpi/sharding/lifecycle.py", "if self.mixed_precision.param_dtype is not None:", "if False:", [EQUIVALENCE]),
     "state dicts save the gathered bf16 copy": (
-        "fsdp_mpi/flat_param.py", "full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)",
+        "fsdp_mpi/sharding/flat_param.py", "full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)",
         "full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.shard.device)", [MIXED]),
     "freed host memory goes back to the kernel": (
-        "fsdp_mpi/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if True:", [HOST_MEMORY]),
+        "fsdp_mpi/communication/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if True:", [HOST_MEMORY]),
     "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (
-        "fsdp_mpi/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if False:", [HOST_MEMORY]),
+        "fsdp_mpi/communication/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if False:", [HOST_MEMORY]),
     "the watchdog never fires": (
-        "fsdp_mpi/collective_log.py", "if timeout > 0 and waited >= timeout:", "if False:", [UNEVEN]),
+        "fsdp_mpi/communication/collective_log.py", "if timeout > 0 and waited >= timeout:", "if False:", [UNEVEN]),
     "verify mode compares nothing": (
-        "fsdp_mpi/comm.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
+        "fsdp_mpi/communication/comm.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
     "verify mode ignores which unit": (
-        "fsdp_mpi/collective_log.py", 'return f"{self.sequence}|{self.operation}|{self.unit}|',
+        "fsdp_mpi/communication/collective_log.py", 'return f"{self.sequence}|{self.operation}|{self.unit}|',
         'return f"{self.sequence}|{self.operation}|', [UNIT_ORDER]),
     "even_batches stops only the rank that ran out": (
-        "fsdp_mpi/even_batches.py", "if comm.allreduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
+        "fsdp_mpi/loop/even_batches.py", "if comm.allreduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
         [EVEN_BATCHES]),
     "a launcher mismatch goes unnoticed": (
-        "fsdp_mpi/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),
+        "fsdp_mpi/communication/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),
     "replicas never average their gradients": (
-        "fsdp_mpi/flat_param.py", "if self.replicas is not None:", "if False:", [STRATEGIES]),
+        "fsdp_mpi/sharding/flat_param.py", "if self.replicas is not None:", "if False:", [STRATEGIES]),
     "clipping sums the norm over replicas too": (
-        "fsdp_mpi/clip.py", "comm = units[0][1].groups.shard", "comm = units[0][1].comm", [STRATEGIES]),
+        "fsdp_mpi/loop/clip.py", "comm = units[0][1].groups.shard", "comm = units[0][1].comm", [STRATEGIES]),
     "every replica writes its elements to a checkpoint": (
-        "fsdp_mpi/checkpoint.py", "writes_elements = replicas is None or replicas.rank == 0", "writes_elements = True",
+        "fsdp_mpi/files/checkpoint.py", "writes_elements = replicas is None or replicas.rank == 0", "writes_elements = True",
         [STRATEGIES]),
     "validation reports one rank's share": (
         "experiments/training/evaluation.py", "comm.all_reduce_sum_(torch.from_numpy(summed))", "pass", [EVAL_RANKS]),
@@ -182,12 +182,12 @@ MUTANTS = {
     "the cost model forgets the backward all-gather": (
         "experiments/measuring/costmodel.py", "if g > 1 and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
     "split communicators count their traffic nowhere": (
-        "fsdp_mpi/comm.py", "child.traffic = self.traffic", "pass", [STRATEGIES]),
+        "fsdp_mpi/communication/comm.py", "child.traffic = self.traffic", "pass", [STRATEGIES]),
     "a quantizer that ignores the scale": (
-        "fsdp_mpi/compression.py", "codes = torch.round(blocks / divisors)", "codes = torch.round(blocks)",
+        "fsdp_mpi/communication/compression.py", "codes = torch.round(blocks / divisors)", "codes = torch.round(blocks)",
         [INT8_ROUND_TRIP]),
     "compressed gradients summed in low precision": (
-        "fsdp_mpi/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
+        "fsdp_mpi/communication/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
         [RANK_ORDER_SUM]),
 }
 

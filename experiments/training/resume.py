@@ -5,7 +5,7 @@
     DIR/step-00000123/   one fsdp_mpi.save_checkpoint directory per saved step; the newest KEEP are kept
     DIR/latest           the name of the newest complete one ("step-00000123")
 
-A save writes ``step-....tmp`` and renames it into place (fsdp_mpi.checkpoint), and
+A save writes ``step-....tmp`` and renames it into place (fsdp_mpi.files.checkpoint), and
 ``latest`` is replaced only after that, so a job killed at any moment leaves
 ``latest`` naming a complete checkpoint.
 

@@ -11,7 +11,7 @@ import torch
 from common import output_path, write_json
 
 from fsdp_mpi import Communicator
-from fsdp_mpi.comm import _BIT_TYPES, DeviceBuffer
+from fsdp_mpi.communication.comm import _BIT_TYPES, DeviceBuffer
 
 S = 5
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -33,8 +33,8 @@ from common import gpt_batch, local_part, output_path, write_json
 
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy,
                       full_state_dict)
-from fsdp_mpi.compression import codec, compressed_all_reduce_sum_
-from fsdp_mpi.lifecycle import units_with_names
+from fsdp_mpi.communication.compression import codec, compressed_all_reduce_sum_
+from fsdp_mpi.sharding.lifecycle import units_with_names
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 U = torch.finfo(torch.float32).eps / 2

@@ -23,7 +23,7 @@ import torch
 from common import local_part, output_path, write_json
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
-from fsdp_mpi.lifecycle import units_with_names
+from fsdp_mpi.sharding.lifecycle import units_with_names
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours - reference).norm() / reference.norm().clamp(min=1e-300))

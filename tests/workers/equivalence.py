@@ -187,7 +187,7 @@ def max_update_size(optimizer) -> float:
 
 def full_gradients(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
     """Our reduced gradients, gathered into full tensors under the original names (zeros where none)."""
-    from fsdp_mpi.lifecycle import units_with_names
+    from fsdp_mpi.sharding.lifecycle import units_with_names
     grads = {}
     for prefix, unit in units_with_names(model):
         for handle in unit.handles:

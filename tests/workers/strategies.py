@@ -14,8 +14,8 @@ from equivalence import run
 
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy,
                       full_state_dict, load_checkpoint, save_checkpoint)
-from fsdp_mpi.lifecycle import units_with_names
-from fsdp_mpi.strategy import HYBRID_GROUP_SIZE_ENV, ShardGroups
+from fsdp_mpi.sharding.lifecycle import units_with_names
+from fsdp_mpi.sharding.strategy import HYBRID_GROUP_SIZE_ENV, ShardGroups
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 GROUP = 2

@@ -11,8 +11,8 @@ import torch
 from common import gpt_batch, local_part, output_path, write_json
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
-from fsdp_mpi.flat_param import FlatParamHandle
-from fsdp_mpi.lifecycle import units_with_names
+from fsdp_mpi.sharding.flat_param import FlatParamHandle
+from fsdp_mpi.sharding.lifecycle import units_with_names
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 

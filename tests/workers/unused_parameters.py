@@ -179,7 +179,7 @@ def run(comm: Communicator, mode: str) -> dict:
 
 def _part_held(model, name: str) -> tuple[int, int]:
     """[start, stop) of the flattened parameter `name` that this rank's shard holds."""
-    from fsdp_mpi.lifecycle import units_with_names
+    from fsdp_mpi.sharding.lifecycle import units_with_names
 
     for unit_name, unit in units_with_names(model):
         for handle in unit.handles:

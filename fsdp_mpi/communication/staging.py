@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from fsdp_mpi.gpu_support import HostStagingBuffers
+from fsdp_mpi.communication.gpu_support import HostStagingBuffers
 
 MpiStep = Callable[..., None]  # MPI's part for one chunk, on host buffers
 

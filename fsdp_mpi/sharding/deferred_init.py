@@ -24,8 +24,8 @@ generator state, so ranks seeded differently still agree.
 import torch
 from torch import nn
 
-from fsdp_mpi.comm import Communicator
-from fsdp_mpi.lifecycle import ShardedUnit
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.sharding.lifecycle import ShardedUnit
 
 
 def is_deferred(module: nn.Module) -> bool:

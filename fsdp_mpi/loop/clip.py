@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from fsdp_mpi.lifecycle import units_with_names
+from fsdp_mpi.sharding.lifecycle import units_with_names
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -17,7 +17,7 @@ shrinks after an overflow and grows after ``growth_interval`` clean steps, as in
 
 import torch
 
-from fsdp_mpi.comm import Communicator
+from fsdp_mpi.communication.comm import Communicator
 
 
 class ShardedGradScaler:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fsdp_mpi.comm import Communicator, Pending
+from fsdp_mpi.communication.comm import Communicator, Pending
 
 MODES = (None, "bf16", "int8")
 INT8_LEVELS = 127  # codes in [-127, 127]: symmetric, so -x quantizes to -(code of x)

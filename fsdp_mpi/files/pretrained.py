@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_mpi.safetensors_file import SafetensorsWriter
-from fsdp_mpi.state_dict import model_comm, persistent_buffers, sharded_parameters
+from fsdp_mpi.files.safetensors_file import SafetensorsWriter
+from fsdp_mpi.sharding.state_dict import model_comm, persistent_buffers, sharded_parameters
 
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -13,19 +13,19 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fsdp_mpi.abort import abort_job_on_uncaught_exception
-from fsdp_mpi.comm import Communicator
-from fsdp_mpi.compression import Compression
-from fsdp_mpi.deferred_init import is_deferred, materialize_into_shards
-from fsdp_mpi.gpu_support import report_device_path_once
-from fsdp_mpi.host_memory import keep_freed_host_memory_for_reuse
-from fsdp_mpi.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, TrainingState, modules_outside_units,
+from fsdp_mpi.communication.abort import abort_job_on_uncaught_exception
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.compression import Compression
+from fsdp_mpi.sharding.deferred_init import is_deferred, materialize_into_shards
+from fsdp_mpi.communication.gpu_support import report_device_path_once
+from fsdp_mpi.communication.host_memory import keep_freed_host_memory_for_reuse
+from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, TrainingState, modules_outside_units,
                                 original_name, units_with_names)
-from fsdp_mpi.mixed_precision import MixedPrecision
-from fsdp_mpi.state_dict import full_state_dict, load_full_state_dict
-from fsdp_mpi.strategy import ShardGroups, ShardingStrategy
-from fsdp_mpi.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
-from fsdp_mpi.wrap import apply_wrap_policy
+from fsdp_mpi.sharding.mixed_precision import MixedPrecision
+from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict
+from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
+from fsdp_mpi.sharding.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
+from fsdp_mpi.sharding.wrap import apply_wrap_policy
 
 
 class FullyShardedDataParallel(nn.Module):

@@ -10,7 +10,7 @@ import hashlib
 import torch
 from torch import nn
 
-from fsdp_mpi.comm import Communicator
+from fsdp_mpi.communication.comm import Communicator
 
 
 def check_module_can_be_sharded(module: nn.Module, device: torch.device | None) -> None:

@@ -34,11 +34,11 @@ import numpy
 import torch
 from mpi4py import MPI
 
-from fsdp_mpi.background import CommunicationThread, Started, threads_may_call_mpi_at_once
-from fsdp_mpi.collective_log import PROCESS_LOG, VERIFY_ENV, CollectiveRecord, timeout_from_environment
-from fsdp_mpi.gpu_support import FORCE_STAGING_ENV, describe_device_path, env_flag, mpi_is_cuda_aware
-from fsdp_mpi.launcher import check_launcher_agrees
-from fsdp_mpi.staging import StagedCollectives
+from fsdp_mpi.communication.background import CommunicationThread, Started, threads_may_call_mpi_at_once
+from fsdp_mpi.communication.collective_log import PROCESS_LOG, VERIFY_ENV, CollectiveRecord, timeout_from_environment
+from fsdp_mpi.communication.gpu_support import FORCE_STAGING_ENV, describe_device_path, env_flag, mpi_is_cuda_aware
+from fsdp_mpi.communication.launcher import check_launcher_agrees
+from fsdp_mpi.communication.staging import StagedCollectives
 
 # MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
 MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_mpi.comm import Communicator
-from fsdp_mpi.compression import (CompressedAllGather, Compression, compressed_all_reduce_sum_,
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.compression import (CompressedAllGather, Compression, compressed_all_reduce_sum_,
                                   compressed_reduce_scatter_sum)
 
 # Set on each original parameter once it is flattened, so that a second unit

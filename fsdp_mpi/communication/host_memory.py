@@ -16,7 +16,7 @@ caching allocator. GPU memory is unaffected.
 import ctypes
 import ctypes.util
 
-from fsdp_mpi.gpu_support import env_flag
+from fsdp_mpi.communication.gpu_support import env_flag
 
 REUSE_HOST_MEMORY_ENV = "FSDP_MPI_REUSE_HOST_MEMORY"
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_mpi.flat_param import FlatParamHandle, ParamSlot
-from fsdp_mpi.lifecycle import ShardedUnit, TrainingState, original_name, units_with_names
+from fsdp_mpi.sharding.flat_param import FlatParamHandle, ParamSlot
+from fsdp_mpi.sharding.lifecycle import ShardedUnit, TrainingState, original_name, units_with_names
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 

@@ -13,7 +13,7 @@ gradients are averaged with one all-reduce). With 4 ranks as 2 nodes of 2::
 import os
 from enum import Enum
 
-from fsdp_mpi.comm import Communicator
+from fsdp_mpi.communication.comm import Communicator
 
 HYBRID_GROUP_SIZE_ENV = "FSDP_MPI_HYBRID_GROUP_SIZE"
 

@@ -40,12 +40,12 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from fsdp_mpi.comm import Communicator
-from fsdp_mpi.compression import Compression
-from fsdp_mpi.execution_order import ExecutionOrder
-from fsdp_mpi.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
-from fsdp_mpi.mixed_precision import MixedPrecision, cast_floating_tensors
-from fsdp_mpi.strategy import ShardGroups, ShardingStrategy
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.compression import Compression
+from fsdp_mpi.sharding.execution_order import ExecutionOrder
+from fsdp_mpi.sharding.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
+from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tensors
+from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
 
 # The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
 UNIT_ATTRIBUTE = "_fsdp_mpi_unit"

@@ -19,7 +19,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from fsdp_mpi.abort import abort_job
+from fsdp_mpi.communication.abort import abort_job
 
 TIMEOUT_ENV = "FSDP_MPI_TIMEOUT"
 VERIFY_ENV = "FSDP_MPI_VERIFY"
@@ -127,7 +127,7 @@ class CollectiveLog:
             f"fsdp_mpi watchdog: rank {rank} has waited {waited:.1f} s in collective {record.describe()}; "
             f"its partners never arrived.\n"
             f"Another rank has left the training loop (uneven data: give every rank the same number of steps, "
-            f"e.g. with fsdp_mpi.even_batches), is stuck outside MPI, or is waiting in a different collective "
+            f"e.g. with fsdp_mpi.loop.even_batches), is stuck outside MPI, or is waiting in a different collective "
             f"(run with {VERIFY_ENV}=1 to find where ranks diverge).\n"
             f"Last collectives on rank {rank}, oldest first:\n{self.recent()}\n"
             f"The limit is {timeout:g} s: {TIMEOUT_ENV} or Communicator(timeout=...) sets it (0 turns it off).")

@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_mpi.comm import Communicator
-from fsdp_mpi.safetensors_file import write_safetensors
-from fsdp_mpi.state_dict import ShardedParameter, model_comm, persistent_buffers, sharded_parameters
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.files.safetensors_file import write_safetensors
+from fsdp_mpi.sharding.state_dict import ShardedParameter, model_comm, persistent_buffers, sharded_parameters
 
 FORMAT = "fsdp_mpi-sharded-checkpoint"
 VERSION = 1

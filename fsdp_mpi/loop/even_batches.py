@@ -17,7 +17,7 @@ instead (pad the split, as ``torch.utils.data.DistributedSampler`` does).
 import warnings
 from collections.abc import Iterable, Iterator
 
-from fsdp_mpi.comm import Communicator
+from fsdp_mpi.communication.comm import Communicator
 
 _EXHAUSTED = object()  # what next() returns once this rank's batches are used up
 
@@ -42,6 +42,6 @@ def even_batches(batches: Iterable, comm=None) -> Iterator:
         yield batch
     had_more = [rank for rank, more in enumerate(comm.allgather_object(has_batch)) if more]
     if had_more and comm.rank == 0:
-        warnings.warn(f"fsdp_mpi.even_batches: a rank ran out of batches after {taken}; ranks {had_more} had more, "
+        warnings.warn(f"fsdp_mpi.loop.even_batches: a rank ran out of batches after {taken}; ranks {had_more} had more, "
                       f"which were skipped so that no rank waits for the others", stacklevel=2)
 
