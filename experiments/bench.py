@@ -36,7 +36,9 @@ fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
 ``plain+compile`` and ``fsdp-mpi+compile`` compile each GPT-2 block in place
 (``block.compile()``, inductor); give ``--warmup 2`` or more, so that compiling
-is not timed.
+is not timed. ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients
+compressed (the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each
+none, bf16 or int8).
 A ``:PRECISION`` suffix (``fsdp-mpi:bf16-mixed``, ``ddp:bf16-mixed``) picks the
 experiments' ``--precision``.
 """
@@ -51,6 +53,7 @@ import tempfile
 from pathlib import Path
 
 from measuring import launch
+from training.strategies import compression_from_option
 
 from models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
 
@@ -74,6 +77,7 @@ def available_memory_bytes() -> int:
 
 OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
 COMPILE = "compile"  # plain+compile, fsdp-mpi+compile: each GPT-2 block compiled in place (inductor)
+COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/GRADIENTS]
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 
@@ -258,10 +262,17 @@ def main() -> int:
     for item in args.strategies.split(","):
         name, _, ranks = item.strip().partition("@")
         base, *overlap = name.partition(":")[0].split("+")
+        compressed = [token for token in overlap if token.startswith(COMPRESSION)]
+        overlap = [token for token in overlap if token not in compressed]
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
                 or not set(overlap) <= {*OVERLAP, COMPILE} or (set(overlap) - {COMPILE} and base != "fsdp-mpi") \
-                or (COMPILE in overlap and base not in ("plain", "fsdp-mpi")):
+                or (COMPILE in overlap and base not in ("plain", "fsdp-mpi")) or (compressed and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")
+        for token in compressed:
+            try:
+                compression_from_option(token.removeprefix(COMPRESSION))
+            except ValueError as error:
+                parser.error(f"{item!r}: {error}")
         if base == "lightning-ddp" and args.device == "cuda":
             parser.error("lightning-ddp is benchmarked on the CPU only; on a GPU compare plain, fsdp-mpi and torch-fsdp")
         if name.partition(":")[2] not in ("", *PRECISIONS):

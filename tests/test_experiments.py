@@ -307,6 +307,21 @@ def test_mixed_precision_trains_within_two_percent_of_fp32(results_dir, tmp_path
 
 @pytest.mark.one_mpi
 @needs_data
+def test_compressed_communication_trains_like_fp32_in_fewer_bytes(results_dir, tmp_path):
+    """int8 weights and bf16 gradients (--comm-compression int8/bf16): the same 2% of fp32's validation loss as
+    16-bit compute (the per-step error bounds and the exact bytes are tests/test_compression.py's), and the
+    bytes of a step: about 1 + 4/256 bytes per gathered element and 2 per reduced one, against 4 and 4, so
+    about 0.34 of fp32's here; below 0.4 leaves room for each rank's last partial block of scales."""
+    result = launch("run_gpt2.py", 2, *QUICK, "--comm-compression", "int8/bf16", "--out-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, reference = read_rows(tmp_path), read_rows(results_dir / "run_gpt2-fsdp-mpi")
+    assert [row["comm_compression"] for row in rows] == ["int8/bf16"] * 2 and reference[0]["comm_compression"] == "none"
+    assert float(rows[-1]["val_loss"]) == pytest.approx(float(reference[-1]["val_loss"]), rel=0.02)
+    assert float(rows[0]["comm_mb_per_step"]) < 0.4 * float(reference[0]["comm_mb_per_step"])
+
+
+@pytest.mark.one_mpi
+@needs_data
 def test_compare_makes_tables_and_plots(results_dir, tmp_path):
     csvs = sorted(str(p) for p in results_dir.glob("*/*.csv"))
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *csvs, "--out-dir", str(tmp_path)],
@@ -343,6 +358,8 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--precision", "8"], "invalid choice: '8'"),
     (["--strategy", "lightning-ddp", "--precision", "16-mixed"], "Lightning has no fp16 mixed precision on CPU"),
     (["--strategy", "lightning-fsdp-mpi", "--precision", "16-mixed"], "lightning-fsdp-mpi trains in 32 or bf16-mixed"),
+    (["--comm-compression", "int4"], "expected WEIGHTS or WEIGHTS/GRADIENTS, each one of none, bf16, int8"),
+    (["--strategy", "ddp", "--comm-compression", "int8"], "--comm-compression is fsdp_mpi's"),
 ])
 def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):
     result = launch("run_gpt2.py", 2, *args, "--out-dir", tmp_path, timeout=120)

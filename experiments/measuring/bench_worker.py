@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from training.results import measured_peak_flops, model_state_bytes, peak_rss_mb, published_peak_flops
-from training.strategies import PRECISIONS, Prepared, node_placement, prepare, torch_amp
+from training.strategies import PRECISIONS, Prepared, compression_from_option, node_placement, prepare, torch_amp
 
 from fsdp_mpi import Communicator, ShardingStrategy
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
@@ -201,7 +201,10 @@ def main() -> None:
             prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
                                 allreduce_max=float, autocast=autocast)  # one process: its own value
         else:
-            options = {name: True for name in mechanisms if name != "compile"}
+            options = {name: True for name in mechanisms if name != "compile" and not name.startswith("comm=")}
+            for name in mechanisms:
+                if name.startswith("comm="):  # fsdp-mpi+comm=int8/bf16
+                    options["compression"] = compression_from_option(name.removeprefix("comm="))
             if args.strategy == "fsdp-mpi":
                 options.update(sharding_strategy=ShardingStrategy[args.sharding_strategy],
                                hybrid_group_size=args.hybrid_group_size)

@@ -26,7 +26,7 @@ from training.results import model_state_bytes
 from training.resume import EpochTally
 from training.sampling import epoch_steps, total_optimizer_steps
 from training.saved_run import save_trained
-from training.strategies import build_model, full_state_dict_on_rank0
+from training.strategies import build_model, compression_from_option, full_state_dict_on_rank0
 
 from fsdp_mpi import Communicator, full_state_dict
 from fsdp_mpi.lightning import FSDPMPIStrategy
@@ -139,7 +139,8 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
                                process_group_backend="nccl" if device.type == "cuda" else "gloo")
     elif config.strategy == "lightning-fsdp-mpi":
         strategy = FSDPMPIStrategy(auto_wrap_policy={task.block_class}, accumulate_without_sync=config.accum_no_sync,
-                                   cluster_environment=environment)
+                                   cluster_environment=environment,
+                                   compression=compression_from_option(config.comm_compression))
     else:
         fsdp = _FSDPStrategyNoSync if config.accum_no_sync else FSDPStrategy
         strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class})

@@ -22,7 +22,7 @@ from training.results import model_state_bytes
 from training.resume import EpochTally, Position, RunCheckpoints, StopSignals, Stopped
 from training.sampling import MicroBatch, epoch_steps, total_optimizer_steps
 from training.saved_run import save_trained
-from training.strategies import Prepared, build_model, full_state_dict_on_rank0, prepare
+from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
 from fsdp_mpi import Communicator
 
@@ -96,7 +96,9 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
     """
     model = build_model(task, config.seed, comm)
     recorder = RunRecorder(task, config, comm, device, experiment, model)
-    prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision)
+    compression = compression_from_option(config.comm_compression)
+    options = {"compression": compression} if config.strategy == "fsdp-mpi" else {}  # check_config refuses others
+    prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision, **options)
     total_steps = total_optimizer_steps(len(task.train), config.batching, config.epochs, comm.world_size)
     optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
                                                  config.warmup_steps)

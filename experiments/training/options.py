@@ -11,7 +11,7 @@ from pathlib import Path
 
 from training.resume import LATEST
 from training.sampling import Batching
-from training.strategies import PRECISIONS, STRATEGIES
+from training.strategies import PRECISIONS, STRATEGIES, compression_from_option
 
 
 class UsageError(Exception):
@@ -26,6 +26,7 @@ class RunConfig:
     model: str
     strategy: str  # strategies.STRATEGIES
     precision: str  # strategies.PRECISIONS
+    comm_compression: str  # WEIGHTS[/GRADIENTS], strategies.compression_from_option
     gradient_checkpointing: bool
     # The data: sequence length, batches, how long.
     seq_len: int
@@ -88,6 +89,9 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add("--seq-len", type=int, default=defaults["seq_len"])
     add("--precision", default="32", choices=list(PRECISIONS),
         help="32, or 16-bit compute over fp32 weights: bf16-mixed, 16-mixed (fp16, loss scaling) (default: %(default)s)")
+    add("--comm-compression", default="none", metavar="WEIGHTS[/GRADIENTS]",
+        help="fsdp-mpi: gather weights and reduce gradients in fewer bytes, each none, bf16 or int8 (per-block "
+             "scales); the model still computes in --precision, masters and checkpoints stay fp32 (default: none)")
     add("--lr", type=float, default=defaults["lr"], help="peak learning rate (default: %(default)s)")
     add("--warmup-steps", type=int, default=None,
         help="optimizer steps of linear warm-up (default: a tenth of the run's steps)")
@@ -134,6 +138,13 @@ def check_config(config: RunConfig) -> None:
         raise UsageError("--steps-per-epoch must be 0 (whole epoch) or positive")
     if not config.lr > 0:
         raise UsageError("--lr must be positive")
+    try:
+        compression = compression_from_option(config.comm_compression)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if compression is not None and config.strategy not in ("fsdp-mpi", "lightning-fsdp-mpi"):
+        raise UsageError(f"--comm-compression is fsdp_mpi's: {config.strategy} communicates through torch "
+                         "(use --strategy fsdp-mpi or lightning-fsdp-mpi)")
     for name in ("warmup_steps", "weight_decay", "clip_norm"):
         if (getattr(config, name) or 0) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")

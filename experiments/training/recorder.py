@@ -37,7 +37,7 @@ class RunRecorder:
         self.fixed = {
             "run_id": self.run_id, "experiment": experiment, "strategy": config.strategy, "model": task.model_name,
             "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": config.threads,
-            "device": device.type, "precision": config.precision,
+            "device": device.type, "precision": config.precision, "comm_compression": config.comm_compression,
             "global_batch": config.batch_size * world * config.grad_accum,
             "grad_accum": config.grad_accum, "seq_len": task.seq_len, "git_commit": git_commit(),
         }
