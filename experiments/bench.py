@@ -39,6 +39,11 @@ fsdp-mpi's overlap mechanisms are measured as extra strategies:
 is not timed. ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients
 compressed (the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each
 none, bf16 or int8).
+``fsdp-mpi+SHARD_GRAD_OP`` (or any sharding strategy) runs fsdp-mpi with that
+strategy in place of ``--sharding-strategy``, so that several share the rounds.
+Where the ranks span several hosts (``FSDP_MPI_MPIEXEC`` names a launcher that
+places them, docs/clusters.md), ``link_mb_per_step`` is what each host sent to the
+others in one step, read from its network interfaces' byte counters.
 A ``:PRECISION`` suffix (``fsdp-mpi:bf16-mixed``, ``ddp:bf16-mixed``) picks the
 experiments' ``--precision``.
 """
@@ -62,10 +67,10 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precis
 REPLICATED = ("plain", "ddp", "lightning-ddp")
 BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
 MEASURED = ["step_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb", "peak_gpu_mb",
-            "mpi_blocked_s", "comm_mb_per_step"]  # what bench_worker reports per run (peak_gpu_mb: on a GPU)
+            "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step"]  # what bench_worker reports per run (peak_gpu_mb: on a GPU)
 FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio",
           "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
-          "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "mpi_blocked_s", "beyond_plain_s", "hidden_fraction",
+          "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s", "beyond_plain_s", "hidden_fraction",
           "note"]
 
 
@@ -76,6 +81,7 @@ def available_memory_bytes() -> int:
 
 
 OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
+SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")  # fsdp-mpi+NO_SHARD: that run's strategy
 COMPILE = "compile"  # plain+compile, fsdp-mpi+compile: each GPT-2 block compiled in place (inductor)
 COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/GRADIENTS]
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
@@ -198,7 +204,7 @@ def print_table(rows: list[dict]) -> None:
         return f"{number(row[field])} ({number(row[field + '_min'])}-{number(row[field + '_max'])})"
 
     columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)", "tokens/s", "MFU",
-               "CPU s/step", "model state MB", "peak RSS MB", "peak GPU MB", "comm MB/step", "blocked in MPI s",
+               "CPU s/step", "model state MB", "peak RSS MB", "peak GPU MB", "comm MB/step", "link MB/step", "blocked in MPI s",
                "beyond plain s", "hidden", "note"]
     print("| " + " | ".join(columns) + " |")
     print("| " + " | ".join("---" for _ in columns) + " |")
@@ -207,6 +213,7 @@ def print_table(rows: list[dict]) -> None:
                  spread(row, "fsdp_mpi_ratio"), number(row.get("tokens_per_s")), number(row.get("mfu")),
                  number(row.get("cpu_s")), number(row.get("model_state_mb"), 4), number(row.get("peak_rss_mb"), 4),
                  number(row.get("peak_gpu_mb"), 4), number(row.get("comm_mb_per_step"), 4),
+                 number(row.get("link_mb_per_step"), 4),
                  number(row.get("mpi_blocked_s")), number(row.get("beyond_plain_s")),
                  number(row.get("hidden_fraction"), 2), row.get("note") or ""]
         print("| " + " | ".join(cells) + " |")
@@ -265,7 +272,8 @@ def main() -> int:
         compressed = [token for token in overlap if token.startswith(COMPRESSION)]
         overlap = [token for token in overlap if token not in compressed]
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
-                or not set(overlap) <= {*OVERLAP, COMPILE} or (set(overlap) - {COMPILE} and base != "fsdp-mpi") \
+                or not set(overlap) <= {*OVERLAP, *SHARDING, COMPILE} or (set(overlap) - {COMPILE} and base != "fsdp-mpi") \
+                or len(set(overlap) & set(SHARDING)) > 1 \
                 or (COMPILE in overlap and base not in ("plain", "fsdp-mpi")) or (compressed and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")
         for token in compressed:

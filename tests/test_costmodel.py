@@ -122,12 +122,12 @@ def test_validation_counts_the_bytes_and_state_that_four_ranks_really_have(tmp_p
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "predict-validation.csv") as f:
         rows = {row["strategy"]: row for row in csv.DictReader(f)}
-    assert set(rows) == {"FULL_SHARD", "HYBRID_SHARD (2 groups of 2)", "NO_SHARD"}
+    assert set(rows) == {"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD (2 groups of 2)", "NO_SHARD"}
     for row in rows.values():
         assert float(row["predicted_comm_mb"]) == pytest.approx(float(row["measured_comm_mb"]), rel=1e-12)
         assert float(row["predicted_state_mb"]) == pytest.approx(float(row["measured_state_mb"]), rel=1e-12)
         assert float(row["predicted_step_s"]) > 0 and float(row["measured_step_s"]) > 0
-    assert (tmp_path / "predict-validation.md").read_text().count("\n| 4 |") == 3
+    assert (tmp_path / "predict-validation.md").read_text().count("\n| 4 |") == 4
 
 
 def test_cluster_prediction_table_and_plot(tmp_path):
@@ -150,7 +150,7 @@ def test_cluster_prediction_table_and_plot(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["cluster", "--nodes", "0,2"], "rank and node counts must be positive"),
-    (["cluster", "--strategies", "ZERO_SHARD"], "choose from FULL_SHARD, HYBRID_SHARD, NO_SHARD"),
+    (["cluster", "--strategies", "ZERO_SHARD"], "choose from FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD"),
     (["validate", "--ranks", "two"], "expected a comma-separated list"),
     (["profile", "--model", "gpt2-tiny", "--seq-len", "999", "--out", "p.json"], "exceeds gpt2-tiny's context"),
 ])

@@ -44,6 +44,7 @@ EVAL_RANKS = "tests/test_eval.py::test_two_ranks_evaluate_the_whole_split_as_one
 COST_COLLECTIVES = "tests/test_costmodel.py::test_each_strategy_issues_the_collectives_of_the_lifecycle"
 EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
 INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_half_a_step_of_each_blocks_absmax"
+CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
@@ -186,6 +187,8 @@ MUTANTS = {
     "a quantizer that ignores the scale": (
         "fsdp_mpi/communication/compression.py", "codes = torch.round(blocks / divisors)", "codes = torch.round(blocks)",
         [INT8_ROUND_TRIP]),
+    "the cost model sends the whole buffer across nodes in a ring all-gather": (
+        "experiments/measuring/costmodel.py", '"all_gather": (p - 1) / p,', '"all_gather": 1.0,', [CLUSTER]),
     "compressed gradients summed in low precision": (
         "fsdp_mpi/communication/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
         [RANK_ORDER_SUM]),

@@ -17,6 +17,7 @@ import socket
 import statistics
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -168,6 +169,27 @@ def lightning_steps(model, batch, args, comm: Communicator):
     return timer.times[args.warmup:], timer.cpu[args.warmup:], trainer.optimizers[0], module
 
 
+def link_bytes_sent() -> int:
+    """Bytes this host has sent through its network interfaces (loopback aside), as the kernel counts them."""
+    return sum(int((device / "statistics" / "tx_bytes").read_text())
+               for device in Path("/sys/class/net").iterdir() if device.name != "lo")
+
+
+def node_link_bytes_per_step(prepared: Prepared, optimizer, batch, comm: Communicator) -> float | None:
+    """Where the ranks span several hosts: the bytes each host sent to the others in one (untimed) step,
+    the mean over hosts, read from the interfaces' counters by one rank per host; else None."""
+    if len(set(comm.allgather_object(socket.gethostname()))) == 1:
+        return None
+    first_on_node = comm.split(None).rank == 0
+    comm.barrier()
+    before = link_bytes_sent() if first_on_node else 0
+    train_step(prepared, optimizer, batch)
+    comm.barrier()
+    sent = [count for count in comm.allgather_object(link_bytes_sent() - before if first_on_node else None)
+            if count is not None]
+    return sum(sent) / len(sent)
+
+
 def gradient_bytes(model) -> int:
     """What DDP all-reduces per step: every gradient, in the parameters' dtype (fp32 here)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -190,23 +212,27 @@ def main() -> None:
     flops_per_token = model.training_flops_per_token(args.seq_len)
     parameters = model.num_parameters()
     batch = synthetic_batch(args, comm.rank, device)
+    mechanisms = [name for name in args.overlap.split("+") if name]
+    # fsdp-mpi+NO_SHARD: a sharding strategy for this run, in place of --sharding-strategy
+    sharding = ([name for name in mechanisms if name in ShardingStrategy.__members__] or [args.sharding_strategy])[0]
+    link_bytes = None
     if args.strategy == "lightning-ddp":
         times, cpu, optimizer, measured = lightning_steps(model, batch, args, comm)
         blocked, moved = [float("nan")], [gradient_bytes(model)]
     else:
-        mechanisms = [name for name in args.overlap.split("+") if name]
         if args.strategy == "plain":
             model.to(device)
             autocast, scaler = torch_amp(device.type, args.precision)
             prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
                                 allreduce_max=float, autocast=autocast)  # one process: its own value
         else:
-            options = {name: True for name in mechanisms if name != "compile" and not name.startswith("comm=")}
+            options = {name: True for name in mechanisms
+                       if name not in ("compile", sharding) and not name.startswith("comm=")}
             for name in mechanisms:
                 if name.startswith("comm="):  # fsdp-mpi+comm=int8/bf16
                     options["compression"] = compression_from_option(name.removeprefix("comm="))
             if args.strategy == "fsdp-mpi":
-                options.update(sharding_strategy=ShardingStrategy[args.sharding_strategy],
+                options.update(sharding_strategy=ShardingStrategy[sharding],
                                hybrid_group_size=args.hybrid_group_size)
             prepared = prepare(args.strategy, model, GPT2Block, device, comm, args.precision, **options)
         measured = prepared.model
@@ -219,6 +245,7 @@ def main() -> None:
             with counting_torch_collectives() as torch_bytes:
                 train_step(prepared, optimizer, batch)
         times, cpu, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm, device)
+        link_bytes = node_link_bytes_per_step(prepared, optimizer, batch, comm)
         if args.strategy == "torch-fsdp":
             moved = torch_bytes
         elif args.strategy == "ddp":
@@ -236,7 +263,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({
                 "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]),
-                "sharding_strategy": args.sharding_strategy if args.strategy == "fsdp-mpi" else None,
+                "sharding_strategy": sharding if args.strategy == "fsdp-mpi" else None,
                 "precision": args.precision, "ranks": comm.world_size, "parameters": parameters,
                 "step_s": step, "step_times_s": times, "cpu_s": statistics.median(cpu), "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,
@@ -244,6 +271,7 @@ def main() -> None:
                 "peak_rss_mb": rss, "peak_gpu_mb": gpu_mb if on_gpu else None,
                 "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
                 "comm_mb_per_step": statistics.median(moved) / 2**20,
+                "link_mb_per_step": None if link_bytes is None else link_bytes / 2**20,
             }, f)
 
 

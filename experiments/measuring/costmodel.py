@@ -5,7 +5,8 @@ them, which fsdp-mpi's strategies fix exactly (``collectives``): per unit of S
 parameter bytes, with shard groups of g ranks and r = ranks / g replicas,
 
     forward    all-gather S within the group                      (if g > 1)
-    backward   all-gather S again, unless the unit is the root     (if g > 1)
+    backward   all-gather S again, unless the unit is the root     (if g > 1; never under SHARD_GRAD_OP,
+               which keeps every unit gathered from forward to backward)
                reduce-scatter S within the group                   (if g > 1)
                all-reduce S / g over the replicas                  (if r > 1)
     end of backward: all-reduce 4 bytes per parameter tensor over all ranks, which of them got
@@ -22,7 +23,7 @@ reductions left running), the bound that overlap can reach.
 
 from dataclasses import dataclass, field
 
-STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ADAM_STATE_BYTES_PER_PARAMETER = 16  # fp32 shard, its gradient, two Adam moments
 
 
@@ -69,7 +70,7 @@ class Layout:
 
     @property
     def shard_group(self) -> int:
-        if self.strategy == "FULL_SHARD":
+        if self.strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
             return self.ranks
         if self.strategy == "NO_SHARD":
             return 1
@@ -115,9 +116,10 @@ def collectives(profile: Profile, layout: Layout) -> list[Collective]:
         if g > 1:
             issued.append(Collective("forward", "all_gather", unit.name, padded(unit, g) * profile.param_bytes, g,
                                      group_leaves))
+    regathers = layout.strategy != "SHARD_GRAD_OP"
     for unit in reversed(profile.units):
         elements = padded(unit, g)
-        if g > 1 and not unit.is_root:
+        if g > 1 and regathers and not unit.is_root:
             issued.append(Collective("backward", "all_gather", unit.name, elements * profile.param_bytes, g,
                                      group_leaves))
         if g > 1:
@@ -131,6 +133,36 @@ def collectives(profile: Profile, layout: Layout) -> list[Collective]:
                                  4 * sum(unit.tensors for unit in profile.units), layout.ranks,
                                  layout.spans_nodes(layout.ranks)))
     return issued
+
+
+def node_link_bytes(collective: Collective, layout: Layout) -> float:
+    """Bytes each node sends over its link to the others (and receives: the traffic is symmetric) for
+    `collective`, counting every group that issues it at once: one group of all the ranks, or, for
+    HYBRID_SHARD's replica all-reduce, one group per place on a node (a rank on every node).
+
+    It follows how MPICH moves the large buffers of a step, as counted on the emulated cluster's
+    links (hpc/cluster, docs/clusters.md): a ring all-gather (one neighbour of each node's ranks
+    is on the next node: (p - 1) / p of the buffer crosses each node's link once), a reduce-scatter by
+    pairwise exchange (each rank sends its peers' blocks straight to them: k (p - k) / p of the buffer
+    per node with k of the p ranks on it), and a node-aware all-reduce (reduced within the node,
+    exchanged between the nodes' leaders, as a ring all-reduce of n nodes moves 2 (n - 1) / n).
+    """
+    if not collective.spans_nodes:
+        return 0.0
+    size, n, k = collective.bytes, layout.nodes, layout.ranks_per_node
+    if collective.group == layout.ranks:
+        p = layout.ranks
+        return {"all_gather": (p - 1) / p, "reduce_scatter": k * (p - k) / p,
+                "all_reduce": 2 * (n - 1) / n}[collective.operation] * size
+    if collective.operation == "all_reduce" and collective.group == n and layout.shard_group == k:
+        return k * 2 * (n - 1) / n * size  # k replica groups, each one rank per node
+    raise ValueError(f"link bytes are modelled for groups of every rank or of one rank per node, "
+                     f"not {collective.operation} over {collective.group} of {layout.ranks} ranks")
+
+
+def step_link_bytes(profile: Profile, layout: Layout) -> float:
+    """Bytes each node sends to the others in one training step (the sum of ``node_link_bytes``)."""
+    return sum(node_link_bytes(c, layout) for c in collectives(profile, layout))
 
 
 @dataclass
@@ -249,12 +281,15 @@ def _two_lanes(lanes: list[tuple[float, float, float]]) -> float:
 
 def peak_memory(profile: Profile, layout: Layout, overlap: bool = False) -> int:
     """Sharded state (fp32 parameters, gradients, Adam moments), the gathered root kept
-    from forward to backward, the largest other unit gathered with its full gradient
-    (two such units with prefetching), and the activations of one rank's batch."""
+    from forward to backward (every unit under SHARD_GRAD_OP), the largest other unit gathered with
+    its full gradient (two such units with prefetching), and the activations of one rank's batch."""
     g = layout.shard_group
     state = state_bytes(profile, layout)
     if g == 1:
         gathered = 0
+    elif layout.strategy == "SHARD_GRAD_OP":
+        largest = max(u.numel for u in profile.units)
+        gathered = profile.parameters * profile.param_bytes + largest * profile.grad_bytes
     else:
         root = sum(u.numel for u in profile.units if u.is_root) * profile.param_bytes
         largest = max((u.numel for u in profile.units if not u.is_root), default=0)

@@ -6,14 +6,22 @@ for a script started as ``python experiments/X.py``.
 """
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent
 
 
+MPIEXEC_ENV = "FSDP_MPI_MPIEXEC"
+
+
 def mpiexec(ranks: int) -> list[str]:
-    """The launch line for `ranks` ranks: the environment's own mpiexec (the pip MPI's) if it has one."""
+    """The launch line for `ranks` ranks: ``$FSDP_MPI_MPIEXEC`` if set (a launcher with its options, e.g. one
+    that places ranks on several nodes, docs/clusters.md), else the environment's own mpiexec (the pip
+    MPI's) if it has one, else the first on PATH."""
+    if os.environ.get(MPIEXEC_ENV, "").strip():
+        return [*shlex.split(os.environ[MPIEXEC_ENV]), "-n", str(ranks)]
     launcher = Path(sys.executable).parent / "mpiexec"
     return [str(launcher) if launcher.exists() else "mpiexec", "-n", str(ranks)]
 

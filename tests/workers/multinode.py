@@ -1,0 +1,74 @@
+"""Ranks on several hosts (hpc/cluster's nodes): the node groups MPI reports, training equal to one
+process under each strategy, and the bytes a step sends over each node's link against the cost model.
+
+    cluster.sh exec fmnode0 mpiexec -hosts fmnode0:2,fmnode1:2 -launcher ssh -launcher-exec ssh.sh \
+        python multinode.py OUT
+
+Run by tests/test_cluster.py, which starts the cluster.
+"""
+
+import socket
+import sys
+from pathlib import Path
+
+import torch
+from common import gpt_batch, local_part, output_path, write_json
+from equivalence import run
+
+from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
+from fsdp_mpi.sharding.lifecycle import units_with_names
+from fsdp_mpi.sharding.strategy import ShardGroups
+from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+from measuring.costmodel import Layout, Profile, Unit, collectives, step_link_bytes  # noqa: E402
+
+# Every flat buffer over 512 KiB, where MPICH moves large buffers as the cost model says (ring
+# all-gather, pairwise reduce-scatter); smaller ones take latency-bound algorithms it does not model.
+MODEL = gpt2_config("gpt2-tiny", vocab_size=2048, n_embd=128)
+
+
+def link_bytes_sent() -> int:
+    return sum(int((device / "statistics" / "tx_bytes").read_text())
+               for device in Path("/sys/class/net").iterdir() if device.name != "lo")
+
+
+def bytes_on_the_links(comm: Communicator, node: Communicator, strategy: ShardingStrategy) -> dict:
+    """One training step's bytes sent by each node, read from its link's counter by its first rank
+    (the barriers around the step add a few hundred bytes), and the cost model's prediction."""
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(GPT2LMHeadModel(MODEL), comm=comm, sharding_strategy=strategy,
+                                     auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+    inputs, targets = (local_part(t, comm.rank, comm.world_size) for t in gpt_batch(0, MODEL.vocab_size, seq=32))
+    _, loss = model(inputs, targets)  # a first step: connections between ranks are made on first use
+    loss.backward()
+    comm.barrier()
+    before = link_bytes_sent()
+    _, loss = model(inputs, targets)
+    loss.backward()
+    comm.barrier()
+    sent = link_bytes_sent() - before
+    units = [Unit(name or "<root>", sum(h.numel for h in unit.handles), 0.0, 0.0, is_root=name == "",
+                  tensors=sum(len(h.slots) for h in unit.handles)) for name, unit in units_with_names(model)]
+    layout = Layout(strategy.name, nodes=comm.world_size // node.world_size, ranks_per_node=node.world_size)
+    profile = Profile(units, optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0)
+    return {"measured": comm.allgather_object(sent if node.rank == 0 else None),
+            "predicted": step_link_bytes(profile, layout),
+            "collectives": len(collectives(profile, layout))}
+
+
+if __name__ == "__main__":
+    comm = Communicator()
+    node = comm.split(None)
+    hosts = comm.allgather_object(socket.gethostname())
+    hybrid_group = ShardGroups(comm, ShardingStrategy.HYBRID_SHARD).shard
+    results = {
+        "hosts": hosts, "node_sizes": comm.allgather_object(node.world_size),
+        # HYBRID_SHARD with no group size given: its shard groups are the nodes
+        "hybrid_groups": comm.allgather_object(sorted(hybrid_group.allgather_object(socket.gethostname()))),
+        "equivalence": {name: run("gpt2", "adamw", "none", comm, None, sharding_strategy=ShardingStrategy[name])
+                        for name in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")},
+        "link_bytes": {name: bytes_on_the_links(comm, node, ShardingStrategy[name])
+                       for name in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")},
+    }
+    write_json(output_path(), results)
