@@ -101,9 +101,11 @@ def quantize_int8(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, to
     if padding:  # a partial last block: zeros change no absmax and decode to nothing kept
         values = F.pad(values, (0, padding))
     blocks = values.view(count, blocks_per_row, block_size)  # (R, nb, block_size)
-    scales = blocks.abs().amax(dim=-1) / INT8_LEVELS  # (R, nb)
+    # Every full-size temporary costs a pass over fresh memory: the absmax from two reductions, not abs();
+    # one quotient, rounded and clamped in place.
+    scales = torch.maximum(blocks.amax(dim=-1), blocks.amin(dim=-1).neg_()) / INT8_LEVELS  # (R, nb)
     divisors = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)  # (R, nb, 1)
-    codes = torch.round(blocks / divisors).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    codes = (blocks / divisors).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
     return codes.view(count, -1)[:, :numel], scales
 
 
@@ -114,7 +116,7 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block_size: int) 
     values = codes.float()
     if blocks_per_row * block_size != numel:
         values = F.pad(values, (0, blocks_per_row * block_size - numel))
-    blocks = values.view(count, blocks_per_row, block_size) * scales.unsqueeze(-1)  # (R, nb, block_size)
+    blocks = values.view(count, blocks_per_row, block_size).mul_(scales.unsqueeze(-1))  # (R, nb, block_size)
     return blocks.view(count, -1)[:, :numel]
 
 
