@@ -80,6 +80,9 @@ def test_bad_arguments():
     assert "the rank count after @ must be a number" in run_bench("--strategies", "ddp@x").stderr
     assert "the precision after : must be one of" in run_bench("--strategies", "ddp:fp8").stderr
     assert "listed twice" in run_bench("--strategies", "ddp,ddp@2").stderr
+    assert "unknown strategy 'ddp+NO_SHARD'" in run_bench("--strategies", "ddp+NO_SHARD").stderr  # fsdp-mpi's only
+    assert "unknown strategy 'fsdp-mpi+NO_SHARD+HYBRID_SHARD'" in run_bench(
+        "--strategies", "fsdp-mpi+NO_SHARD+HYBRID_SHARD").stderr
     assert "--rounds must be positive" in run_bench("--rounds", "0").stderr
     assert "exceeds gpt2-tiny's context" in run_bench("--model", "gpt2-tiny", "--seq-len", "999").stderr
 
@@ -111,3 +114,37 @@ def test_bench_comm_refuses_one_rank_and_bad_sizes():
     assert alone.returncode == 2 and "run it as mpiexec -n 2" in alone.stderr
     bad = run(2, "--sizes-mb", "x")
     assert bad.returncode != 0 and "is not a comma-separated list of numbers" in bad.stderr
+
+
+def test_network_report_tables_step_times_and_the_cost_models_link_bytes(tmp_path):
+    """experiments/network_report.py on bench.py summaries of two link rates (written here, not measured)."""
+    from measuring.costmodel import Layout, Profile, Unit, step_link_bytes
+
+    fields = ["model", "strategy", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio", "fsdp_mpi_ratio_min",
+              "fsdp_mpi_ratio_max", "link_mb_per_step", "note"]
+    for rate, step in (("none", 1.0), ("1gbit", 4.0)):
+        with open(tmp_path / f"bench-{rate}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            for strategy, scale in (("fsdp-mpi", 1.0), ("fsdp-mpi+HYBRID_SHARD", 0.8), ("ddp", 0.9)):
+                writer.writerow({"model": "gpt2-tiny", "strategy": strategy, "step_s": step * scale,
+                                 "step_s_min": step * scale * 0.9, "step_s_max": step * scale * 1.1,
+                                 "fsdp_mpi_ratio": 1 / scale, "fsdp_mpi_ratio_min": 1 / scale,
+                                 "fsdp_mpi_ratio_max": 1 / scale, "link_mb_per_step": 1.5, "note": ""})
+    report = REPO_ROOT / "experiments" / "network_report.py"
+    finished = subprocess.run([sys.executable, str(report), str(tmp_path), "none", "1gbit", "--vocab-size", "128"],
+                              capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    table = (tmp_path / "network.md").read_text().splitlines()
+    assert len(table) == 2 + 3 and (tmp_path / "network.png").stat().st_size > 0
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]] for line in table[2:]}
+    assert rows["fsdp-mpi+HYBRID_SHARD"][1:4] == ["0.8 (0.72-0.88)", "1.25 (1.25-1.25)", "1.5"]
+    assert rows["ddp"][0] == ""  # the cost model prices fsdp-mpi's strategies only
+    # gpt2-tiny (vocabulary 128): a root of 12,416 elements and two blocks of 49,984, over 2 nodes of 2 ranks
+    units = [Unit("<root>", 12416, 0, 0, is_root=True, tensors=4)] + [Unit(f"h.{i}", 49984, 0, 0, tensors=12)
+                                                                      for i in range(2)]
+    for name, strategy in (("fsdp-mpi", "FULL_SHARD"), ("fsdp-mpi+HYBRID_SHARD", "HYBRID_SHARD")):
+        expected = step_link_bytes(Profile(units, 0, 0, 0), Layout(strategy, 2, 2)) / 2**20
+        assert float(rows[name][0]) == pytest.approx(expected, rel=1e-3)
+    refused = subprocess.run([sys.executable, str(report), str(tmp_path), "fast"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "rate 'fast'" in refused.stderr

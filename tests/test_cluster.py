@@ -6,10 +6,15 @@ strategy, and the bytes a step sends over each node's link against the cost mode
 Where namespaces cannot be made (not root, no ``ip netns``), the tests skip and say why.
 """
 
+import csv
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from mpi_launch import REPO_ROOT, WORKERS, mpiexec
@@ -18,6 +23,8 @@ from mpi_launch import REPO_ROOT, WORKERS, mpiexec
 pytestmark = pytest.mark.one_mpi
 
 CLUSTER = REPO_ROOT / "hpc" / "cluster" / "cluster.sh"
+# With SLURM installed (CI installs it for tests/test_slurm.py), the cluster gets a SLURM of its nodes too.
+START = ["start", "--nodes", "2", *(["--slurm"] if shutil.which("slurmctld") else [])]
 SSH = REPO_ROOT / "hpc" / "cluster" / "ssh.sh"
 # The bytes a link carries beyond the collectives' payload: Ethernet, IP and TCP headers of ~80 bytes
 # per 9000-byte frame (0.9%), TCP acknowledgements of the data received (~0.5%), and the barriers and
@@ -39,18 +46,29 @@ def two_nodes():
     if "hydra" not in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout.lower():
         pytest.skip("the cluster's launcher is MPICH's hydra")
     cluster("stop", check=False)
-    cluster("start", "--nodes", "2")
+    cluster(*START)
     yield ["fmnode0", "fmnode1"]
     cluster("stop")
 
 
-def across(nodes, worker_args, timeout=300):
-    """Runs a worker on 2 ranks per node, launched from the first node as a user would."""
+def launch_across(nodes, worker_args, **env):
+    """Starts a worker on 2 ranks per node, launched from the first node as a user would."""
     hosts = ",".join(f"{node}:2" for node in nodes)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), MPICH_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1",
+               MPICH_CH4_NETMOD="ofi", FI_PROVIDER="tcp", **env)
     command = ["bash", str(CLUSTER), "exec", nodes[0], mpiexec(), "-hosts", hosts, "-launcher", "ssh",
                "-launcher-exec", str(SSH), sys.executable, *map(str, worker_args)]
-    return subprocess.run(command, cwd=WORKERS, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen(command, cwd=WORKERS, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def across(nodes, worker_args, timeout=300):
+    """Runs a worker on 2 ranks per node to its end."""
+    job = launch_across(nodes, worker_args)
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    finally:
+        job.kill()
+    return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
 
 
 def test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says(two_nodes, tmp_path):
@@ -59,9 +77,7 @@ def test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_mod
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["hosts"] == ["fmnode0", "fmnode0", "fmnode1", "fmnode1"]
-    assert result["node_sizes"] == [2, 2, 2, 2]
-    # HYBRID_SHARD with no group size: each rank's shard group is the ranks of its own node
-    assert result["hybrid_groups"] == [["fmnode0"] * 2, ["fmnode0"] * 2, ["fmnode1"] * 2, ["fmnode1"] * 2]
+    check_placement(result)
     for strategy, run in result["equivalence"].items():
         for step in run["steps"]:
             assert step["grad_error"] <= step["grad_bound"], (strategy, step)
@@ -78,6 +94,15 @@ def test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_mod
     assert result["link_bytes"]["HYBRID_SHARD"]["predicted"] < result["link_bytes"]["FULL_SHARD"]["predicted"] / 2
 
 
+def check_placement(result: dict) -> None:
+    assert result["hosts"] == ["fmnode0", "fmnode0", "fmnode1", "fmnode1"]
+    assert result["node_sizes"] == [2, 2, 2, 2]
+    # HYBRID_SHARD with no group size: each rank's shard group is the ranks of its own node
+    assert result["hybrid_groups"] == [["fmnode0"] * 2, ["fmnode0"] * 2, ["fmnode1"] * 2, ["fmnode1"] * 2]
+    # the GPU scripts' choice, on nodes of 2 GPUs: each node's ranks take its GPUs 0 and 1
+    assert result["devices"] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+
+
 def test_the_cluster_refuses_bad_requests_and_leaves_nothing_behind(two_nodes):
     refused = cluster("start", "--nodes", "2", check=False)
     assert refused.returncode == 2 and "already running" in refused.stderr
@@ -91,4 +116,137 @@ def test_the_cluster_refuses_bad_requests_and_leaves_nothing_behind(two_nodes):
                 if name.startswith(("fmnode", "fmswitch"))]
     assert not any(os.path.exists(f"/etc/netns/{node}") for node in two_nodes)
     assert "no cluster is running" in cluster("bytes", check=False).stderr
-    cluster("start", "--nodes", "2")  # for the fixture's own stop
+    cluster(*START)  # for the fixture's own stop, and the tests after this one
+
+
+WATCHDOG_SECONDS = 8
+START_UP_SECONDS = 120  # four ranks importing torch on two cores, the first connections between nodes
+
+
+def training_until_failure(nodes, out: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A job training on every node (workers/hangs.py forever), once all its ranks have started: (job, pids)."""
+    job = launch_across(nodes, [WORKERS / "hangs.py", out, "forever"], FSDP_MPI_TIMEOUT=str(WATCHDOG_SECONDS))
+    pid_files = [Path(f"{out}.pids.{rank}") for rank in range(4)]
+    deadline = time.monotonic() + START_UP_SECONDS
+    while not all(path.exists() and path.read_text() for path in pid_files):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=10)
+        time.sleep(0.2)
+    time.sleep(2)  # a few steps, over connections made between every pair of ranks
+    return job, [int(path.read_text()) for path in pid_files]
+
+
+def seconds_to_end(job: subprocess.Popen, since: float) -> tuple[float, str]:
+    """How long after `since` the job ended, and everything it printed."""
+    try:
+        stdout, stderr = job.communicate(timeout=WATCHDOG_SECONDS + 60)
+    finally:
+        job.kill()
+    return time.monotonic() - since, stdout + stderr
+
+
+def test_a_node_whose_ranks_die_ends_the_job_at_once_naming_it(two_nodes, tmp_path):
+    job, pids = training_until_failure(two_nodes, tmp_path / "out")
+    killed = time.monotonic()
+    for pid in pids[2:]:  # every rank of fmnode1
+        os.kill(pid, signal.SIGKILL)
+    elapsed, output = seconds_to_end(job, killed)
+    assert job.returncode != 0
+    assert "RUNNING AT fmnode1" in output, output[-2000:]  # the launcher names the node
+    assert elapsed < WATCHDOG_SECONDS, f"took {elapsed:.1f} s"
+
+
+def test_a_node_that_loses_its_link_is_named_by_the_watchdog_within_its_timeout(two_nodes, tmp_path):
+    job, pids = training_until_failure(two_nodes, tmp_path / "out")
+    cut = time.monotonic()
+    cluster("cut", "fmnode1")
+    try:
+        elapsed, output = seconds_to_end(job, cut)
+    finally:
+        cluster("mend", "fmnode1")
+        for pid in pids[2:]:  # cut off, they never heard of the abort
+            os.kill(pid, signal.SIGKILL)
+    assert job.returncode != 0
+    asked = min(2.0, WATCHDOG_SECONDS / 4)
+    assert f"No answer within {asked:g} s from fmnode1 (ranks 2, 3: all its ranks)" in output, output[-3000:]
+    assert "(on fmnode0) has waited" in output
+    # the watchdog's timeout, from the last collective that completed (at most a step before the cut), and
+    # the abort: a second's flush, then the launcher's end
+    assert elapsed < WATCHDOG_SECONDS + 5, f"took {elapsed:.1f} s"
+
+
+# ----------------------------------------------------------------- SLURM on the nodes
+
+TINY = ["--epochs", "2", "--steps-per-epoch", "600", "--val-steps", "2"]  # epochs of about 20 s here
+
+
+def slurm(*command, **env):
+    """A SLURM client command, run on the first node (where the controller is reachable)."""
+    return subprocess.run(["bash", str(CLUSTER), "exec", "fmnode0", *command], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, **env))
+
+
+def job_state(job: str) -> dict:
+    shown = slurm("scontrol", "show", "job", "--oneliner", job)
+    state = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
+    # the controller can miss a query (seen once right after it started): ask again until the deadline
+    return state if "JobState" in state else {"JobState": "not answered", "Restarts": "0", "error": shown.stderr}
+
+
+def wait_for(job: str, done, seconds: float) -> dict:
+    deadline = time.monotonic() + seconds
+    while not done(state := job_state(job)):
+        assert time.monotonic() < deadline, state
+        time.sleep(1)
+    return state
+
+
+@pytest.fixture
+def with_slurm(two_nodes):
+    if "--slurm" not in START:
+        pytest.skip("no SLURM installed here (tests/slurm/start_local_slurm.sh installs it)")
+    return two_nodes
+
+
+def job_environment(**extra) -> dict:
+    data = os.environ.get("FSDP_MPI_DATA_DIR", str(REPO_ROOT.parent / "shared" / "data"))
+    return dict(FSDP_MPI_VENV=sys.prefix, FSDP_MPI_LAUNCHER="srun --mpi=pmi2", FSDP_MPI_DATA_DIR=data,
+                MPICH_CH4_NETMOD="ofi", FI_PROVIDER="tcp", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), **extra)
+
+
+def test_a_slurm_job_on_two_nodes_places_its_ranks_by_node(with_slurm, tmp_path):
+    out = tmp_path / "placement.json"
+    worker = f"{sys.executable} {WORKERS / 'multinode.py'} {out} placement"
+    submitted = slurm("sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                      f"--output={tmp_path / 'job.out'}", f"--chdir={WORKERS}", "--wrap", f"srun --mpi=pmi2 {worker}",
+                      **job_environment())
+    assert submitted.returncode == 0, (submitted.stderr, (tmp_path / "job.out").read_text())
+    check_placement(json.loads(out.read_text()))
+
+
+def test_a_two_node_job_warned_before_its_time_limit_checkpoints_requeues_and_resumes(with_slurm, tmp_path):
+    """hpc/run_gpt2_cpu.sbatch on 2 nodes x 2 ranks; the time-limit warning sent as in tests/test_slurm.py."""
+    results, checkpoints, output = tmp_path / "results", tmp_path / "checkpoints", tmp_path / "job.out"
+    submitted = slurm("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                      f"--output={output}", "hpc/run_gpt2_cpu.sbatch", *TINY, "--out-dir", str(results),
+                      **job_environment(CHECKPOINT_DIR=str(checkpoints)))
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_for(job, lambda state: (output.exists() and "epoch 0:" in output.read_text())
+                 or state["JobState"] in FINISHED, 300)
+        assert slurm("scancel", "--batch", "--signal=USR1", job).returncode == 0
+        wait_for(job, lambda state: state["Restarts"] != "0" or state["JobState"] in FINISHED, 300)
+        slurm("scontrol", "update", f"JobId={job}", "StartTime=now+3")  # not the 2-minute requeue delay
+        state = wait_for(job, lambda state: state["JobState"] in FINISHED, 600)
+    finally:
+        slurm("scancel", job)
+    log = output.read_text()
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (state, log)
+    assert "stopped by SIGUSR1 after optimizer step" in log and "resuming from" in log, log
+    rows = [row for path in sorted(results.glob("*.csv")) if not path.name.endswith("-steps.csv")
+            for row in csv.DictReader(open(path))]
+    assert sorted(int(row["epoch"]) for row in rows) == [0, 1], log
+    assert {row["world_size"] for row in rows} == {"4"}
+
+
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")

@@ -193,6 +193,7 @@ def test_reduced_gradients_are_within_each_ranks_quantization_error_of_the_exact
 def test_bytes_per_step_equal_the_closed_form(report):
     for name, run in runs(report).items():
         assert run["bytes"] == run["expected_bytes"], name
+        assert run["bytes"] == run["cost_model_bytes"], name  # the cost model counts the same
     assert all(replicas["bytes_as_closed_form"] for replicas in report["replica_all_reduce"].values())
     assert all(report["all_to_all"].values())  # directly, in several messages, staged
 

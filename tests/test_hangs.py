@@ -7,6 +7,7 @@ and measures how long the job took to end: a hang would hit the test's timeout.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec, run_mpi
 
+from fsdp_mpi.communication import collective_log
 from fsdp_mpi.communication.collective_log import TIMEOUT_ENV, CollectiveLog, timeout_from_environment
 
 # MPI start-up, importing torch and building the model take a few seconds per rank on a loaded 2-core machine.
@@ -36,11 +38,23 @@ def test_uneven_steps_end_with_the_watchdog_report_after_the_timeout(tmp_path):
     assert result.returncode != 0
     assert "rank 1 left the training loop" in result.stdout
     report = result.stderr
-    assert f"rank 0 has waited {timeout}." in report, report
+    assert f"rank 0 (on {socket.gethostname()}) has waited {timeout}." in report, report
+    # rank 1 has left: it answers no question from rank 0's watchdog, which asks a quarter of the timeout early
+    assert f"No answer within {timeout / 4:g} s from {socket.gethostname()} (rank 1: some of its ranks)" in report
     # What it waits in (the next step's first gather: the root unit), and the history before it.
     assert "in collective #48 all_gather of unit '<root>', sending 6,208 float32" in report, report
     assert "#46 reduce_scatter of unit '<root>'" in report and "not finished" in report
     assert "#47 all_reduce of unit '<which parameters got gradients>'" in report
+    assert elapsed < timeout + START_UP_SECONDS, f"took {elapsed:.0f} s"
+
+
+def test_a_rank_stalled_outside_mpi_is_reported_alive(tmp_path):
+    timeout = 4
+    result, elapsed = run_timed("stalled", 2, tmp_path / "out.json", limit=timeout + START_UP_SECONDS,
+                                **{TIMEOUT_ENV: str(timeout)})
+    assert result.returncode != 0
+    assert f"Every other rank answered within {timeout / 4:g} s: they are alive and reachable" in result.stderr, \
+        result.stderr
     assert elapsed < timeout + START_UP_SECONDS, f"took {elapsed:.0f} s"
 
 
@@ -132,3 +146,21 @@ def test_the_log_keeps_only_the_last_records_in_order():
     assert [record.sequence for record in log.records] == [2, 3, 4]
     assert log.recent().splitlines()[0].startswith("  #2 all_gather of unit 'h.0', sending 10 float32: took ")
     assert log.blocked == {}
+
+
+def test_the_watchdog_reports_a_collective_that_outlasts_its_timeout(monkeypatch):
+    """In this process, with the abort replaced by a note: the report comes at the timeout, not before."""
+    reports = []
+    monkeypatch.setattr(collective_log, "abort_job", lambda message: reports.append((time.monotonic(), message)))
+    log = CollectiveLog()
+    record = log.begin(7, "reduce_scatter", "h.1", 12, "float32")
+    started = time.monotonic()
+    with log.blocking(record, timeout=0.4, rank=3):
+        time.sleep(0.2)
+        assert reports == []
+        while not reports and time.monotonic() < started + 5:
+            time.sleep(0.05)
+    at, message = reports[0]
+    assert at - started >= 0.4
+    assert message.startswith(f"fsdp_mpi watchdog: rank 3 (on {socket.gethostname()}) has waited 0.")
+    assert " s in collective #7 reduce_scatter of unit 'h.1', sending 12 float32; its partners never arrived." in message

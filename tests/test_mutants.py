@@ -36,6 +36,8 @@ RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_an
 RESUME = "tests/test_checkpoint.py::test_resume_on_the_same_ranks_continues_bit_for_bit"
 DAMAGE = "tests/test_checkpoint.py::test_a_damaged_file_is_named[corrupt]"
 UNEVEN = "tests/test_hangs.py::test_uneven_steps_end_with_the_watchdog_report_after_the_timeout"
+WATCHDOG = "tests/test_hangs.py::test_the_watchdog_reports_a_collective_that_outlasts_its_timeout"
+STALLED = "tests/test_hangs.py::test_a_rank_stalled_outside_mpi_is_reported_alive"
 UNIT_ORDER = "tests/test_hangs.py::test_verify_mode_names_the_ranks_and_units_that_diverge"
 EVEN_BATCHES = "tests/test_hangs.py::test_even_batches_stops_every_rank_when_the_first_runs_out"
 LAUNCHER = "tests/test_bad_input.py::test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing"
@@ -45,6 +47,7 @@ COST_COLLECTIVES = "tests/test_costmodel.py::test_each_strategy_issues_the_colle
 EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
 INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_half_a_step_of_each_blocks_absmax"
 CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
+COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[2_ranks]"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
@@ -157,7 +160,9 @@ MUTANTS = {
     "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (
         "fsdp_mpi/communication/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if False:", [HOST_MEMORY]),
     "the watchdog never fires": (
-        "fsdp_mpi/communication/collective_log.py", "if timeout > 0 and waited >= timeout:", "if False:", [UNEVEN]),
+        "fsdp_mpi/communication/collective_log.py", "if waited >= timeout - asking:", "if False:", [WATCHDOG]),
+    "no rank answers the watchdog's question": (
+        "fsdp_mpi/communication/liveness.py", "while self._question.Test():", "while False:", [STALLED]),
     "verify mode compares nothing": (
         "fsdp_mpi/communication/comm.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
     "verify mode ignores which unit": (
@@ -181,7 +186,7 @@ MUTANTS = {
         "experiments/eval.py", "return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8, inplace=True)",
         "return model", [EVAL_SIZES]),
     "the cost model forgets the backward all-gather": (
-        "experiments/measuring/costmodel.py", "if g > 1 and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
+        "experiments/measuring/costmodel.py", "if g > 1 and regathers and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
     "split communicators count their traffic nowhere": (
         "fsdp_mpi/communication/comm.py", "child.traffic = self.traffic", "pass", [STRATEGIES]),
     "a quantizer that ignores the scale": (
@@ -189,6 +194,8 @@ MUTANTS = {
         [INT8_ROUND_TRIP]),
     "the cost model sends the whole buffer across nodes in a ring all-gather": (
         "experiments/measuring/costmodel.py", '"all_gather": (p - 1) / p,', '"all_gather": 1.0,', [CLUSTER]),
+    "the cost model prices int8 as uncompressed": (
+        "experiments/measuring/costmodel.py", 'if form == "int8":', "if False:", [COMPRESSED_BYTES]),
     "compressed gradients summed in low precision": (
         "fsdp_mpi/communication/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
         [RANK_ORDER_SUM]),

@@ -12,6 +12,11 @@ parameter bytes, with shard groups of g ranks and r = ranks / g replicas,
     end of backward: all-reduce 4 bytes per parameter tensor over all ranks, which of them got
                a gradient on some rank                                 (if ranks > 1)
 
+Compressed communication (``fsdp_mpi.Compression``) changes the bytes, not the pattern: gathers
+carry weights as bf16 or int8 codes with one fp32 scale per block; compressed gradients go by an
+all-to-all of the group's chunks in place of the reduce-scatter, and over the replicas by an
+all-to-all and an all-gather of chunks of S / (g r) in place of the all-reduce.
+
 Computation comes from a ``Profile`` (measured on one rank, or computed from
 FLOPs for hardware that is not here); communication from a ``Network`` that
 prices one collective (``MeasuredNetwork``: measured here; ``RingNetwork``: a
@@ -49,6 +54,9 @@ class Profile:
     tokens_per_rank: int  # per step
     param_bytes: int = 4  # per element gathered (2 under bf16 mixed precision)
     grad_bytes: int = 4  # per element reduced (fp32 by default, also under mixed precision)
+    weight_format: str = "none"  # Compression's weights: none (param_bytes each), bf16 or int8
+    gradient_format: str = "none"  # Compression's gradients
+    block_size: int = 256  # elements per int8 scale
 
     @property
     def parameters(self) -> int:
@@ -100,6 +108,15 @@ def padded(unit: Unit, group: int) -> int:
     return -(-unit.numel // group) * group
 
 
+def wire_bytes(numel: int, form: str, uncompressed_bytes: int, block_size: int) -> int:
+    """Bytes of `numel` elements as they travel: uncompressed, bf16, or int8 codes plus one fp32 scale per block."""
+    if form == "bf16":
+        return 2 * numel
+    if form == "int8":
+        return numel + 4 * -(-numel // block_size)
+    return uncompressed_bytes * numel
+
+
 def state_bytes(profile: Profile, layout: Layout) -> int:
     """The sharded parameters, gradients and Adam moments one rank holds (fp32)."""
     g = layout.shard_group
@@ -112,21 +129,32 @@ def collectives(profile: Profile, layout: Layout) -> list[Collective]:
     group_leaves = layout.spans_nodes(g)
     replicas_leave = layout.spans_nodes(r, stride=g)
     issued = []
+    regathers = layout.strategy != "SHARD_GRAD_OP"
+
+    def weights(elements: int) -> int:
+        return wire_bytes(elements, profile.weight_format, profile.param_bytes, profile.block_size)
+
+    def gradients(elements: int) -> int:
+        return wire_bytes(elements, profile.gradient_format, profile.grad_bytes, profile.block_size)
+
+    compressed_gradients = profile.gradient_format != "none"
     for unit in profile.units:
         if g > 1:
-            issued.append(Collective("forward", "all_gather", unit.name, padded(unit, g) * profile.param_bytes, g,
+            issued.append(Collective("forward", "all_gather", unit.name, g * weights(padded(unit, g) // g), g,
                                      group_leaves))
-    regathers = layout.strategy != "SHARD_GRAD_OP"
     for unit in reversed(profile.units):
-        elements = padded(unit, g)
+        shard = padded(unit, g) // g
         if g > 1 and regathers and not unit.is_root:
-            issued.append(Collective("backward", "all_gather", unit.name, elements * profile.param_bytes, g,
-                                     group_leaves))
+            issued.append(Collective("backward", "all_gather", unit.name, g * weights(shard), g, group_leaves))
         if g > 1:
-            issued.append(Collective("backward", "reduce_scatter", unit.name, elements * profile.grad_bytes, g,
-                                     group_leaves))
-        if r > 1:
-            issued.append(Collective("backward", "all_reduce", unit.name, elements // g * profile.grad_bytes, r,
+            issued.append(Collective("backward", "all_to_all" if compressed_gradients else "reduce_scatter",
+                                     unit.name, g * gradients(shard), g, group_leaves))
+        if r > 1 and compressed_gradients:
+            chunk = -(-shard // r)
+            issued += [Collective("backward", operation, unit.name, r * gradients(chunk), r, replicas_leave)
+                       for operation in ("all_to_all", "all_gather")]
+        elif r > 1:
+            issued.append(Collective("backward", "all_reduce", unit.name, shard * profile.grad_bytes, r,
                                      replicas_leave))
     if layout.ranks > 1:
         issued.append(Collective("backward", "all_reduce", "<which parameters got gradients>",
@@ -138,13 +166,13 @@ def collectives(profile: Profile, layout: Layout) -> list[Collective]:
 def node_link_bytes(collective: Collective, layout: Layout) -> float:
     """Bytes each node sends over its link to the others (and receives: the traffic is symmetric) for
     `collective`, counting every group that issues it at once: one group of all the ranks, or, for
-    HYBRID_SHARD's replica all-reduce, one group per place on a node (a rank on every node).
+    HYBRID_SHARD's replicas, one group per place on a node (a rank on every node).
 
     It follows how MPICH moves the large buffers of a step, as counted on the emulated cluster's
     links (hpc/cluster, docs/clusters.md): a ring all-gather (one neighbour of each node's ranks
     is on the next node: (p - 1) / p of the buffer crosses each node's link once), a reduce-scatter by
     pairwise exchange (each rank sends its peers' blocks straight to them: k (p - k) / p of the buffer
-    per node with k of the p ranks on it), and a node-aware all-reduce (reduced within the node,
+    per node with k of the p ranks on it; an all-to-all likewise), and a node-aware all-reduce (reduced within the node,
     exchanged between the nodes' leaders, as a ring all-reduce of n nodes moves 2 (n - 1) / n).
     """
     if not collective.spans_nodes:
@@ -152,10 +180,11 @@ def node_link_bytes(collective: Collective, layout: Layout) -> float:
     size, n, k = collective.bytes, layout.nodes, layout.ranks_per_node
     if collective.group == layout.ranks:
         p = layout.ranks
-        return {"all_gather": (p - 1) / p, "reduce_scatter": k * (p - k) / p,
+        return {"all_gather": (p - 1) / p, "reduce_scatter": k * (p - k) / p, "all_to_all": k * (p - k) / p,
                 "all_reduce": 2 * (n - 1) / n}[collective.operation] * size
-    if collective.operation == "all_reduce" and collective.group == n and layout.shard_group == k:
-        return k * 2 * (n - 1) / n * size  # k replica groups, each one rank per node
+    if collective.group == n and layout.shard_group == k:  # k replica groups, each one rank per node
+        return k * {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+                    "all_to_all": (n - 1) / n}[collective.operation] * size
     raise ValueError(f"link bytes are modelled for groups of every rank or of one rank per node, "
                      f"not {collective.operation} over {collective.group} of {layout.ranks} ranks")
 

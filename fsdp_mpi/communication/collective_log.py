@@ -9,10 +9,14 @@ waiting in and what came before, then aborts the whole job.
 
 The watchdog is one daemon thread per process, started with the first
 collective that has a timeout. mpi4py releases the GIL inside blocking MPI
-calls, so the thread runs while the main thread waits.
+calls, so the thread runs while the main thread waits. It also answers other
+ranks' "are you there?" and, shortly before its own timeout, asks them
+(``liveness.py``), so that its report names the ranks and hosts that fell silent.
 """
 
+import atexit
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -20,12 +24,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fsdp_mpi.communication.abort import abort_job
+from fsdp_mpi.communication.liveness import Liveness
 
 TIMEOUT_ENV = "FSDP_MPI_TIMEOUT"
 VERIFY_ENV = "FSDP_MPI_VERIFY"
 DEFAULT_TIMEOUT_SECONDS = 600.0
 RECORDS_KEPT = 32  # per process; the watchdog prints the last RECORDS_PRINTED of them
 RECORDS_PRINTED = 12
+ASKING_SECONDS = 2.0  # before the timeout, at most a quarter of it: the time other ranks get to answer
 
 
 def timeout_from_environment() -> float:
@@ -73,6 +79,7 @@ class CollectiveLog:
         self.blocked: dict[int, tuple[CollectiveRecord, float, float, int]] = {}
         self._watchdog: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.liveness: Liveness | None = None  # set by the first world Communicator, where threads may call MPI
 
     def begin(self, sequence: int, operation: str, unit: str, numel: int, dtype: str) -> CollectiveRecord:
         record = CollectiveRecord(sequence, operation, unit, numel, dtype, time.monotonic())
@@ -113,19 +120,45 @@ class CollectiveLog:
 
     def _watch(self) -> None:
         while True:
-            pause = 0.5
-            for record, since, timeout, rank in list(self.blocked.values()):
+            pause = 0.1  # how long another rank's question may wait for its answer
+            with self._lock:  # not while `stop_answering` closes it
+                if self.liveness is not None:
+                    self.liveness.answer_questions()
+            for thread, (record, since, timeout, rank) in list(self.blocked.items()):
+                if timeout <= 0:
+                    continue
+                asking = min(ASKING_SECONDS, timeout / 4)
                 waited = time.monotonic() - since
-                if timeout > 0 and waited >= timeout:
-                    abort_job(self._timeout_message(record, waited, timeout, rank))
-                if timeout > 0:
-                    pause = min(pause, max(timeout - waited, 0.01))
+                if waited >= timeout - asking:
+                    answers = self._ask_the_others(asking)
+                    if self.blocked.get(thread, (None,))[0] is record:  # still waiting in it
+                        time.sleep(max(since + timeout - time.monotonic(), 0.0))
+                        abort_job(self._timeout_message(record, time.monotonic() - since, timeout, rank, answers))
+                pause = min(pause, max(timeout - asking - waited, 0.01))
             time.sleep(pause)
 
-    def _timeout_message(self, record: CollectiveRecord, waited: float, timeout: float, rank: int) -> str:
+    def start_answering(self, liveness: Liveness) -> None:
+        """Lets the watchdog answer other ranks' questions and ask its own, until the interpreter exits."""
+        self.liveness = liveness
+        atexit.register(self.stop_answering)  # runs before mpi4py's MPI_Finalize, registered earlier
+
+    def stop_answering(self) -> None:
+        with self._lock:
+            liveness, self.liveness = self.liveness, None
+        if liveness is not None:
+            liveness.close()
+
+    def _ask_the_others(self, seconds: float) -> str:
+        if self.liveness is None:
+            return ""
+        return self.liveness.describe(self.liveness.silent_ranks(seconds), seconds) + "\n"
+
+    def _timeout_message(self, record: CollectiveRecord, waited: float, timeout: float, rank: int,
+                         answers: str) -> str:
+        host = self.liveness.hosts[self.liveness.rank] if self.liveness else socket.gethostname()
         return (
-            f"fsdp_mpi watchdog: rank {rank} has waited {waited:.1f} s in collective {record.describe()}; "
-            f"its partners never arrived.\n"
+            f"fsdp_mpi watchdog: rank {rank} (on {host}) has waited {waited:.1f} s in collective "
+            f"{record.describe()}; its partners never arrived.\n{answers}"
             f"Another rank has left the training loop (uneven data: give every rank the same number of steps, "
             f"e.g. with fsdp_mpi.loop.even_batches), is stuck outside MPI, or is waiting in a different collective "
             f"(run with {VERIFY_ENV}=1 to find where ranks diverge).\n"

@@ -38,6 +38,7 @@ from fsdp_mpi.communication.background import CommunicationThread, Started, thre
 from fsdp_mpi.communication.collective_log import PROCESS_LOG, VERIFY_ENV, CollectiveRecord, timeout_from_environment
 from fsdp_mpi.communication.gpu_support import FORCE_STAGING_ENV, describe_device_path, env_flag, mpi_is_cuda_aware
 from fsdp_mpi.communication.launcher import check_launcher_agrees
+from fsdp_mpi.communication.liveness import Liveness
 from fsdp_mpi.communication.staging import StagedCollectives
 
 # MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
@@ -166,6 +167,9 @@ class Communicator:
         self._staged = StagedCollectives()
         # Where the library lets two threads call MPI at once, staged collectives started early run there.
         self._background = CommunicationThread() if threads_may_call_mpi_at_once() else None
+        if (self.mpi_comm == MPI.COMM_WORLD and self.world_size > 1 and self._background is not None
+                and PROCESS_LOG.liveness is None):  # collective: every rank builds a first world Communicator
+            PROCESS_LOG.start_answering(Liveness(self.mpi_comm))  # so the watchdog can ask who is still there
 
     @property
     def device_path(self) -> str:

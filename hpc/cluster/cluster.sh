@@ -5,9 +5,12 @@
 # memory, as on a real cluster. The machine's own network is never touched: every link and address
 # lives inside the namespaces this script creates, in one private /24.
 #
-#   hpc/cluster/cluster.sh start [--nodes K] [--rate RATE]    K in 2..4 (default 2); RATE e.g. 1gbit
+#   hpc/cluster/cluster.sh start [--nodes K] [--rate RATE] [--slurm]
+#                                  K in 2..4 (default 2); RATE e.g. 1gbit; --slurm: a SLURM of the nodes,
+#                                  slurmctld on the switch (fmswitch), one slurmd per node
 #   hpc/cluster/cluster.sh rate RATE|none                     change every node's link limit
-#   hpc/cluster/cluster.sh exec NODE COMMAND...               run COMMAND on NODE (as ssh would)
+#   hpc/cluster/cluster.sh exec NODE COMMAND...               run COMMAND on NODE (as ssh would; with
+#                                                            --slurm, SLURM_CONF names the cluster's SLURM)
 #   hpc/cluster/cluster.sh bytes                              bytes each node sent and received, so far
 #   hpc/cluster/cluster.sh cut NODE | mend NODE               take a node's link down, or up again
 #   hpc/cluster/cluster.sh stop                               kill every process on the nodes, remove it all
@@ -53,14 +56,19 @@ set_rate() {  # $1: a tc rate (1gbit, 500mbit, ...) or "none"; limits both direc
 }
 
 start() {
-  local k=2 rate=none
+  local k=2 rate=none slurm=no
   while [ $# -gt 0 ]; do
     case "$1" in
       --nodes) k=${2:?}; shift 2 ;;
       --rate) rate=${2:?}; shift 2 ;;
-      *) fail "start: unknown option $1 (options: --nodes K, --rate RATE)" ;;
+      --slurm) slurm=yes; shift ;;
+      *) fail "start: unknown option $1 (options: --nodes K, --rate RATE, --slurm)" ;;
     esac
   done
+  if [ $slurm = yes ]; then
+    command -v slurmctld >/dev/null && command -v munged >/dev/null \
+      || fail "--slurm needs slurmctld, slurmd and munged (Debian: apt-get install slurm-wlm munge)"
+  fi
   [[ "$k" =~ ^[2-4]$ ]] || fail "--nodes $k: give 2, 3 or 4"
   [[ "$SUBNET" =~ ^10\.[0-9]+\.[0-9]+$ ]] || fail "FSDP_MPI_CLUSTER_SUBNET=$SUBNET: give the first three numbers of a 10.x.y.0/24"
   [ -e "$STATE/nodes" ] && fail "a cluster is already running ($(nodes) nodes): stop it first ($0 stop)"
@@ -68,11 +76,16 @@ start() {
   ip -o addr | grep -q " $SUBNET\." && fail "$SUBNET.0/24 is already used on this machine: set FSDP_MPI_CLUSTER_SUBNET"
   mkdir -p "$STATE"
   echo "$k" > "$STATE/nodes"
+  trap 'echo "cluster.sh: start failed; removing what it made" >&2; stop' ERR
   ip netns add "$SWITCH"
   ip -n "$SWITCH" link add br0 type bridge
   ip -n "$SWITCH" link set br0 up
-  local hosts="127.0.0.1 localhost"$'\n'
+  ip -n "$SWITCH" link set lo up
+  ip -n "$SWITCH" addr add "$SUBNET.1/24" dev br0  # the controller's address, for --slurm
+  local hosts="127.0.0.1 localhost"$'\n'"$SUBNET.1 $SWITCH"$'\n'
   for ((i = 0; i < k; i++)); do hosts+="$SUBNET.$((10 + i)) $PREFIX$i"$'\n'; done
+  mkdir -p "/etc/netns/$SWITCH"
+  printf '%s' "$hosts" > "/etc/netns/$SWITCH/hosts"
   local node
   for ((i = 0; i < k; i++)); do
     node=$PREFIX$i
@@ -90,6 +103,7 @@ start() {
   for node in $(node_names); do
     ip -n "$node" link show eth0 | grep -q LOWER_UP || { stop; fail "$node's link did not come up; nothing is left behind"; }
   done
+  if [ $slurm = yes ]; then start_slurm "$k"; fi
   local hostlist
   hostlist=$(node_names | sed 's/$/:2/' | paste -sd, -)
   cat <<EOF
@@ -99,8 +113,72 @@ Run a job from a node, which reaches the others (2 ranks per node here):
               mpiexec -hosts $hostlist -launcher ssh -launcher-exec $HERE/ssh.sh python ...
   Open MPI: $0 exec ${PREFIX}0 mpirun --host $hostlist --mca plm_rsh_agent $HERE/ssh.sh \\
               --mca btl tcp,self,vader --mca btl_tcp_if_include $SUBNET.0/24 --mca oob_tcp_if_include $SUBNET.0/24 python ...
-Stop it with: $0 stop
 EOF
+  if [ $slurm = yes ]; then
+    echo "SLURM: submit from a node, e.g."
+    echo "  $0 exec ${PREFIX}0 sbatch --nodes=$k --ntasks-per-node=2 --cpus-per-task=1 hpc/run_gpt2_cpu.sbatch"
+    echo "  (with MPICH from pip: FSDP_MPI_LAUNCHER=\"srun --mpi=pmi2\" MPICH_CH4_NETMOD=ofi FI_PROVIDER=tcp)"
+  fi
+  echo "Stop it with: $0 stop"
+}
+
+start_slurm() {  # $1: nodes. munge (shared by all: one kernel), slurmctld on the switch, a slurmd per node
+  local k=$1 cpus=8 memory_mb=4096  # every node claims 8 CPUs, so that the scripts' defaults fit; they share the cores
+  mkdir -p "$STATE/slurmctld" /etc/munge /run/munge /var/lib/munge /var/log/munge
+  [ -s /etc/munge/munge.key ] || dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key status=none
+  chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge 2>/dev/null || true
+  chmod 0700 /etc/munge && chmod 0400 /etc/munge/munge.key
+  pgrep -x munged >/dev/null || munged --force
+  {
+    echo "ClusterName=fsdpmpi"
+    echo "SlurmctldHost=$SWITCH($SUBNET.1)"
+    echo "SlurmUser=root"
+    echo "AuthType=auth/munge"
+    echo "MpiDefault=none"
+    echo "ProctrackType=proctrack/linuxproc"
+    echo "TaskPlugin=task/none"
+    echo "SelectType=select/cons_tres"
+    echo "SelectTypeParameters=CR_Core"
+    echo "ReturnToService=2"
+    echo "SlurmdParameters=config_overrides"  # the CPUs declared below, not the cores slurmd finds
+    echo "SlurmctldPidFile=$STATE/slurmctld.pid"
+    echo "SlurmdPidFile=$STATE/slurmd-%n.pid"
+    echo "StateSaveLocation=$STATE/slurmctld"
+    echo "SlurmdSpoolDir=$STATE/slurmd-%n"
+    echo "SlurmctldLogFile=$STATE/slurmctld.log"
+    echo "SlurmdLogFile=$STATE/slurmd-%n.log"
+    echo "JobCompType=jobcomp/none"
+    echo "SchedulerType=sched/backfill"
+    for ((i = 0; i < k; i++)); do
+      echo "NodeName=$PREFIX$i NodeAddr=$SUBNET.$((10 + i)) CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN"
+    done
+    echo "PartitionName=nodes Nodes=$(node_names | paste -sd, -) Default=YES MaxTime=INFINITE State=UP"
+  } > "$STATE/slurm.conf"
+  export SLURM_CONF=$STATE/slurm.conf
+  ip netns exec "$SWITCH" unshare --uts sh -c "hostname $SWITCH && exec slurmctld"
+  local node
+  for node in $(node_names); do
+    # slurmd needs a cgroup hierarchy, which the namespace's fresh /sys lacks: this machine's v1 hierarchies
+    # (as /proc/self/cgroup lists them) on a tmpfs, in this slurmd's own mount namespace (ip netns exec gives
+    # it one)
+    ip netns exec "$node" unshare --uts sh -c "hostname $node
+      mount -t tmpfs cgroup /sys/fs/cgroup
+      for hierarchy in $(awk -F: '$2 != "" {print $2}' /proc/self/cgroup | paste -sd' ' -); do
+        directory=\${hierarchy#name=}
+        options=\$hierarchy; [ \$directory = \$hierarchy ] || options=none,\$hierarchy
+        mkdir -p /sys/fs/cgroup/\$directory && mount -t cgroup -o \$options cgroup /sys/fs/cgroup/\$directory
+      done
+      exec slurmd -N $node"
+  done
+  for _ in $(seq 60); do
+    if ip netns exec "${PREFIX}0" sinfo --noheader --states=idle 2>/dev/null | grep -q " $k "; then return 0; fi
+    sleep 1
+  done
+  local logs
+  logs=$(mktemp -d /tmp/fsdp_mpi_cluster_logs.XXXX)
+  cp "$STATE"/*.log "$logs"/ 2>/dev/null || true
+  stop
+  fail "SLURM did not come up (its logs: $logs); nothing else is left behind"
 }
 
 stop() {
@@ -118,6 +196,7 @@ exec_on() {  # $1: node; the rest: a command, run there with the node's hostname
   local node=${1:?exec: name a node}; shift
   node_names | grep -qx "$node" || fail "no node named $node (nodes: $(node_names | paste -sd' ' -))"
   [ $# -gt 0 ] || fail "exec $node: give a command"
+  if [ -e "$STATE/slurm.conf" ]; then export SLURM_CONF=$STATE/slurm.conf; fi
   exec ip netns exec "$node" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$node" "$@"
 }
 

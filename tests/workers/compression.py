@@ -7,7 +7,7 @@ For gpt2-tiny under each mode (weights and gradients each None, "bf16" or "int8"
 (a) every handle's gathered weights (blocking and prefetched) against the fp32 masters, element by element;
 (b) the reduced gradient shard against the exact (float64) sum of what the ranks contributed to the reduction
     (their gradients, already scaled by 1/N in backward as without compression), FULL_SHARD and NO_SHARD;
-(c) a step's bytes, as the communicator counts them, against the closed form;
+(c) a step's bytes, as the communicator counts them, against the closed form and the cost model's count;
 (d) two identical runs, and one with every overlap switch, give the same bits; AdamW lowers the loss;
 (e) state dicts hold the fp32 masters, bit for bit those of an uncompressed model given the same gradients.
 
@@ -25,7 +25,9 @@ Each check reports its worst error / bound over every element; each must be at m
 """
 
 import math
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,9 @@ from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, Modul
 from fsdp_mpi.communication.compression import codec, compressed_all_reduce_sum_
 from fsdp_mpi.sharding.lifecycle import units_with_names
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+from measuring.costmodel import Layout, Profile, Unit, collectives  # noqa: E402
 
 U = torch.finfo(torch.float32).eps / 2
 BF16_U = torch.finfo(torch.bfloat16).eps / 2  # 2^-8
@@ -214,7 +219,20 @@ def one_step_checks(comm, weights, gradients, strategy) -> dict:
     report["gradient_ratio"] = reduced_gradients(model, comm, gradients)
     report["bytes"] = {operation: count for operation, count in comm.bytes_moved.items() if count}
     report["expected_bytes"] = expected_step_bytes(model, weights, gradients)
+    report["cost_model_bytes"] = cost_model_bytes(model, comm, weights, gradients, strategy)
     return report
+
+
+def cost_model_bytes(model, comm, weights, gradients, strategy) -> dict:
+    """The cost model's bytes per operation for this model's units, mode and strategy."""
+    units = [Unit(name or "<root>", sum(h.numel for h in unit.handles), 0.0, 0.0, is_root=name == "",
+                  tensors=sum(len(h.slots) for h in unit.handles)) for name, unit in units_with_names(model)]
+    profile = Profile(units, optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0, weight_format=weights or "none",
+                      gradient_format=gradients or "none", block_size=BLOCK)
+    counted = Counter()
+    for collective in collectives(profile, Layout(strategy.name, nodes=1, ranks_per_node=comm.world_size)):
+        counted[collective.operation] += collective.bytes
+    return dict(counted)
 
 
 # ----------------------------------------------------------------- (d) determinism, (e) masters

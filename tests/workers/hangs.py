@@ -3,6 +3,7 @@
     mpiexec -n 2 python hangs.py OUT MODE
 
 uneven       rank 0 trains one step more than rank 1 (run with FSDP_MPI_TIMEOUT set: the watchdog ends it)
+stalled      rank 1 stops outside MPI (a long sleep) after two steps, alive: rank 0's watchdog hears it answer
 unit_order   rank 1 runs two same-shaped blocks in the other order, under verify mode
 even_batches ranks hold 5, 3, 4, ... batches; even_batches stops all of them after 3
 verified     a training loop using every switch, with and without verify mode: the same losses
@@ -76,6 +77,12 @@ if __name__ == "__main__":
         for step in range(3 if comm.rank == 0 else 2):
             train_step(model, step)
         print(f"rank {comm.rank} left the training loop", flush=True)
+    elif mode == "stalled":
+        model = gpt2(comm)
+        for step in range(3):
+            if comm.rank == 1 and step == 2:
+                time.sleep(120)
+            train_step(model, step)
     elif mode == "unit_order":
         torch.manual_seed(0)
         model = FullyShardedDataParallel(TwoBlocks(), comm=Communicator(verify=True),

@@ -1,15 +1,18 @@
-"""Ranks on several hosts (hpc/cluster's nodes): the node groups MPI reports, training equal to one
-process under each strategy, and the bytes a step sends over each node's link against the cost model.
+"""Ranks on several hosts (hpc/cluster's nodes): where they are (node groups, HYBRID_SHARD's groups, the GPU
+each would take), training equal to one process under each strategy, and the bytes a step sends over each
+node's link against the cost model.
 
     cluster.sh exec fmnode0 mpiexec -hosts fmnode0:2,fmnode1:2 -launcher ssh -launcher-exec ssh.sh \
-        python multinode.py OUT
+        python multinode.py OUT [placement]
 
-Run by tests/test_cluster.py, which starts the cluster.
+`placement` reports only where the ranks are (for a SLURM job). Run by tests/test_cluster.py, which starts
+the cluster.
 """
 
 import socket
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from common import gpt_batch, local_part, output_path, write_json
@@ -22,6 +25,8 @@ from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 from measuring.costmodel import Layout, Profile, Unit, collectives, step_link_bytes  # noqa: E402
+from training.startup import pick_device  # noqa: E402
+from training.strategies import node_placement  # noqa: E402
 
 # Every flat buffer over 512 KiB, where MPICH moves large buffers as the cost model says (ring
 # all-gather, pairwise reduce-scatter); smaller ones take latency-bound algorithms it does not model.
@@ -57,18 +62,27 @@ def bytes_on_the_links(comm: Communicator, node: Communicator, strategy: Shardin
             "collectives": len(collectives(profile, layout))}
 
 
+def placement(comm: Communicator, node: Communicator) -> dict:
+    """Each rank's host and node size, its HYBRID_SHARD shard group's hosts (no group size given), and the GPU
+    the GPU scripts would give it on nodes of 2 GPUs (a stand-in for the device count)."""
+    hybrid_group = ShardGroups(comm, ShardingStrategy.HYBRID_SHARD).shard
+    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.device_count",
+                                                                                return_value=2):
+        device = str(pick_device("cuda", node_placement(comm)[0]))
+    return {"hosts": comm.allgather_object(socket.gethostname()),
+            "node_sizes": comm.allgather_object(node.world_size),
+            "hybrid_groups": comm.allgather_object(sorted(hybrid_group.allgather_object(socket.gethostname()))),
+            "devices": comm.allgather_object(device)}
+
+
 if __name__ == "__main__":
     comm = Communicator()
     node = comm.split(None)
-    hosts = comm.allgather_object(socket.gethostname())
-    hybrid_group = ShardGroups(comm, ShardingStrategy.HYBRID_SHARD).shard
-    results = {
-        "hosts": hosts, "node_sizes": comm.allgather_object(node.world_size),
-        # HYBRID_SHARD with no group size given: its shard groups are the nodes
-        "hybrid_groups": comm.allgather_object(sorted(hybrid_group.allgather_object(socket.gethostname()))),
-        "equivalence": {name: run("gpt2", "adamw", "none", comm, None, sharding_strategy=ShardingStrategy[name])
-                        for name in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")},
-        "link_bytes": {name: bytes_on_the_links(comm, node, ShardingStrategy[name])
-                       for name in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")},
-    }
+    results = placement(comm, node)
+    if sys.argv[2:] != ["placement"]:
+        results["equivalence"] = {name: run("gpt2", "adamw", "none", comm, None,
+                                            sharding_strategy=ShardingStrategy[name])
+                                  for name in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")}
+        results["link_bytes"] = {name: bytes_on_the_links(comm, node, ShardingStrategy[name])
+                                 for name in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")}
     write_json(output_path(), results)
