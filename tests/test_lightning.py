@@ -52,6 +52,13 @@ def test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_p
     assert report["precision_plugin"] == report["bf16_plugin"] == "FSDPMPIPrecision"
     assert report["bf16_compute_dtypes"] == ["torch.bfloat16"]
     assert report["bf16_master_dtypes"] == ["torch.float32"]
+    # FSDPMPIStrategy(compression=...) reaches the wrapper: int8 gathers and an all-to-all of the gradients.
+    assert {"all_gather", "all_to_all"} <= set(report["compressed_operations"])
+    assert "reduce_scatter" not in report["compressed_operations"]
+    # One SGD step from the same start: int8 weights (each within 1/254 of its block's absmax) and int8
+    # gradients change the update by a few hundredths of lr x gradient; not at all would mean no compression,
+    # and a broken codec (a scale ignored) moves the weights by their own size.
+    assert 0 < report["compressed_difference"] < 0.05 * report["compressed_scale"]
 
 
 class RunsCodeWhenUnpickled:
