@@ -147,8 +147,12 @@ def seconds_to_end(job: subprocess.Popen, since: float) -> tuple[float, str]:
 def test_a_node_whose_ranks_die_ends_the_job_at_once_naming_it(two_nodes, tmp_path):
     job, pids = training_until_failure(two_nodes, tmp_path / "out")
     killed = time.monotonic()
-    for pid in pids[2:]:  # every rank of fmnode1
-        os.kill(pid, signal.SIGKILL)
+    # Every rank of fmnode1 at once, as when a node goes down: frozen first, so that neither sees the other die
+    # (a rank that outlives its partner by a moment aborts on a broken connection, and the launcher then
+    # reports that abort instead of the node)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids[2:]:
+            os.kill(pid, sig)
     elapsed, output = seconds_to_end(job, killed)
     assert job.returncode != 0
     assert "RUNNING AT fmnode1" in output, output[-2000:]  # the launcher names the node
