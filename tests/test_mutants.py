@@ -190,7 +190,7 @@ MUTANTS = {
     "split communicators count their traffic nowhere": (
         "fsdp_mpi/communication/comm.py", "child.traffic = self.traffic", "pass", [STRATEGIES]),
     "a quantizer that ignores the scale": (
-        "fsdp_mpi/communication/compression.py", "codes = torch.round(blocks / divisors)", "codes = torch.round(blocks)",
+        "fsdp_mpi/communication/compression.py", "codes = (blocks / divisors).round_()", "codes = blocks.clone().round_()",
         [INT8_ROUND_TRIP]),
     "the cost model sends the whole buffer across nodes in a ring all-gather": (
         "experiments/measuring/costmodel.py", '"all_gather": (p - 1) / p,', '"all_gather": 1.0,', [CLUSTER]),
