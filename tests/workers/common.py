@@ -86,3 +86,13 @@ def write_json(path: str, payload) -> None:
 
 def output_path() -> str:
     return sys.argv[1]
+
+
+def cost_model_units(model) -> list:
+    """The cost model's units (experiments/measuring/costmodel.py) for a wrapped model: each unit's flat
+    elements and trainable tensors, in forward order, no timings."""
+    from measuring.costmodel import Unit
+
+    from fsdp_mpi.sharding.lifecycle import units_with_names
+    return [Unit(name or "<root>", sum(h.numel for h in unit.handles), 0.0, 0.0, is_root=name == "",
+                 tensors=sum(len(h.slots) for h in unit.handles)) for name, unit in units_with_names(model)]

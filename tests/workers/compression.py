@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import gpt_batch, local_part, output_path, write_json
+from common import cost_model_units, gpt_batch, local_part, output_path, write_json
 
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy,
                       full_state_dict)
@@ -40,7 +40,7 @@ from fsdp_mpi.sharding.lifecycle import units_with_names
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-from measuring.costmodel import Layout, Profile, Unit, collectives  # noqa: E402
+from measuring.costmodel import Layout, Profile, collectives  # noqa: E402
 
 U = torch.finfo(torch.float32).eps / 2
 BF16_U = torch.finfo(torch.bfloat16).eps / 2  # 2^-8
@@ -225,9 +225,7 @@ def one_step_checks(comm, weights, gradients, strategy) -> dict:
 
 def cost_model_bytes(model, comm, weights, gradients, strategy) -> dict:
     """The cost model's bytes per operation for this model's units, mode and strategy."""
-    units = [Unit(name or "<root>", sum(h.numel for h in unit.handles), 0.0, 0.0, is_root=name == "",
-                  tensors=sum(len(h.slots) for h in unit.handles)) for name, unit in units_with_names(model)]
-    profile = Profile(units, optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0, weight_format=weights or "none",
+    profile = Profile(cost_model_units(model), optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0, weight_format=weights or "none",
                       gradient_format=gradients or "none", block_size=BLOCK)
     counted = Counter()
     for collective in collectives(profile, Layout(strategy.name, nodes=1, ranks_per_node=comm.world_size)):

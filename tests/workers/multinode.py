@@ -15,27 +15,22 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from common import gpt_batch, local_part, output_path, write_json
+from common import cost_model_units, gpt_batch, local_part, output_path, write_json
 from equivalence import run
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
-from fsdp_mpi.sharding.lifecycle import units_with_names
 from fsdp_mpi.sharding.strategy import ShardGroups
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-from measuring.costmodel import Layout, Profile, Unit, collectives, step_link_bytes  # noqa: E402
+from measuring.bench_worker import link_bytes_sent  # noqa: E402
+from measuring.costmodel import Layout, Profile, collectives, step_link_bytes  # noqa: E402
 from training.startup import pick_device  # noqa: E402
 from training.strategies import node_placement  # noqa: E402
 
 # Every flat buffer over 512 KiB, where MPICH moves large buffers as the cost model says (ring
 # all-gather, pairwise reduce-scatter); smaller ones take latency-bound algorithms it does not model.
 MODEL = gpt2_config("gpt2-tiny", vocab_size=2048, n_embd=128)
-
-
-def link_bytes_sent() -> int:
-    return sum(int((device / "statistics" / "tx_bytes").read_text())
-               for device in Path("/sys/class/net").iterdir() if device.name != "lo")
 
 
 def bytes_on_the_links(comm: Communicator, node: Communicator, strategy: ShardingStrategy) -> dict:
@@ -53,8 +48,7 @@ def bytes_on_the_links(comm: Communicator, node: Communicator, strategy: Shardin
     loss.backward()
     comm.barrier()
     sent = link_bytes_sent() - before
-    units = [Unit(name or "<root>", sum(h.numel for h in unit.handles), 0.0, 0.0, is_root=name == "",
-                  tensors=sum(len(h.slots) for h in unit.handles)) for name, unit in units_with_names(model)]
+    units = cost_model_units(model)
     layout = Layout(strategy.name, nodes=comm.world_size // node.world_size, ranks_per_node=node.world_size)
     profile = Profile(units, optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0)
     return {"measured": comm.allgather_object(sent if node.rank == 0 else None),
