@@ -175,18 +175,25 @@ def link_bytes_sent() -> int:
                for device in Path("/sys/class/net").iterdir() if device.name != "lo")
 
 
+def bytes_each_node_sends(step, comm: Communicator, first_on_node: bool) -> list[int]:
+    """The bytes each host sends to the others while `step()` runs on every rank, read from its interfaces'
+    counters by its first rank. The counter is read before the barrier: once a rank has left it, the other
+    ranks on its host may already be sending. The barriers add a few hundred bytes."""
+    before = link_bytes_sent() if first_on_node else 0
+    comm.barrier()
+    step()
+    comm.barrier()
+    sent = comm.allgather_object(link_bytes_sent() - before if first_on_node else None)
+    return [count for count in sent if count is not None]
+
+
 def node_link_bytes_per_step(prepared: Prepared, optimizer, batch, comm: Communicator) -> float | None:
     """Where the ranks span several hosts: the bytes each host sent to the others in one (untimed) step,
-    the mean over hosts, read from the interfaces' counters by one rank per host; else None."""
+    the mean over hosts; else None."""
     if len(set(comm.allgather_object(socket.gethostname()))) == 1:
         return None
-    first_on_node = comm.split(None).rank == 0
-    comm.barrier()
-    before = link_bytes_sent() if first_on_node else 0
-    train_step(prepared, optimizer, batch)
-    comm.barrier()
-    sent = [count for count in comm.allgather_object(link_bytes_sent() - before if first_on_node else None)
-            if count is not None]
+    sent = bytes_each_node_sends(lambda: train_step(prepared, optimizer, batch), comm,
+                                 first_on_node=comm.split(None).rank == 0)
     return sum(sent) / len(sent)
 
 

@@ -73,7 +73,7 @@ start() {
   [[ "$SUBNET" =~ ^10\.[0-9]+\.[0-9]+$ ]] || fail "FSDP_MPI_CLUSTER_SUBNET=$SUBNET: give the first three numbers of a 10.x.y.0/24"
   [ -e "$STATE/nodes" ] && fail "a cluster is already running ($(nodes) nodes): stop it first ($0 stop)"
   check_can_run
-  ip -o addr | grep -q " $SUBNET\." && fail "$SUBNET.0/24 is already used on this machine: set FSDP_MPI_CLUSTER_SUBNET"
+  ip -o addr | grep " $SUBNET\." >/dev/null && fail "$SUBNET.0/24 is already used on this machine: set FSDP_MPI_CLUSTER_SUBNET"
   mkdir -p "$STATE"
   echo "$k" > "$STATE/nodes"
   trap 'echo "cluster.sh: start failed; removing what it made" >&2; stop' ERR
@@ -101,7 +101,7 @@ start() {
   done
   set_rate "$rate"
   for node in $(node_names); do
-    ip -n "$node" link show eth0 | grep -q LOWER_UP || { stop; fail "$node's link did not come up; nothing is left behind"; }
+    ip -n "$node" link show eth0 | grep LOWER_UP >/dev/null || { stop; fail "$node's link did not come up; nothing is left behind"; }
   done
   if [ $slurm = yes ]; then start_slurm "$k"; fi
   local hostlist
@@ -171,7 +171,7 @@ start_slurm() {  # $1: nodes. munge (shared by all: one kernel), slurmctld on th
       exec slurmd -N $node"
   done
   for _ in $(seq 60); do
-    if ip netns exec "${PREFIX}0" sinfo --noheader --states=idle 2>/dev/null | grep -q " $k "; then return 0; fi
+    if ip netns exec "${PREFIX}0" sinfo --noheader --states=idle 2>/dev/null | grep " $k " >/dev/null; then return 0; fi
     sleep 1
   done
   local logs
@@ -194,7 +194,7 @@ stop() {
 
 exec_on() {  # $1: node; the rest: a command, run there with the node's hostname
   local node=${1:?exec: name a node}; shift
-  node_names | grep -qx "$node" || fail "no node named $node (nodes: $(node_names | paste -sd' ' -))"
+  node_names | grep -x "$node" >/dev/null || fail "no node named $node (nodes: $(node_names | paste -sd' ' -))"
   [ $# -gt 0 ] || fail "exec $node: give a command"
   if [ -e "$STATE/slurm.conf" ]; then export SLURM_CONF=$STATE/slurm.conf; fi
   exec ip netns exec "$node" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$node" "$@"
@@ -208,7 +208,7 @@ bytes() {  # one line per node: name, bytes sent, bytes received on its link
 }
 
 link_state() {  # $1: up or down; $2: node
-  node_names | grep -qx "${2:-}" || fail "name a node (nodes: $(node_names | paste -sd' ' -))"
+  node_names | grep -x "${2:-}" >/dev/null || fail "name a node (nodes: $(node_names | paste -sd' ' -))"
   ip -n "$2" link set eth0 "$1"
 }
 

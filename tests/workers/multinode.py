@@ -23,7 +23,7 @@ from fsdp_mpi.sharding.strategy import ShardGroups
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-from measuring.bench_worker import link_bytes_sent  # noqa: E402
+from measuring.bench_worker import bytes_each_node_sends  # noqa: E402
 from measuring.costmodel import Layout, Profile, collectives, step_link_bytes  # noqa: E402
 from training.startup import pick_device  # noqa: E402
 from training.strategies import node_placement  # noqa: E402
@@ -34,24 +34,22 @@ MODEL = gpt2_config("gpt2-tiny", vocab_size=2048, n_embd=128)
 
 
 def bytes_on_the_links(comm: Communicator, node: Communicator, strategy: ShardingStrategy) -> dict:
-    """One training step's bytes sent by each node, read from its link's counter by its first rank
-    (the barriers around the step add a few hundred bytes), and the cost model's prediction."""
+    """One training step's bytes sent by each node and the cost model's prediction."""
     torch.manual_seed(0)
     model = FullyShardedDataParallel(GPT2LMHeadModel(MODEL), comm=comm, sharding_strategy=strategy,
                                      auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
     inputs, targets = (local_part(t, comm.rank, comm.world_size) for t in gpt_batch(0, MODEL.vocab_size, seq=32))
-    _, loss = model(inputs, targets)  # a first step: connections between ranks are made on first use
-    loss.backward()
-    comm.barrier()
-    before = link_bytes_sent()
-    _, loss = model(inputs, targets)
-    loss.backward()
-    comm.barrier()
-    sent = link_bytes_sent() - before
+
+    def step():
+        _, loss = model(inputs, targets)
+        loss.backward()
+
+    step()  # a first step: connections between ranks are made on first use
+    sent = bytes_each_node_sends(step, comm, first_on_node=node.rank == 0)
     units = cost_model_units(model)
     layout = Layout(strategy.name, nodes=comm.world_size // node.world_size, ranks_per_node=node.world_size)
     profile = Profile(units, optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0)
-    return {"measured": comm.allgather_object(sent if node.rank == 0 else None),
+    return {"measured": sent,
             "predicted": step_link_bytes(profile, layout),
             "collectives": len(collectives(profile, layout))}
 
