@@ -86,19 +86,26 @@ class CollectiveLog:
         self.records.append(record)
         return record
 
-    @contextmanager
-    def blocking(self, record: CollectiveRecord, timeout: float, rank: int, finishes: bool = True):
-        """Marks this rank as waiting in `record` (watched if `timeout` > 0); `finishes` stamps its end time."""
+    def enter(self, record: CollectiveRecord, timeout: float, rank: int) -> None:
+        """Marks this thread as waiting in `record` (watched if `timeout` > 0) until ``leave``."""
         if timeout > 0:
             self._start_watchdog()
-        thread = threading.get_ident()
-        self.blocked[thread] = (record, time.monotonic(), timeout, rank)
+        self.blocked[threading.get_ident()] = (record, time.monotonic(), timeout, rank)
+
+    def leave(self, record: CollectiveRecord, finishes: bool = True) -> None:
+        """This thread no longer waits; `finishes` stamps the record's end time."""
+        del self.blocked[threading.get_ident()]
+        if finishes:
+            record.finished = time.monotonic()
+
+    @contextmanager
+    def blocking(self, record: CollectiveRecord, timeout: float, rank: int, finishes: bool = True):
+        """``enter`` and ``leave`` around a block."""
+        self.enter(record, timeout, rank)
         try:
             yield
         finally:
-            del self.blocked[thread]
-            if finishes:
-                record.finished = time.monotonic()
+            self.leave(record, finishes)
 
     def recent(self, count: int = RECORDS_PRINTED) -> str:
         """The last `count` collectives, oldest first, one per line, with how long each took."""

@@ -47,12 +47,7 @@ MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1
 STAGING_CHUNK_BYTES = 4 * 2**20
 
 # Moving data needs only the bits: every dtype travels as unsigned integers of its width.
-_BIT_TYPES = {
-    1: (torch.uint8, MPI.UINT8_T),
-    2: (torch.int16, MPI.INT16_T),
-    4: (torch.int32, MPI.INT32_T),
-    8: (torch.int64, MPI.INT64_T),
-}
+_BIT_TYPES = {1: MPI.UINT8_T, 2: MPI.INT16_T, 4: MPI.INT32_T, 8: MPI.INT64_T}
 # Arithmetic needs the real type; 16-bit floats are summed in fp32 (MPI has no bf16).
 _SUM_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
 _SUM_IN_FP32 = (torch.float16, torch.bfloat16)
@@ -97,22 +92,21 @@ def _memory(tensor: torch.Tensor):
 
     Neither keeps the tensor alive: the caller holds it until MPI is done (``Pending`` does).
     """
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         return DeviceBuffer(tensor)
-    return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
 
 
 def _bits(tensor: torch.Tensor) -> list:
-    """An mpi4py buffer spec that moves `tensor`'s bytes unchanged."""
+    """An mpi4py buffer spec that moves `tensor`'s bytes unchanged (made per call: no tensor is created)."""
     if tensor.element_size() not in _BIT_TYPES:
         raise TypeError(f"cannot communicate tensors of dtype {tensor.dtype}")
-    view_dtype, mpi_type = _BIT_TYPES[tensor.element_size()]
-    return [_memory(tensor.detach().view(view_dtype)), mpi_type]
+    return [_memory(tensor), _BIT_TYPES[tensor.element_size()]]
 
 
 def _numbers(tensor: torch.Tensor) -> list:
     """An mpi4py buffer spec for reductions over `tensor`'s values."""
-    return [_memory(tensor.detach()), _SUM_TYPES[tensor.dtype]]
+    return [_memory(tensor), _SUM_TYPES[tensor.dtype]]
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -453,7 +447,7 @@ class Communicator:
         self.mpi_comm.Bcast(_bits(tensor), root=root)
 
     def _needs_staging(self, tensor: torch.Tensor) -> bool:
-        return self.force_staging or (tensor.device.type != "cpu" and not self.cuda_aware)
+        return self.force_staging or (not tensor.is_cpu and not self.cuda_aware)
 
     def _staging_chunk_numel(self, tensor: torch.Tensor) -> int:
         """Elements per rank in one staged chunk: ``staging_chunk_bytes``, within MPI's count limit."""
@@ -482,14 +476,16 @@ class Communicator:
             numel, dtype = sent.numel(), str(sent.dtype).removeprefix("torch.")
         record = PROCESS_LOG.begin(self.collectives_started, operation, unit, numel, dtype)
         self.collectives_started += 1
-        with PROCESS_LOG.blocking(record, self.timeout, self.rank, finishes):
-            start = time.perf_counter()
-            try:
-                if self.verify:
-                    self._verify_every_rank_enters(record)
-                yield record
-            finally:
-                self.traffic.seconds_in_mpi += time.perf_counter() - start
+        # enter and leave rather than a nested context manager: every collective pays for this bookkeeping
+        PROCESS_LOG.enter(record, self.timeout, self.rank)
+        start = time.perf_counter()
+        try:
+            if self.verify:
+                self._verify_every_rank_enters(record)
+            yield record
+        finally:
+            self.traffic.seconds_in_mpi += time.perf_counter() - start
+            PROCESS_LOG.leave(record, finishes)
 
     @contextmanager
     def _waiting(self, record: CollectiveRecord):

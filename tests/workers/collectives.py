@@ -57,7 +57,7 @@ def device_buffers(comm: Communicator, dtype: torch.dtype) -> dict:
     received = torch.zeros(n * S + 2, dtype=dtype)[2:]
     send_buffer, received_buffer = DeviceBuffer(send), DeviceBuffer(received)
     interface = send_buffer.__cuda_array_interface__
-    _, mpi_type = _BIT_TYPES[dtype.itemsize]
+    mpi_type = _BIT_TYPES[dtype.itemsize]
     comm.mpi_comm.Allgather([send_buffer, mpi_type], [received_buffer, mpi_type])
     return {"device_buffer_is_the_tensor": interface["data"] == (send.data_ptr(), False)
             and interface["shape"] == (S * dtype.itemsize,) and interface["typestr"] == "|u1"
