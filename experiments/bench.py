@@ -58,6 +58,8 @@ import tempfile
 from pathlib import Path
 
 from measuring import launch
+from measuring.bench_worker import median_of_known
+from measuring.breakdown import PARTS
 from training.strategies import compression_from_option
 
 from models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
@@ -66,12 +68,14 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precis
 
 REPLICATED = ("plain", "ddp", "lightning-ddp")
 BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
+# what bench_worker reports per run (peak_gpu_mb: on a GPU; PARTS: fsdp-mpi's step, part by part)
 MEASURED = ["step_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb", "peak_gpu_mb",
-            "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step"]  # what bench_worker reports per run (peak_gpu_mb: on a GPU)
+            "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step", *PARTS]
 FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio",
-          "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
-          "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s", "beyond_plain_s", "hidden_fraction",
-          "note"]
+          "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "scaling_efficiency", "scaling_efficiency_min",
+          "scaling_efficiency_max", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
+          "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s", "beyond_plain_s",
+          "hidden_fraction", *PARTS, "note"]
 
 
 def available_memory_bytes() -> int:
@@ -148,7 +152,8 @@ def summarise(rounds: list[dict]) -> list[dict]:
     """One row per strategy from every round's runs (each round: {(spec, ranks): worker row}).
 
     Ratios are taken within a round, against fsdp-mpi on as many ranks at the same precision,
-    and against plain torch at the same precision for ``beyond_plain_s``.
+    and against plain torch on one rank at the same precision for ``beyond_plain_s`` and
+    ``scaling_efficiency`` (tokens/s per rank over plain's: with the same per-rank batch, weak scaling).
     """
     def reference(runs, strategy, precision, ranks=None):
         return next((row for (spec, count), row in runs.items() if row.get("strategy") == strategy
@@ -164,33 +169,31 @@ def summarise(rounds: list[dict]) -> list[dict]:
             summary.append({**row, "rounds": 0, "note": runs[0].get("note", "")})
             continue
         steps = [run["step_s"] for run in done]
-        row.update({field: _median_of_known(run.get(field) for run in done) for field in MEASURED},
+        row.update({field: median_of_known(run.get(field) for run in done) for field in MEASURED},
                    rounds=len(done), step_s_min=min(steps), step_s_max=max(steps),
                    note="" if len(done) == len(runs) else f"{len(runs) - len(done)} round(s) failed: "
                                                           f"{next(r['note'] for r in runs if 'step_s' not in r)}")
-        ratios, beyond = [], []
+        ratios, beyond, efficiency = [], [], []
         for each, run in zip(rounds, runs):
             ours = reference(each, "fsdp-mpi", run.get("precision"), run.get("ranks"))
-            plain = reference(each, "plain", run.get("precision"))
+            plain = reference(each, "plain", run.get("precision"), ranks=1)
             if "step_s" in run and ours:
                 ratios.append(ours["step_s"] / run["step_s"])
             if "step_s" in run and plain:
                 beyond.append(run["step_s"] - plain["step_s"])
+                efficiency.append(run["tokens_per_s"] / run["ranks"] / plain["tokens_per_s"])
         if ratios:
             row.update(fsdp_mpi_ratio=statistics.median(ratios), fsdp_mpi_ratio_min=min(ratios),
                        fsdp_mpi_ratio_max=max(ratios))
+        if efficiency:
+            row.update(scaling_efficiency=statistics.median(efficiency), scaling_efficiency_min=min(efficiency),
+                       scaling_efficiency_max=max(efficiency))
         if beyond:
             row["beyond_plain_s"] = statistics.median(beyond)
             if row.get("mpi_blocked_s"):  # communication hidden under computation, of the time spent in it
                 row["hidden_fraction"] = min(max(1 - row["beyond_plain_s"] / row["mpi_blocked_s"], 0.0), 1.0)
         summary.append(row)
     return summary
-
-
-def _median_of_known(values) -> float | None:
-    """The median of the values that were measured (a GPU's memory is not, on the CPU); None if none was."""
-    known = [value for value in values if value is not None]
-    return statistics.median(known) if known else None
 
 
 def print_table(rows: list[dict]) -> None:
@@ -203,20 +206,79 @@ def print_table(rows: list[dict]) -> None:
             return ""
         return f"{number(row[field])} ({number(row[field + '_min'])}-{number(row[field + '_max'])})"
 
-    columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)", "tokens/s", "MFU",
+    columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)",
+               "scaling efficiency (min-max)", "tokens/s", "MFU",
                "CPU s/step", "model state MB", "peak RSS MB", "peak GPU MB", "comm MB/step", "link MB/step", "blocked in MPI s",
                "beyond plain s", "hidden", "note"]
     print("| " + " | ".join(columns) + " |")
     print("| " + " | ".join("---" for _ in columns) + " |")
     for row in rows:
         cells = [row["strategy"], row["precision"], str(row["ranks"]), spread(row, "step_s"),
-                 spread(row, "fsdp_mpi_ratio"), number(row.get("tokens_per_s")), number(row.get("mfu")),
+                 spread(row, "fsdp_mpi_ratio"), spread(row, "scaling_efficiency"), number(row.get("tokens_per_s")),
+                 number(row.get("mfu")),
                  number(row.get("cpu_s")), number(row.get("model_state_mb"), 4), number(row.get("peak_rss_mb"), 4),
                  number(row.get("peak_gpu_mb"), 4), number(row.get("comm_mb_per_step"), 4),
                  number(row.get("link_mb_per_step"), 4),
                  number(row.get("mpi_blocked_s")), number(row.get("beyond_plain_s")),
                  number(row.get("hidden_fraction"), 2), row.get("note") or ""]
         print("| " + " | ".join(cells) + " |")
+
+
+PART_LABELS = {"compute_s": "compute", "gradient_assembly_s": "gradient assembly", "hooks_own_s": "hooks' own work",
+               "mpi_waiting_s": "MPI: waiting for the slower rank", "mpi_moving_s": "MPI: moving data"}
+
+
+def step_parts(row: dict) -> dict | None:
+    """A row's step in seconds per part: fsdp-mpi's as measured, plain torch's all compute; None for the rest."""
+    if row.get("compute_s") is not None:
+        return {part: row.get(part) or 0.0 for part in PARTS}
+    if row["strategy"] == "plain" and row.get("step_s") is not None:
+        return {"compute_s": row["step_s"]}
+    return None
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    """fsdp-mpi's step part by part (the slowest rank's, medians over rounds) beside plain torch's."""
+    broken_down = [(row, step_parts(row)) for row in rows if step_parts(row)]
+    if not any(row.get("compute_s") is not None for row, _ in broken_down):
+        return
+    print("\nThe step part by part, seconds (the slowest rank's; medians over rounds; measuring/breakdown.py):\n")
+    print("| strategy | ranks | step | " + " | ".join(PART_LABELS.values()) + " |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in PARTS) + " |")
+    for row, parts in broken_down:
+        cells = ["" if parts.get(part) is None else f"{parts[part]:.3g}" for part in PARTS]
+        print(f"| {row['strategy']} | {row['ranks']} | {row['step_s']:.3g} | " + " | ".join(cells) + " |")
+
+
+def plot_breakdown(rows: list[dict], path: Path, title: str) -> None:
+    """Stacked bars of each strategy's step: fsdp-mpi's parts, plain's compute, the others' step whole."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [row for row in rows if row.get("step_s") is not None]
+    if not measured:
+        return
+    figure, axes = plt.subplots(figsize=(7, 0.45 * len(measured) + 1.4))
+    colours = dict(zip([*PARTS, "whole"], ["#4c72b0", "#dd8452", "#c44e52", "#8172b3", "#937860", "#bbbbbb"]))
+    labelled = set()
+    for position, row in enumerate(reversed(measured)):
+        left = 0.0
+        for part, seconds in (step_parts(row) or {"whole": row["step_s"]}).items():
+            label = None if part in labelled else PART_LABELS.get(part, "step, not broken down")
+            labelled.add(part)
+            axes.barh(position, seconds, left=left, color=colours[part], label=label)
+            left += seconds
+    axes.set_yticks(range(len(measured)),
+                    [f"{row['strategy']} ({row['ranks']} rank{'s' if row['ranks'] > 1 else ''})"
+                     for row in reversed(measured)])
+    axes.set_xlabel("seconds per step (median over rounds)")
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
 
 
 def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:
@@ -287,7 +349,7 @@ def main() -> int:
             parser.error(f"{item!r}: the precision after : must be one of {', '.join(PRECISIONS)}")
         if ranks and not ranks.isdigit():
             parser.error(f"{item!r}: the rank count after @ must be a number")
-        plan.append((name, 1 if base == "plain" else int(ranks or args.ranks)))
+        plan.append((name, int(ranks) if ranks else 1 if base == "plain" else args.ranks))
     if args.same_global_batch and any(args.batch_size % ranks for _, ranks in plan):
         parser.error("--same-global-batch: --batch-size must divide by every strategy's rank count")
     if len(set(plan)) < len(plan):
@@ -309,11 +371,14 @@ def main() -> int:
           f"{args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup} warm-up per run, "
           f"{args.rounds} rounds in rotated order; allocator: {allocator}\n")
     print_table(rows)
+    print_breakdown(rows)
     out = Path(args.out)
     write_csv(out, rows, FIELDS, args)
     rounds_out = out.with_name(out.stem + "-rounds.csv")
     write_csv(rounds_out, log, ["round", "position", "strategy", "precision", "ranks", *MEASURED, "note"], args)
-    print(f"\nwrote {out} and {rounds_out}")
+    figure = out.with_name(out.stem + "-breakdown.png")
+    plot_breakdown(rows, figure, f"{args.model}, {batch} {args.batch_size} x {args.seq_len}, {args.rounds} rounds")
+    print(f"\nwrote {out}, {rounds_out} and {figure}")
     return 0
 
 

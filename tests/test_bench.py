@@ -1,12 +1,13 @@
 """bench.py runs the strategies side by side and reports ratios; oversized baselines are refused, not started."""
 
 import csv
+import json
 import subprocess
 import sys
 
 import pytest
 
-from mpi_launch import REPO_ROOT, mpiexec
+from mpi_launch import REPO_ROOT, check_ok, mpiexec, run_mpi
 
 pytestmark = pytest.mark.one_mpi  # the benchmark's harness, not the MPI library
 
@@ -20,7 +21,7 @@ def run_bench(*args, timeout=300):
 
 def test_bench_rounds_ratios_and_bytes(tmp_path):
     out = tmp_path / "bench.csv"
-    plan = ["plain", "fsdp-mpi@1", "fsdp-mpi", "ddp", "torch-fsdp", "fsdp-mpi+forward_prefetch:bf16-mixed"]
+    plan = ["plain", "plain@2", "fsdp-mpi@1", "fsdp-mpi", "ddp", "torch-fsdp", "fsdp-mpi+forward_prefetch:bf16-mixed"]
     result = run_bench("--model", "gpt2-tiny", "--vocab-size", "128", "--batch-size", "2", "--seq-len", "16",
                        "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
                        "--strategies", ",".join(plan))
@@ -31,7 +32,7 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     with open(tmp_path / "bench-rounds.csv") as f:
         runs = list(csv.DictReader(f))
     # every strategy ran once per round, the second round's order rotated by one
-    names = [("plain", "1"), ("fsdp-mpi", "1"), ("fsdp-mpi", "2"), ("ddp", "2"), ("torch-fsdp", "2"),
+    names = [("plain", "1"), ("plain", "2"), ("fsdp-mpi", "1"), ("fsdp-mpi", "2"), ("ddp", "2"), ("torch-fsdp", "2"),
              ("fsdp-mpi+forward_prefetch", "2")]
     order = [(r["strategy"], r["ranks"]) for r in sorted(runs, key=lambda r: (int(r["round"]), int(r["position"])))]
     assert order == names + names[1:] + names[:1]
@@ -50,6 +51,23 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     step = {(r["round"], r["strategy"], r["ranks"]): float(r["step_s"]) for r in runs}
     ratios = sorted(step[k, "fsdp-mpi", "1"] / step[k, "plain", "1"] for k in ("1", "2"))
     assert float(plain["fsdp_mpi_ratio_min"]) == ratios[0] and float(plain["fsdp_mpi_ratio_max"]) == ratios[1]
+    # scaling efficiency: tokens/s per rank over plain torch's on one rank, in the same round (weak scaling here)
+    tokens = {(r["round"], r["strategy"], r["ranks"]): float(r["tokens_per_s"]) for r in runs}
+    for strategy, ranks in (("plain", "2"), ("fsdp-mpi", "2"), ("ddp", "2")):
+        efficiency = sorted(tokens[k, strategy, ranks] / 2 / tokens[k, "plain", "1"] for k in ("1", "2"))
+        row = summary[strategy, "32", ranks]
+        assert (float(row["scaling_efficiency_min"]), float(row["scaling_efficiency_max"])) == tuple(efficiency)
+    assert float(plain["scaling_efficiency"]) == 1.0
+    # fsdp-mpi's step part by part (measuring/breakdown.py): on 2 ranks every part measured, MPI's two parts
+    # no more than the time it was blocked in MPI (a median over ranks), parts of one rank: none on 1 rank
+    for parts in rounds_of("fsdp-mpi", "2", runs):
+        assert float(parts["gradient_assembly_s"]) > 0 and float(parts["mpi_moving_s"]) > 0
+        assert 0 <= float(parts["mpi_waiting_s"]) and float(parts["hooks_own_s"]) >= 0
+    for parts in rounds_of("fsdp-mpi", "1", runs):
+        assert float(parts["mpi_waiting_s"]) == float(parts["mpi_moving_s"]) == 0
+    assert all(row["compute_s"] == "" for row in runs if row["strategy"] in ("plain", "ddp", "torch-fsdp"))
+    assert "| fsdp-mpi | 2 |" in result.stdout.split("The step part by part")[1]
+    assert (tmp_path / "bench-breakdown.png").stat().st_size > 1000
     # Bytes per step: gpt2-tiny with 128 tokens has P = 112,384 parameters, B = 99,968 of them in its 2 blocks;
     # the root is gathered once and each block twice (P + B elements), every gradient reduced once in fp32 (P).
     megabytes = {"32": (4 * (112_384 + 99_968) + 4 * 112_384) / 2**20,
@@ -64,6 +82,10 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     assert float(summary["torch-fsdp", "32", "2"]["comm_mb_per_step"]) == pytest.approx(megabytes["32"], rel=1e-9)
     # sharding halves what each rank holds for parameters, gradients and Adam state (up to padding)
     assert 0.5 <= float(ours["model_state_mb"]) / float(summary["ddp", "32", "2"]["model_state_mb"]) < 0.51
+
+
+def rounds_of(strategy: str, ranks: str, runs: list[dict]) -> list[dict]:
+    return [row for row in runs if (row["strategy"], row["ranks"]) == (strategy, ranks)]
 
 
 def test_replicated_model_too_big_for_this_machine_is_reported_not_run(tmp_path):
@@ -148,3 +170,24 @@ def test_network_report_tables_step_times_and_the_cost_models_link_bytes(tmp_pat
         assert float(rows[name][0]) == pytest.approx(expected, rel=1e-3)
     refused = subprocess.run([sys.executable, str(report), str(tmp_path), "fast"], capture_output=True, text=True)
     assert refused.returncode == 2 and "rate 'fast'" in refused.stderr
+
+
+def test_the_step_breakdown_tells_waiting_for_a_slower_rank_from_compute(tmp_path):
+    """Rank 1 sleeps just before a unit's all-gather (tests/workers/breakdown.py): rank 0's MPI time is
+    that wait, rank 1's sleep is its own compute, and each rank's parts add up to its step."""
+    out = tmp_path / "breakdown.json"
+    check_ok(run_mpi("breakdown.py", 2, out, timeout=120))
+    result = json.loads(out.read_text())
+    sleep, (early, late) = result["sleep_s"], result["ranks"]
+    for rank in (early, late):
+        assert rank["collectives"] >= 5  # 2 units gathered twice, reduced once, and the gradient flags
+        assert rank["gradient_assembly_s"] > 0 and rank["hooks_own_s"] >= 0 and rank["mpi_moving_s"] >= 0
+        assert 0 <= rank["mpi_waiting_s"] <= rank["mpi_s"]
+        parts = sum(rank[part] for part in ("compute_s", "gradient_assembly_s", "hooks_own_s", "mpi_waiting_s",
+                                            "mpi_moving_s"))
+        assert parts == pytest.approx(rank["step_s"], abs=1e-9)
+    # The ranks leave the barrier together, so rank 0 waits for rank 1's whole sleep, less how far apart
+    # they left it; bounds of a fifth of the sleep leave room for scheduling on a loaded machine.
+    assert early["mpi_waiting_s"] >= 0.8 * sleep and early["mpi_waiting_s"] <= early["mpi_s"]
+    assert late["mpi_waiting_s"] <= 0.2 * sleep
+    assert late["compute_s"] >= sleep > early["compute_s"]

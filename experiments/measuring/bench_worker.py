@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from measuring.breakdown import PARTS, StepBreakdown
 from training.results import measured_peak_flops, model_state_bytes, peak_rss_mb, published_peak_flops
 from training.strategies import PRECISIONS, Prepared, compression_from_option, node_placement, prepare, torch_amp
 
@@ -65,24 +66,33 @@ def train_step(prepared: Prepared, optimizer, batch) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, device: torch.device):
+def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, device: torch.device,
+                breakdown: StepBreakdown | None = None):
     """Per step after warm-up: (slowest rank's wall time, busiest rank's CPU time, this rank's time blocked
-    in MPI, its bytes moved by collectives). fsdp-mpi trains over `comm` itself, so the step's figures are
-    read before the timing's own collectives on it."""
-    times, cpu, blocked, moved = [], [], [], []
+    in MPI, its bytes moved by collectives, the slowest rank's step in ``breakdown.PARTS`` if a
+    `breakdown` is installed). fsdp-mpi trains over `comm` itself, so the step's figures are read
+    before the timing's own collectives on it."""
+    times, cpu, blocked, moved, parts = [], [], [], [], []
     for _ in range(args.warmup + args.steps):
         comm.barrier()
         mpi_before, bytes_before = prepared.comm_seconds(), prepared.comm_bytes()
+        if breakdown:
+            breakdown.start_step()
         cpu_start, start = time.process_time(), time.perf_counter()
         train_step(prepared, optimizer, batch)
         if device.type == "cuda":  # the step has ended when the GPU has run it
             torch.cuda.synchronize(device)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        recorded = breakdown.end_step() if breakdown else None
         blocked.append(prepared.comm_seconds() - mpi_before)
         moved.append(prepared.comm_bytes() - bytes_before)
-        times.append(max(comm.allgather_object(seconds)))
+        every_rank = comm.allgather_object(seconds)
+        times.append(max(every_rank))
         cpu.append(max(comm.allgather_object(cpu_seconds)))
-    return times[args.warmup:], cpu[args.warmup:], blocked[args.warmup:], moved[args.warmup:]
+        if breakdown:
+            mine = breakdown.parts(recorded, seconds, blocked[-1], comm)
+            parts.append(comm.allgather_object(mine)[every_rank.index(times[-1])])
+    return times[args.warmup:], cpu[args.warmup:], blocked[args.warmup:], moved[args.warmup:], parts[args.warmup:]
 
 
 # torch.distributed's collectives and the argument that holds the full buffer (an all-gather's output,
@@ -197,6 +207,12 @@ def node_link_bytes_per_step(prepared: Prepared, optimizer, batch, comm: Communi
     return sum(sent) / len(sent)
 
 
+def median_of_known(values: list) -> float | None:
+    """The median of the values that were measured; None if none was (or there were none)."""
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
+
+
 def gradient_bytes(model) -> int:
     """What DDP all-reduces per step: every gradient, in the parameters' dtype (fp32 here)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -222,7 +238,7 @@ def main() -> None:
     mechanisms = [name for name in args.overlap.split("+") if name]
     # fsdp-mpi+NO_SHARD: a sharding strategy for this run, in place of --sharding-strategy
     sharding = ([name for name in mechanisms if name in ShardingStrategy.__members__] or [args.sharding_strategy])[0]
-    link_bytes = None
+    link_bytes, breakdown, parts = None, None, []
     if args.strategy == "lightning-ddp":
         times, cpu, optimizer, measured = lightning_steps(model, batch, args, comm)
         blocked, moved = [float("nan")], [gradient_bytes(model)]
@@ -241,6 +257,9 @@ def main() -> None:
             if args.strategy == "fsdp-mpi":
                 options.update(sharding_strategy=ShardingStrategy[sharding],
                                hybrid_group_size=args.hybrid_group_size)
+            if args.strategy == "fsdp-mpi":  # its hooks bind their methods when the model is wrapped
+                breakdown = StepBreakdown()
+                breakdown.install()
             prepared = prepare(args.strategy, model, GPT2Block, device, comm, args.precision, **options)
         measured = prepared.model
         if "compile" in mechanisms:  # each block in place, after wrapping: its gather and free stay eager
@@ -251,7 +270,7 @@ def main() -> None:
         if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
             with counting_torch_collectives() as torch_bytes:
                 train_step(prepared, optimizer, batch)
-        times, cpu, blocked, moved = timed_steps(prepared, optimizer, batch, args, comm, device)
+        times, cpu, blocked, moved, parts = timed_steps(prepared, optimizer, batch, args, comm, device, breakdown)
         link_bytes = node_link_bytes_per_step(prepared, optimizer, batch, comm)
         if args.strategy == "torch-fsdp":
             moved = torch_bytes
@@ -279,6 +298,8 @@ def main() -> None:
                 "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
                 "comm_mb_per_step": statistics.median(moved) / 2**20,
                 "link_mb_per_step": None if link_bytes is None else link_bytes / 2**20,
+                # the slowest rank's step, part by part (fsdp-mpi only): each part's median over the timed steps
+                **{part: median_of_known([each[part] for each in parts]) for part in PARTS},
             }, f)
 
 
