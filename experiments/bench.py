@@ -18,6 +18,14 @@ and max (below 1: fsdp-mpi is faster). Beside wall time: CPU seconds per step
 collectives per step, the time fsdp-mpi's ranks were blocked in MPI, and
 ``beyond_plain_s``, a strategy's step minus plain torch's in the same round
 (communication that computation does not hide, plus the wrapper's own work).
+``scaling_efficiency`` is a strategy's tokens/s per rank over plain torch's on
+one rank in the same round (with the same per-rank batch: weak scaling);
+``plain@N`` runs plain torch on N ranks at once, each alone, which is what
+the hardware itself allows N ranks (they share memory bandwidth and caches).
+fsdp-mpi's step is also broken down (``measuring/breakdown.py``, the slowest
+rank's): compute, gradient assembly, the hooks' own work, and MPI split into
+waiting for the slower rank and moving data; a second table prints it and
+``--figure`` (default beside ``--out``) draws every strategy's step so.
 Writes the summary to ``--out`` and every run of every round beside it
 (``*-rounds.csv``). A strategy whose model state would not fit in this
 machine's memory is not started; its row gives the computed requirement.
@@ -260,7 +268,7 @@ def plot_breakdown(rows: list[dict], path: Path, title: str) -> None:
     measured = [row for row in rows if row.get("step_s") is not None]
     if not measured:
         return
-    figure, axes = plt.subplots(figsize=(7, 0.45 * len(measured) + 1.4))
+    figure, axes = plt.subplots(figsize=(7, 0.45 * len(measured) + 2.0))
     colours = dict(zip([*PARTS, "whole"], ["#4c72b0", "#dd8452", "#c44e52", "#8172b3", "#937860", "#bbbbbb"]))
     labelled = set()
     for position, row in enumerate(reversed(measured)):
@@ -270,12 +278,14 @@ def plot_breakdown(rows: list[dict], path: Path, title: str) -> None:
             labelled.add(part)
             axes.barh(position, seconds, left=left, color=colours[part], label=label)
             left += seconds
-    axes.set_yticks(range(len(measured)),
-                    [f"{row['strategy']} ({row['ranks']} rank{'s' if row['ranks'] > 1 else ''})"
-                     for row in reversed(measured)])
+    def label(row):
+        alone = ", each alone" if row["strategy"] == "plain" and row["ranks"] > 1 else ""
+        return f"{row['strategy']} ({row['ranks']} rank{'s' if row['ranks'] > 1 else ''}{alone})"
+
+    axes.set_yticks(range(len(measured)), [label(row) for row in reversed(measured)])
     axes.set_xlabel("seconds per step (median over rounds)")
     axes.set_title(title, fontsize=9)
-    axes.legend(fontsize=7, loc="lower right")
+    axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3, frameon=False)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
@@ -322,6 +332,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: each rank on the GPU of its place on its node (default: %(default)s)")
     parser.add_argument("--out", default="results/bench.csv")
+    parser.add_argument("--figure", type=Path, help="where to draw each strategy's step part by part "
+                                                    "(default: beside --out, *-breakdown.png)")
     args = parser.parse_args()
     if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads, args.rounds) < 1 or args.warmup < 0:
         parser.error("--ranks, --batch-size, --seq-len, --steps, --threads and --rounds must be positive")
@@ -376,8 +388,10 @@ def main() -> int:
     write_csv(out, rows, FIELDS, args)
     rounds_out = out.with_name(out.stem + "-rounds.csv")
     write_csv(rounds_out, log, ["round", "position", "strategy", "precision", "ranks", *MEASURED, "note"], args)
-    figure = out.with_name(out.stem + "-breakdown.png")
-    plot_breakdown(rows, figure, f"{args.model}, {batch} {args.batch_size} x {args.seq_len}, {args.rounds} rounds")
+    figure = args.figure or out.with_name(out.stem + "-breakdown.png")
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    plot_breakdown(rows, figure, f"{args.model}, {batch} {args.batch_size} x {args.seq_len}"
+                                 f"{'' if args.same_global_batch else ' per rank'}, {args.rounds} rounds")
     print(f"\nwrote {out}, {rounds_out} and {figure}")
     return 0
 

@@ -17,6 +17,7 @@ import argparse
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,12 +36,50 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+class GatheredWatch:
+    """The most memory that gathered units and their assembled full gradients held at once, read at each
+    block's entry and exit in forward (inside the unit's own gather and free) and in backward."""
+
+    def __init__(self, model, handles):
+        self.handles, self.peak_bytes = handles, 0
+        for module in model.modules():
+            if type(module).__name__ == "GPT2Block":
+                module.register_forward_pre_hook(self.read)  # after the unit's gather (it is prepended)
+                module.register_forward_hook(self.read, prepend=True)  # before the unit's free
+                module.register_full_backward_pre_hook(self.read)
+                module.register_full_backward_hook(self.read)
+
+    def read(self, *_):
+        held = sum(handle.gathered_bytes + handle.unsharded_gradient_bytes for handle in self.handles)
+        self.peak_bytes = max(self.peak_bytes, held)
+
+
+@contextmanager
+def saved_activations(handles):
+    """Counts the bytes of the tensors autograd saves in the block (each storage once), gathered weights
+    aside; yields a one-element list that holds the count afterwards."""
+    weights = {handle.full_flat.untyped_storage()._cdata for handle in handles}
+    saved, counted = {}, [0]
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield counted
+    counted[0] = sum(saved.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-large")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                        help="adamw: 8 bytes of state per parameter; sgd: momentum, 4 bytes")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--optimizer", choices=["adamw", "adamw-fused", "adamw-foreach", "sgd"], default="adamw",
+                        help="adamw (torch's default implementation), -fused or -foreach: 8 bytes of state per "
+                             "parameter; sgd: momentum, 4 bytes")
+    parser.add_argument("--steps", type=int, default=3, help="from the third on, step k+1's memory is compared "
+                                                                 "with step k's")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--checkpoint-dir", type=Path)
@@ -77,34 +116,56 @@ def main() -> None:
     record("wrap (deferred init)", baseline + shard_mib + largest_unit_mib,
            f"baseline + fp32 shard {shard_mib:.0f} + largest unit {largest_unit_mib:.0f}; {wrap_s:.1f} s")
 
-    if args.optimizer == "adamw":
-        optimizer, state_bytes = torch.optim.AdamW(model.parameters(), lr=1e-4), 8
-    else:
+    if args.optimizer == "sgd":
         optimizer, state_bytes = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9), 4
+    else:  # foreach (torch's default on CPU) makes temporaries as large as all the state it steps at once
+        implementation = {"adamw": {}, "adamw-fused": {"fused": True}, "adamw-foreach": {"foreach": True}}
+        optimizer, state_bytes = torch.optim.AdamW(model.parameters(), lr=1e-4, **implementation[args.optimizer]), 8
+    watch = GatheredWatch(model, handles)
     vocab = model.config.vocab_size
-    step_times = []
+    step_times, resident_after_step = [], []
     for step in range(args.steps):
         tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(step))
         start = time.perf_counter()
-        loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+        if step == 0:
+            with saved_activations(handles) as activations:
+                loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+        else:
+            loss = model(tokens[:, :-1], tokens[:, 1:])[1]
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # keep the gradient: it is part of the steady state
         step_times.append(time.perf_counter() - start)
+        resident_after_step.append(resident_mib()[0])
     per_param = 4 + 4 + state_bytes  # parameter, gradient, optimizer state
     budget = per_param * shard_mib / 4
     record(f"{args.steps} training steps ({args.optimizer})", baseline + budget,
            f"baseline + {per_param} B x parameters / N = {budget:.0f} (+ activations, gathered units); "
            f"loss {loss.item():.3f}, last step {step_times[-1]:.1f} s")
-
+    peak = rows[-1][1]
+    kinds = {"shards (fp32)": shard_mib, "gradients (sharded, fp32)": shard_mib,
+             "optimizer state": state_bytes * shard_mib / 4,
+             "gathered units and their full gradients (largest at once)": watch.peak_bytes / MIB,
+             "activations saved by one forward": activations[0] / MIB}
+    kinds["the rest: gradients autograd holds, temporaries, allocator slack"] = peak - baseline - sum(kinds.values())
+    state_mib = per_param * shard_mib / 4
+    peak_over_state = (peak - baseline - activations[0] / MIB) / state_mib
+    step_to_step = [later / earlier - 1 for earlier, later in zip(resident_after_step[1:], resident_after_step[2:])]
     if args.checkpoint_dir is not None:
         checkpoint_rows(args, model, optimizer, comm, full_state_dict, save_checkpoint, load_checkpoint, rows)
     if comm.rank == 0:
         print(f"{args.model}: {params / 1e6:.0f} M parameters on {comm.world_size} ranks "
               f"(16 B x parameters / N = {16 * params / comm.world_size / MIB:.0f} MiB)")
         print(f"{'phase':34} {'peak MiB':>9} {'now MiB':>8} {'expected MiB':>13}  note")
-        for phase, peak, current, expected, note in rows:
-            print(f"{phase:34} {peak:9.0f} {current:8.0f} {expected:13.0f}  {note}")
+        for phase, phase_peak, current, expected, note in rows:
+            print(f"{phase:34} {phase_peak:9.0f} {current:8.0f} {expected:13.0f}  {note}")
+        print(f"\nThe training peak ({peak:.0f} MiB) by kind, rank 0, MiB (baseline {baseline:.0f} aside):")
+        for kind, mib in kinds.items():
+            print(f"  {kind:58} {mib:8.0f}")
+        print(f"(peak - baseline - activations) / sharded state ({state_mib:.0f} MiB) = {peak_over_state:.3f}")
+        print("resident after each step, MiB: " + ", ".join(f"{mib:.0f}" for mib in resident_after_step)
+              + ("; step k+1 against step k from the second step on: "
+                 + ", ".join(f"{change:+.2%}" for change in step_to_step) if step_to_step else ""))
 
 
 def checkpoint_rows(args, model, optimizer, comm, full_state_dict, save_checkpoint, load_checkpoint, rows) -> None:

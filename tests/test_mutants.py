@@ -31,6 +31,7 @@ UNUSED = "tests/test_equivalence.py::test_parameters_that_no_rank_used_get_no_gr
 ENTRY_POINTS = "tests/test_equivalence.py::test_any_entry_point_gathers_what_it_needs_and_matches_one_process"
 FAMILIES = "tests/test_equivalence.py::test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
+REUSE_CHECK = 'if env_flag(REUSE_HOST_MEMORY_ENV) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):'
 DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
 RESUME = "tests/test_checkpoint.py::test_resume_on_the_same_ranks_continues_bit_for_bit"
@@ -118,8 +119,8 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
         [NAMES]),
     "forced staging copies nothing through the host": (
-        "fsdp_mpi/communication/comm.py", 'return self.force_staging or (tensor.device.type != "cpu" and not self.cuda_aware)',
-        'return tensor.device.type != "cpu" and not self.cuda_aware', [COLLECTIVES]),
+        "fsdp_mpi/communication/comm.py", 'return self.force_staging or (not tensor.is_cpu and not self.cuda_aware)',
+        'return not tensor.is_cpu and not self.cuda_aware', [COLLECTIVES]),
     "staged chunks land in the wrong place": (
         "fsdp_mpi/communication/staging.py", "pipeline.copy_in(full_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))",
         "pipeline.copy_in(full_by_rank[:, a:b], recv[a:b].repeat(world).view(world, b - a))", [COLLECTIVES]),
@@ -156,9 +157,13 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)",
         "full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.shard.device)", [MIXED]),
     "freed host memory goes back to the kernel": (
-        "fsdp_mpi/communication/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if True:", [HOST_MEMORY]),
+        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if True:", [HOST_MEMORY]),
     "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (
-        "fsdp_mpi/communication/host_memory.py", "if env_flag(REUSE_HOST_MEMORY_ENV) is False:", "if False:", [HOST_MEMORY]),
+        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK,
+        "if \"glibc.malloc.\" in os.environ.get(\"GLIBC_TUNABLES\", \"\"):", [HOST_MEMORY]),
+    "the user's malloc tunables are overridden": (
+        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if env_flag(REUSE_HOST_MEMORY_ENV) is False:",
+        [HOST_MEMORY]),
     "the watchdog never fires": (
         "fsdp_mpi/communication/collective_log.py", "if waited >= timeout - asking:", "if False:", [WATCHDOG]),
     "no rank answers the watchdog's question": (

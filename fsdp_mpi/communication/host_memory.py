@@ -10,11 +10,18 @@ heap and never trimming it lets freed buffers be reused at once; the cost is
 that the process's resident size stays at its peak, as with PyTorch's CUDA
 caching allocator. GPU memory is unaffected.
 
-``FSDP_MPI_REUSE_HOST_MEMORY=0`` turns this off.
+The price is memory: a heap that is never trimmed also keeps the holes between
+live blocks, so a step's peak grows beyond what it holds (gpt2-large, AdamW, 2
+ranks: 1.70x the sharded state against 1.25x without it) and can creep from step
+to step. ``FSDP_MPI_REUSE_HOST_MEMORY=0`` turns this off; so does any
+``glibc.malloc.*`` setting in ``GLIBC_TUNABLES``, which is the user's choice for
+the process (docs/design.md "Host memory" gives one that keeps most of the speed
+at the lower peak).
 """
 
 import ctypes
 import ctypes.util
+import os
 
 from fsdp_mpi.communication.gpu_support import env_flag
 
@@ -27,13 +34,13 @@ _applied = False
 def keep_freed_host_memory_for_reuse() -> bool:
     """Tells glibc's malloc to keep freed memory in the heap; True if it took effect.
 
-    Idempotent; does nothing on a C library without ``mallopt`` (musl, macOS)
-    or when ``FSDP_MPI_REUSE_HOST_MEMORY=0``.
+    Idempotent; does nothing on a C library without ``mallopt`` (musl, macOS),
+    when ``FSDP_MPI_REUSE_HOST_MEMORY=0``, or when ``GLIBC_TUNABLES`` tunes malloc already.
     """
     global _applied
     if _applied:
         return True
-    if env_flag(REUSE_HOST_MEMORY_ENV) is False:
+    if env_flag(REUSE_HOST_MEMORY_ENV) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     library = ctypes.util.find_library("c")
     libc = ctypes.CDLL(library) if library else None
