@@ -48,7 +48,7 @@ def timeout_from_environment() -> float:
     return seconds
 
 
-@dataclass
+@dataclass(slots=True)
 class CollectiveRecord:
     """One collective as this rank entered it; the same `sequence` on every rank of the communicator."""
 
