@@ -1,7 +1,7 @@
 """Memory of a model bigger than a rank, and sharded checkpoint speed (run under mpiexec).
 
     mpiexec -n 2 python experiments/big_model.py --model gpt2-large --optimizer adamw
-    mpiexec -n 2 python experiments/big_model.py --model gpt2-xl --optimizer sgd
+    mpiexec -n 2 python experiments/big_model.py --model gpt2-xl --optimizer sgd-stateless
     mpiexec -n 2 python experiments/big_model.py --model gpt2-medium --steps 1 --checkpoint-dir /tmp/ckpt
 
 Builds the model on the meta device and initialises it in shards (deferred
@@ -75,9 +75,9 @@ def saved_activations(handles):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-large")
-    parser.add_argument("--optimizer", choices=["adamw", "adamw-fused", "adamw-foreach", "sgd"], default="adamw",
-                        help="adamw (torch's default implementation), -fused or -foreach: 8 bytes of state per "
-                             "parameter; sgd: momentum, 4 bytes")
+    parser.add_argument("--optimizer", choices=["adamw", "adamw-fused", "adamw-foreach", "sgd", "sgd-stateless"],
+                        default="adamw", help="adamw (torch's default implementation), -fused or -foreach: 8 bytes of "
+                                              "state per parameter; sgd: momentum, 4 bytes; sgd-stateless: none")
     parser.add_argument("--steps", type=int, default=3, help="from the third on, step k+1's memory is compared "
                                                                  "with step k's")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
@@ -116,8 +116,9 @@ def main() -> None:
     record("wrap (deferred init)", baseline + shard_mib + largest_unit_mib,
            f"baseline + fp32 shard {shard_mib:.0f} + largest unit {largest_unit_mib:.0f}; {wrap_s:.1f} s")
 
-    if args.optimizer == "sgd":
-        optimizer, state_bytes = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9), 4
+    if args.optimizer.startswith("sgd"):
+        momentum = 0.9 if args.optimizer == "sgd" else 0.0
+        optimizer, state_bytes = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=momentum), 4 if momentum else 0
     else:  # foreach (torch's default on CPU) makes temporaries as large as all the state it steps at once
         implementation = {"adamw": {}, "adamw-fused": {"fused": True}, "adamw-foreach": {"foreach": True}}
         optimizer, state_bytes = torch.optim.AdamW(model.parameters(), lr=1e-4, **implementation[args.optimizer]), 8

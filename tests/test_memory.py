@@ -7,7 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpi_launch import REPO_ROOT, check_ok, run_mpi
+import torch
+from mpi_launch import REPO_ROOT, check_ok, mpiexec, run_mpi
+
+from models.gpt2 import GPT2LMHeadModel, gpt2_config
 
 
 def run_memory(nprocs, tmp_path) -> dict:
@@ -88,3 +91,27 @@ def test_freed_host_memory_is_kept_for_reuse_unless_turned_off(value, tunables, 
     assert applied == str(kept)
     # Kept: the freed 64 MiB stay resident, ready for the next gather. Returned: glibc unmaps them at once.
     assert (float(retained_mib) > 60) if kept else (float(retained_mib) < 4)
+
+
+@pytest.mark.one_mpi
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak")
+@pytest.mark.parametrize("optimizer,state_per_shard", [("sgd-stateless", 0), ("sgd", 1)])
+def test_big_model_breaks_the_training_peak_down_by_kind(optimizer, state_per_shard):
+    """experiments/big_model.py on 2 ranks: the state rows follow the parameter count and the optimizer
+    (momentum: one fp32 value per sharded parameter, stateless SGD none), and every step's resident size is shown."""
+    with torch.device("meta"):
+        parameters = GPT2LMHeadModel(gpt2_config("gpt2-seed")).num_parameters()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run([mpiexec(), "-n", "2", sys.executable, "experiments/big_model.py", "--model", "gpt2-seed",
+                             "--optimizer", optimizer, "--steps", "3", "--seq-len", "16"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    check_ok(result)
+    kinds = {line[:60].strip(): float(line[60:]) for line in result.stdout.splitlines()
+             if line.startswith("  ") and line[60:].strip().lstrip("-").isdigit()}
+    shard_mib = parameters * 4 / 2 / 2**20  # padding adds under one element per rank and unit
+    assert abs(kinds["shards (fp32)"] - shard_mib) <= 1
+    assert kinds["gradients (sharded, fp32)"] == kinds["shards (fp32)"]
+    assert kinds["optimizer state"] == state_per_shard * kinds["shards (fp32)"]
+    assert kinds["activations saved by one forward"] > 0
+    resident = next(line for line in result.stdout.splitlines() if line.startswith("resident after each step"))
+    assert len(resident.split(";")[0].split(":")[1].split(",")) == 3
