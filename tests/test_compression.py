@@ -15,6 +15,7 @@ from mpi_launch import check_ok, run_mpi
 from torch import nn
 
 from fsdp_mpi import Compression, FullyShardedDataParallel, MixedPrecision
+from fsdp_mpi.communication import compression
 from fsdp_mpi.communication.compression import (BFloat16Codec, Int8BlockCodec, compressed_all_reduce_sum_, dequantize_int8,
                                   quantize_int8, sum_in_rank_order)
 
@@ -97,6 +98,31 @@ def test_int8_wire_is_the_codes_and_one_fp32_scale_per_block(numel, block_size):
     wire = codec.encode(rows)
     assert wire.shape == (3, numel + 4 * math.ceil(numel / block_size)) == (3, codec.wire_bytes(numel))
     assert torch.equal(codec.decode(wire, numel), int8_round_trip(rows, block_size))
+
+
+@pytest.mark.parametrize("codec", [Int8BlockCodec(7), Int8BlockCodec(256), BFloat16Codec()], ids=["int8/7", "int8/256", "bf16"])
+def test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows(codec, monkeypatch):
+    """Chunks of 3 x 100 values over rows of 1001: many chunks, a partial last block and a short last chunk."""
+    monkeypatch.setattr(compression, "CHUNK_ELEMENTS", 300)
+    rows = torch.randn(3, 1001, generator=torch.Generator().manual_seed(4)) * torch.logspace(-8, 8, 1001)
+    wire = codec.encode(rows)
+    assert len(compression.column_chunks(3, 1001, codec.column_multiple)) > 3
+    if isinstance(codec, Int8BlockCodec):
+        codes, scales = quantize_int8(rows, codec.block_size)  # whole rows at once
+        blocks = scales.shape[1]
+        assert torch.equal(wire[:, :4 * blocks].contiguous().view(torch.float32), scales)
+        assert torch.equal(wire[:, 4 * blocks:].view(torch.int8), codes)
+        whole = dequantize_int8(codes, scales, codec.block_size)
+    else:
+        assert torch.equal(wire.view(torch.bfloat16), rows.bfloat16())
+        whole = rows.bfloat16().float()
+    assert torch.equal(codec.decode(wire, 1001), whole)
+    into_bf16 = torch.empty(3, 1001, dtype=torch.bfloat16)
+    codec.decode_into(into_bf16, wire)
+    assert torch.equal(into_bf16, whole.bfloat16())
+    total = torch.empty(1001)
+    codec.decode_sum_into(total, wire)
+    assert torch.equal(total, sum_in_rank_order(whole))
 
 
 def test_received_chunks_are_summed_in_fp32_in_rank_order():
