@@ -1,16 +1,22 @@
 """Predicts fsdp-mpi's step time, epoch time and memory per rank from a one-rank profile and a network model.
 
     python experiments/predict.py profile --model gpt2-seed --out results/profile.json
+    mpiexec -n 4 python experiments/predict.py profile --out results/profile-4.json   # under 4 ranks' load
     mpiexec -n 4 python experiments/predict.py time-comm --out results/comm-4.json
     python experiments/predict.py validate --ranks 2,3,4 --rounds 3     # predicted against measured, here
     python experiments/predict.py cluster --model gpt2-xl --nodes 1,2,4,8,16,32,64   # a GPU cluster on paper
 
 ``profile`` times one rank's step unit by unit (fsdp-mpi on one rank, so no
-communication) and counts the bytes autograd saves for backward. ``time-comm``
-times fsdp-mpi's collectives over every group size the strategies use on this
-many ranks, for sizes from 16 KiB to 128 MiB (a latency and a bandwidth per size range). ``validate`` does
-both, then measures real steps of 2-4 ranks under FULL_SHARD, HYBRID_SHARD and
-NO_SHARD, interleaved in rounds, and reports the prediction's error per round.
+communication) and counts the bytes autograd saves for backward; under mpiexec
+every rank profiles a model of its own, phase by phase in step with the others,
+so that the profile sees the machine shared as a job of that many ranks shares
+it. ``time-comm`` times fsdp-mpi's collectives over every group size the
+strategies use on this many ranks, for sizes from 16 KiB to 128 MiB (a latency
+and a bandwidth per size range). ``validate`` does both (each profile under as
+many ranks as the layout it predicts), then measures real steps of 2-4 ranks
+under FULL_SHARD, HYBRID_SHARD and NO_SHARD, interleaved in rounds, and
+reports the prediction's error per round, of the step time and of the peak
+resident memory per rank.
 ``cluster`` computes a profile from FLOPs for hardware that is not here and
 prices collectives on a ring network of stated links. The model: measuring/costmodel.py
 and docs/design.md ("Predicting a run"); the profile and the timings: measuring/profiling.py.
@@ -19,7 +25,6 @@ and docs/design.md ("Predicting a run"); the profile and the timings: measuring/
 import argparse
 import csv
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -78,24 +83,25 @@ def validate(args) -> list[dict]:
         run_checked([*mpiexec(count), sys.executable, __file__, "time-comm", "--out", str(path),
                      "--max-bytes", str(args.max_bytes), "--repeats", str(args.repeats)], f"time-comm on {count} ranks")
         networks[count] = load_network(path)
-    cores = args.cores or os.cpu_count()
     results = {index: [] for index in range(len(plan))}
     for round_number in range(1, args.rounds + 1):
-        print(f"-- round {round_number}: profile, then {len(plan)} layouts", flush=True)
-        profile_path = work / f"profile-round{round_number}.json"
-        run_checked([sys.executable, __file__, "profile", *model_options(args), "--out", str(profile_path)],
-                    "the one-rank profile")
-        profile = load_profile(profile_path)
+        print(f"-- round {round_number}: profiles, then {len(plan)} layouts", flush=True)
+        profiles = {}
+        for count in sorted({count for count, _ in plan}):  # each under the load of as many ranks as it predicts
+            path = work / f"profile-{count}-round{round_number}.json"
+            run_checked([*mpiexec(count), sys.executable, __file__, "profile", *model_options(args), "--out",
+                         str(path)], f"the profile on {count} ranks at once")
+            profiles[count] = load_profile(path)
         for index, (count, layout) in enumerate(plan):
             measured = measure_steps(args, layout, work / "step.json")
-            predicted = predict(profile, networks[count], layout, compute_slowdown=max(1.0, count / cores))
-            results[index].append((predicted, measured))
+            predicted = predict(profiles[count], networks[count], layout)
+            results[index].append((predicted, measured, profiles[count]))
     rows = []
     for index, (count, layout) in enumerate(plan):
-        ratios = [p.step_s / m["step_s"] for p, m in results[index]]
-        predicted = statistics.median(p.step_s for p, _ in results[index])
-        measured = statistics.median(m["step_s"] for _, m in results[index])
-        last_prediction, last_measured = results[index][-1]
+        ratios = [p.step_s / m["step_s"] for p, m, _ in results[index]]
+        predicted = statistics.median(p.step_s for p, _, _ in results[index])
+        measured = statistics.median(m["step_s"] for _, m, _ in results[index])
+        last_prediction, last_measured, profile = results[index][-1]
         rows.append({"ranks": count, "strategy": describe(layout), "predicted_step_s": predicted,
                      "measured_step_s": measured, "error_pct": 100 * (statistics.median(ratios) - 1),
                      "error_min_pct": 100 * (min(ratios) - 1), "error_max_pct": 100 * (max(ratios) - 1),
@@ -104,7 +110,8 @@ def validate(args) -> list[dict]:
                      "measured_comm_mb": last_measured["comm_mb_per_step"],
                      "predicted_state_mb": state_bytes(profile, layout) / MiB,
                      "measured_state_mb": last_measured["model_state_mb"],
-                     "predicted_peak_mb": last_prediction.memory_bytes / MiB, "rounds": len(ratios)})
+                     "predicted_peak_mb": last_prediction.memory_bytes / MiB,
+                     "measured_peak_mb": last_measured["peak_rss_mb"], "rounds": len(ratios)})
     return rows
 
 
@@ -242,7 +249,6 @@ def arguments():
     check.add_argument("--strategies", type=comma_list(str, STRATEGIES), default=list(STRATEGIES))
     check.add_argument("--hybrid-group-size", type=int, default=2)
     check.add_argument("--rounds", type=int, default=3)
-    check.add_argument("--cores", type=int, default=0, help="cores the ranks share (default: this machine's)")
     check.add_argument("--max-bytes", type=int, default=SIZES[-1], help="largest collective timed")
     check.add_argument("--repeats", type=int, default=5, help="timings per collective and size")
     check.add_argument("--out-dir", default="results")
@@ -278,7 +284,11 @@ def main() -> int:
     args = arguments()
     try:
         if args.command == "profile":
-            save_profile(measure_profile(args), Path(args.out))
+            from mpi4py import MPI
+
+            profile = measure_profile(args)
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                save_profile(profile, Path(args.out))
         elif args.command == "time-comm":
             from fsdp_mpi import Communicator
 

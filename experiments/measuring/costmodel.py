@@ -57,10 +57,16 @@ class Profile:
     weight_format: str = "none"  # Compression's weights: none (param_bytes each), bf16 or int8
     gradient_format: str = "none"  # Compression's gradients
     block_size: int = 256  # elements per int8 scale
+    baseline_bytes: int = 0  # resident before the model: the interpreter, torch, MPI (0 on paper)
 
     @property
     def parameters(self) -> int:
         return sum(unit.numel for unit in self.units)
+
+    @property
+    def step_s(self) -> float:
+        """The profiled step without communication: every unit's forward and backward, and the optimizer."""
+        return sum(unit.forward_s + unit.backward_s for unit in self.units) + self.optimizer_s
 
 
 @dataclass
@@ -249,17 +255,17 @@ class Prediction:
     compute_s: float
     comm_s: float  # all collectives, end to end
     exposed_comm_s: float  # what the step waits for beyond its computation
-    memory_bytes: int  # peak per rank: sharded state, gathered units, activations
+    memory_bytes: int  # peak per rank: baseline, sharded state, gathered units, activations
     bytes_moved: int  # by this rank's collectives per step (the full buffers, as comm.bytes_moved counts)
     seconds_by_operation: dict = field(default_factory=dict)
 
 
-def predict(profile: Profile, network, layout: Layout, overlap: bool = False,
-            compute_slowdown: float = 1.0) -> Prediction:
+def predict(profile: Profile, network, layout: Layout, overlap: bool = False) -> Prediction:
     """One step's time and peak memory per rank.
 
-    `compute_slowdown` stretches the profile's computation, e.g. ranks / cores
-    where more ranks than cores share a machine (as here with 3 or 4 ranks on 2 cores).
+    The profile's computation is taken as it is: for ranks that share a machine
+    (more ranks than cores, or memory-bound work side by side), profile them
+    under that load (``measure_profile`` under mpiexec).
     """
     issued = collectives(profile, layout)
     seconds = [network.seconds(c) for c in issued]
@@ -268,9 +274,9 @@ def predict(profile: Profile, network, layout: Layout, overlap: bool = False,
         for unit in units:
             mine = [(c.operation, s) for c, s in zip(issued, seconds) if c.phase == phase and c.unit == unit.name]
             compute = unit.forward_s if phase == "forward" else unit.backward_s
-            lanes.append((sum(s for op, s in mine if op == "all_gather"), compute * compute_slowdown,
+            lanes.append((sum(s for op, s in mine if op == "all_gather"), compute,
                           sum(s for op, s in mine if op != "all_gather")))
-    optimizer = profile.optimizer_s * compute_slowdown / layout.shard_group
+    optimizer = profile.optimizer_s / layout.shard_group
     compute = sum(c for _, c, _ in lanes) + optimizer
     comm = sum(seconds)
     step = (_two_lanes(lanes) if overlap else compute - optimizer + comm) + optimizer
@@ -309,9 +315,10 @@ def _two_lanes(lanes: list[tuple[float, float, float]]) -> float:
 
 
 def peak_memory(profile: Profile, layout: Layout, overlap: bool = False) -> int:
-    """Sharded state (fp32 parameters, gradients, Adam moments), the gathered root kept
-    from forward to backward (every unit under SHARD_GRAD_OP), the largest other unit gathered with
-    its full gradient (two such units with prefetching), and the activations of one rank's batch."""
+    """What the process holds before the model (the profile's baseline), sharded state (fp32 parameters,
+    gradients, Adam moments), the gathered root kept from forward to backward (every unit under
+    SHARD_GRAD_OP), the largest other unit gathered with its full gradient (two such units with
+    prefetching), and the activations of one rank's batch."""
     g = layout.shard_group
     state = state_bytes(profile, layout)
     if g == 1:
@@ -323,4 +330,4 @@ def peak_memory(profile: Profile, layout: Layout, overlap: bool = False) -> int:
         root = sum(u.numel for u in profile.units if u.is_root) * profile.param_bytes
         largest = max((u.numel for u in profile.units if not u.is_root), default=0)
         gathered = root + (2 if overlap else 1) * largest * (profile.param_bytes + profile.grad_bytes)
-    return state + gathered + profile.activation_bytes
+    return profile.baseline_bytes + state + gathered + profile.activation_bytes

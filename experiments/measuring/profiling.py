@@ -40,15 +40,24 @@ def saved_activation_bytes(model, inputs, targets) -> int:
 
 
 def measure_profile(args) -> Profile:
-    """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as ``bench_worker`` does."""
+    """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as ``bench_worker`` does.
+
+    Under mpiexec every rank profiles a model of its own, with no communication
+    between them, and the ranks start each phase of a step (forward, backward,
+    optimizer) together, as a job's ranks do: the profile then sees the machine
+    as loaded as the job will, its cores, memory bandwidth and caches shared by
+    as many ranks. Every rank returns the slowest rank's profile.
+    """
     import torch
+    from mpi4py import MPI
+    from training.results import resident_bytes
     from training.strategies import prepare
 
     from fsdp_mpi import Communicator
 
-    comm = Communicator()
-    if comm.world_size != 1:
-        raise PredictError("profile runs on one rank: start it without mpiexec")
+    world = MPI.COMM_WORLD
+    comm = Communicator(MPI.COMM_SELF)  # this rank's model is its own
+    baseline = resident_bytes()  # the interpreter, torch and MPI, before any model
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))
@@ -80,15 +89,19 @@ def measure_profile(args) -> Profile:
     optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=1e-4)
     steps = []  # (forward, backward, optimizer, [block forwards])
     for _ in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        _, loss = prepared.model(inputs, targets)
-        forward_end = time.perf_counter()
-        loss.backward()
-        backward_end = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        steps.append((forward_end - start, backward_end - forward_end, time.perf_counter() - backward_end,
-                      list(block_seconds)))
+        times = []
+        for phase in ("forward", "backward", "optimizer"):
+            world.Barrier()  # every rank starts the phase at once
+            start = time.perf_counter()
+            if phase == "forward":
+                _, loss = prepared.model(inputs, targets)
+            elif phase == "backward":
+                loss.backward()
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        steps.append((*times, list(block_seconds)))
     steps = steps[args.warmup:]
     forward, backward, optimizer_s = (statistics.median(step[i] for step in steps) for i in range(3))
     block_forward = [statistics.median(step[3][i] for step in steps) for i in range(len(blocks))]
@@ -98,7 +111,8 @@ def measure_profile(args) -> Profile:
                   tensors=root_tensors)]
     units += [Unit(f"block.{i}", numel, seconds, seconds * backward_per_forward, tensors=block_tensors)
               for i, (numel, seconds) in enumerate(zip(block_numels, block_forward))]
-    return Profile(units, optimizer_s, activations, args.batch_size * args.seq_len)
+    mine = Profile(units, optimizer_s, activations, args.batch_size * args.seq_len, baseline_bytes=baseline)
+    return max(world.allgather(mine), key=lambda profile: profile.step_s)
 
 
 def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flops: float, mfu: float,

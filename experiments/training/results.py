@@ -43,6 +43,15 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux's /proc; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return int(peak_rss_mb() * 2**20)
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds for parameters, gradients and optimizer state (local shards only).
 
