@@ -21,19 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from training.results import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 MIB = 2**20
-
-
-def resident_mib() -> tuple[float, float]:
-    """(current, peak) resident memory of this process in MiB."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
-
-
-def reset_peak() -> None:
-    """Restarts the kernel's peak-resident counter (Linux >= 4.0)."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 class GatheredWatch:
@@ -94,11 +84,10 @@ def main() -> None:
     rows = []
 
     def record(phase: str, expected_mib: float, note: str) -> None:
-        current, peak = resident_mib()
-        rows.append((phase, peak, current, expected_mib, note))
-        reset_peak()
+        rows.append((phase, peak_resident_bytes() / MIB, resident_bytes() / MIB, expected_mib, note))
+        reset_peak_resident()
 
-    reset_peak()
+    reset_peak_resident()
     record("interpreter + torch + MPI", 0.0, "baseline")
     baseline = rows[0][2]
     torch.manual_seed(0)
@@ -137,7 +126,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # keep the gradient: it is part of the steady state
         step_times.append(time.perf_counter() - start)
-        resident_after_step.append(resident_mib()[0])
+        resident_after_step.append(resident_bytes() / MIB)
     per_param = 4 + 4 + state_bytes  # parameter, gradient, optimizer state
     budget = per_param * shard_mib / 4
     record(f"{args.steps} training steps ({args.optimizer})", baseline + budget,

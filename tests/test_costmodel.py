@@ -162,7 +162,7 @@ def test_bad_arguments_exit_2_with_a_message(args, message):
 
 def test_a_profile_under_mpiexec_is_taken_on_every_rank_at_once_and_written_once(tmp_path):
     """Each rank profiles its own model (the machine loaded as by a job of that many ranks); rank 0 writes
-    the slowest rank's profile."""
+    the median rank's profile."""
     result = run_predict("profile", "--model", "gpt2-tiny", "--vocab-size", "128", "--steps", "2", "--warmup", "1",
                          "--out", tmp_path / "p.json", launcher=(mpiexec(), "-n", "2"), timeout=120)
     assert result.returncode == 0, result.stderr

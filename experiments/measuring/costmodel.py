@@ -58,6 +58,9 @@ class Profile:
     gradient_format: str = "none"  # Compression's gradients
     block_size: int = 256  # elements per int8 scale
     baseline_bytes: int = 0  # resident before the model: the interpreter, torch, MPI (0 on paper)
+    # what a step allocates beyond its state and saved activations, nothing sharded (measured; 0 on paper):
+    # gradients as autograd hands them over and as units assemble them, the loss's temporaries, allocator slack
+    transient_bytes: int = 0
 
     @property
     def parameters(self) -> int:
@@ -255,7 +258,7 @@ class Prediction:
     compute_s: float
     comm_s: float  # all collectives, end to end
     exposed_comm_s: float  # what the step waits for beyond its computation
-    memory_bytes: int  # peak per rank: baseline, sharded state, gathered units, activations
+    memory_bytes: int  # peak per rank: baseline, sharded state, gathered units, activations, transients
     bytes_moved: int  # by this rank's collectives per step (the full buffers, as comm.bytes_moved counts)
     seconds_by_operation: dict = field(default_factory=dict)
 
@@ -315,19 +318,18 @@ def _two_lanes(lanes: list[tuple[float, float, float]]) -> float:
 
 
 def peak_memory(profile: Profile, layout: Layout, overlap: bool = False) -> int:
-    """What the process holds before the model (the profile's baseline), sharded state (fp32 parameters,
-    gradients, Adam moments), the gathered root kept from forward to backward (every unit under
-    SHARD_GRAD_OP), the largest other unit gathered with its full gradient (two such units with
-    prefetching), and the activations of one rank's batch."""
+    """What the process held before the model (the profile's baseline), sharded state (fp32 parameters,
+    gradients, Adam moments), the gathered root's weights kept from forward to backward (every unit's under
+    SHARD_GRAD_OP), the largest other unit's (two with prefetching), the activations of one rank's batch,
+    and the step's transient allocations as the profile measured them (assembled gradients among them)."""
     g = layout.shard_group
     state = state_bytes(profile, layout)
     if g == 1:
         gathered = 0
     elif layout.strategy == "SHARD_GRAD_OP":
-        largest = max(u.numel for u in profile.units)
-        gathered = profile.parameters * profile.param_bytes + largest * profile.grad_bytes
+        gathered = profile.parameters * profile.param_bytes
     else:
-        root = sum(u.numel for u in profile.units if u.is_root) * profile.param_bytes
+        root = sum(u.numel for u in profile.units if u.is_root)
         largest = max((u.numel for u in profile.units if not u.is_root), default=0)
-        gathered = root + (2 if overlap else 1) * largest * (profile.param_bytes + profile.grad_bytes)
-    return profile.baseline_bytes + state + gathered + profile.activation_bytes
+        gathered = (root + (2 if overlap else 1) * largest) * profile.param_bytes
+    return profile.baseline_bytes + state + gathered + profile.activation_bytes + profile.transient_bytes

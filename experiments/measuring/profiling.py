@@ -39,6 +39,14 @@ def saved_activation_bytes(model, inputs, targets) -> int:
         return sum(saved.values())
 
 
+def wait_for_every_rank(world) -> None:
+    """A barrier whose waiting ranks sleep: one that busy-polled, as MPI's does, would take the cores from the
+    ranks still computing the phase and lengthen it by time no job spends."""
+    arrived = world.Ibarrier()
+    while not arrived.Test():
+        time.sleep(0.0005)
+
+
 def measure_profile(args) -> Profile:
     """One rank's step, unit by unit: fsdp-mpi wraps each GPT2Block, as ``bench_worker`` does.
 
@@ -46,11 +54,11 @@ def measure_profile(args) -> Profile:
     between them, and the ranks start each phase of a step (forward, backward,
     optimizer) together, as a job's ranks do: the profile then sees the machine
     as loaded as the job will, its cores, memory bandwidth and caches shared by
-    as many ranks. Every rank returns the slowest rank's profile.
+    as many ranks. Every rank returns the median rank's profile.
     """
     import torch
     from mpi4py import MPI
-    from training.results import resident_bytes
+    from training.results import peak_resident_bytes, reset_peak_resident, resident_bytes
     from training.strategies import prepare
 
     from fsdp_mpi import Communicator
@@ -67,7 +75,8 @@ def measure_profile(args) -> Profile:
     activations = saved_activation_bytes(model, inputs, targets)
     blocks = [m for m in model.modules() if isinstance(m, GPT2Block)]
     block_numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    root_numel = model.num_parameters() - sum(block_numels)
+    parameters = model.num_parameters()
+    root_numel = parameters - sum(block_numels)
     block_tensors = len(list(blocks[0].parameters()))
     root_tensors = len(list(model.parameters())) - len(blocks) * block_tensors
 
@@ -88,10 +97,12 @@ def measure_profile(args) -> Profile:
     prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), comm)
     optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=1e-4)
     steps = []  # (forward, backward, optimizer, [block forwards])
-    for _ in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            reset_peak_resident()  # the timed steps' peak: the model's construction aside
         times = []
         for phase in ("forward", "backward", "optimizer"):
-            world.Barrier()  # every rank starts the phase at once
+            wait_for_every_rank(world)
             start = time.perf_counter()
             if phase == "forward":
                 _, loss = prepared.model(inputs, targets)
@@ -111,8 +122,12 @@ def measure_profile(args) -> Profile:
                   tensors=root_tensors)]
     units += [Unit(f"block.{i}", numel, seconds, seconds * backward_per_forward, tensors=block_tensors)
               for i, (numel, seconds) in enumerate(zip(block_numels, block_forward))]
-    mine = Profile(units, optimizer_s, activations, args.batch_size * args.seq_len, baseline_bytes=baseline)
-    return max(world.allgather(mine), key=lambda profile: profile.step_s)
+    state = 16 * parameters  # fp32 parameters, gradients and AdamW's two moments, on one rank
+    transient = max(0, peak_resident_bytes() - baseline - state - activations)
+    mine = Profile(units, optimizer_s, activations, args.batch_size * args.seq_len, baseline_bytes=baseline,
+                   transient_bytes=transient)
+    profiles = sorted(world.allgather(mine), key=lambda profile: profile.step_s)
+    return profiles[len(profiles) // 2]  # the median rank's: the slowest is one rank's bad luck with the scheduler
 
 
 def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flops: float, mfu: float,

@@ -52,6 +52,24 @@ def resident_bytes() -> int:
         return int(peak_rss_mb() * 2**20)
 
 
+def peak_resident_bytes() -> int:
+    """The most this process has had resident since it started or since ``reset_peak_resident()``."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return int(peak_rss_mb() * 2**20)
+
+
+def reset_peak_resident() -> None:
+    """Restarts the kernel's peak-resident counter at the present size (Linux >= 4.0; elsewhere nothing)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds for parameters, gradients and optimizer state (local shards only).
 

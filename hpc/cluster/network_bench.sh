@@ -3,7 +3,8 @@
 #   bench    fair interleaved rounds of every strategy (experiments/bench.py), then one table and a figure
 #            of step time against link rate (experiments/network_report.py);
 #   predict  the cost model against the same runs (experiments/predict.py validate: fsdp-mpi's strategies
-#            measured beside their prediction from a one-rank profile and collectives timed on the cluster).
+#            measured beside their prediction from a profile taken under the job's load and collectives timed
+#            on the cluster).
 # Starts and stops its own cluster.
 #
 #   bash hpc/cluster/network_bench.sh        (RATES="none 10gbit 1gbit" ROUNDS=3 WHAT="bench predict" OUT=results/network)
