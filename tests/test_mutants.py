@@ -50,6 +50,7 @@ INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_hal
 CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
 COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[2_ranks]"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
+CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
@@ -201,6 +202,9 @@ MUTANTS = {
         "experiments/measuring/costmodel.py", '"all_gather": (p - 1) / p,', '"all_gather": 1.0,', [CLUSTER]),
     "the cost model prices int8 as uncompressed": (
         "experiments/measuring/costmodel.py", 'if form == "int8":', "if False:", [COMPRESSED_BYTES]),
+    "codec chunks cut int8 blocks": (
+        "fsdp_mpi/communication/compression.py", "step = max(multiple, CHUNK_ELEMENTS // count // multiple * multiple)",
+        "step = max(1, CHUNK_ELEMENTS // count)", [CODEC_CHUNKS]),
     "compressed gradients summed in low precision": (
         "fsdp_mpi/communication/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
         [RANK_ORDER_SUM]),
