@@ -17,10 +17,10 @@ import argparse
 import os
 import shutil
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from measuring.profiling import saved_tensor_bytes
 from training.results import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 MIB = 2**20
@@ -42,24 +42,6 @@ class GatheredWatch:
     def read(self, *_):
         held = sum(handle.gathered_bytes + handle.unsharded_gradient_bytes for handle in self.handles)
         self.peak_bytes = max(self.peak_bytes, held)
-
-
-@contextmanager
-def saved_activations(handles):
-    """Counts the bytes of the tensors autograd saves in the block (each storage once), gathered weights
-    aside; yields a one-element list that holds the count afterwards."""
-    weights = {handle.full_flat.untyped_storage()._cdata for handle in handles}
-    saved, counted = {}, [0]
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in weights:
-            saved[storage._cdata] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield counted
-    counted[0] = sum(saved.values())
 
 
 def main() -> None:
@@ -118,7 +100,7 @@ def main() -> None:
         tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(step))
         start = time.perf_counter()
         if step == 0:
-            with saved_activations(handles) as activations:
+            with saved_tensor_bytes({h.full_flat.untyped_storage()._cdata for h in handles}) as activations:
                 loss = model(tokens[:, :-1], tokens[:, 1:])[1]
         else:
             loss = model(tokens[:, :-1], tokens[:, 1:])[1]

@@ -6,6 +6,7 @@ and ``time-comm`` commands; ``costmodel`` prices a step from them.
 import json
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,22 +22,30 @@ class PredictError(Exception):
 # ------------------------------------------------------------------ profile: one rank, measured
 
 
-def saved_activation_bytes(model, inputs, targets) -> int:
-    """Bytes of the tensors autograd keeps for backward after one forward (each storage once, weights excluded)."""
+@contextmanager
+def saved_tensor_bytes(excluded_storages: set):
+    """Counts the bytes of the tensors autograd saves for backward inside the block (each storage once, those
+    in `excluded_storages` aside: weights); yields a one-element list that holds the count afterwards."""
     import torch
 
-    weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved = {}
+    saved, counted = {}, [0]
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage._cdata not in weights:
+        if storage._cdata not in excluded_storages:
             saved[storage._cdata] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield counted
+    counted[0] = sum(saved.values())
+
+
+def saved_activation_bytes(model, inputs, targets) -> int:
+    """Bytes of the tensors autograd keeps for backward after one forward (each storage once, weights excluded)."""
+    with saved_tensor_bytes({p.untyped_storage()._cdata for p in model.parameters()}) as counted:
         _, loss = model(inputs, targets)  # the graph, and so every saved storage, lives until loss goes
-        return sum(saved.values())
+    return counted[0]
 
 
 def wait_for_every_rank(world) -> None:
