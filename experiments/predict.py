@@ -1,4 +1,4 @@
-"""Predicts fsdp-mpi's step time, epoch time and memory per rank from a one-rank profile and a network model.
+"""Predicts fsdp-mpi's step time, epoch time and memory per rank from a profile of one rank's step and a network model.
 
     python experiments/predict.py profile --model gpt2-seed --out results/profile.json
     mpiexec -n 4 python experiments/predict.py profile --out results/profile-4.json   # under 4 ranks' load
@@ -68,7 +68,7 @@ def layouts(ranks: list[int], strategies: list[str], group_size: int):
 
 
 def validate(args) -> list[dict]:
-    """Rounds of: a one-rank profile, then each layout measured (bench_worker) and predicted from that profile.
+    """Rounds of: profiles (one per rank count, under its load), then each layout measured and predicted.
 
     The collectives are timed once, before the rounds. Each row is
     one layout: the median over rounds of predicted / measured, with its range.
