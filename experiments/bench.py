@@ -247,7 +247,7 @@ def step_parts(row: dict) -> dict | None:
 
 def print_breakdown(rows: list[dict]) -> None:
     """fsdp-mpi's step part by part (the slowest rank's, medians over rounds) beside plain torch's."""
-    broken_down = [(row, step_parts(row)) for row in rows if step_parts(row)]
+    broken_down = [(row, parts) for row in rows if (parts := step_parts(row))]
     if not any(row.get("compute_s") is not None for row, _ in broken_down):
         return
     print("\nThe step part by part, seconds (the slowest rank's; medians over rounds; measuring/breakdown.py):\n")

@@ -257,8 +257,7 @@ def main() -> None:
             if args.strategy == "fsdp-mpi":
                 options.update(sharding_strategy=ShardingStrategy[sharding],
                                hybrid_group_size=args.hybrid_group_size)
-            if args.strategy == "fsdp-mpi":  # its hooks bind their methods when the model is wrapped
-                breakdown = StepBreakdown()
+                breakdown = StepBreakdown()  # installed before wrapping: the hooks bind their methods then
                 breakdown.install()
             prepared = prepare(args.strategy, model, GPT2Block, device, comm, args.precision, **options)
         measured = prepared.model

@@ -526,7 +526,7 @@ class Communicator:
 class _InMPI:
     """The bookkeeping around one MPI call, as ``with comm._collective(...) as record``: the rank is marked
     as waiting in `record` (watched for hangs), verify mode checks the ranks agree, and the time is counted.
-    A class rather than a generator-based context manager: every collective pays for it (about 1 µs less)."""
+    A class rather than a generator-based context manager: every collective pays for it (0.6 µs less)."""
 
     __slots__ = ("comm", "record", "finishes", "start")
 
