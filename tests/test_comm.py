@@ -193,7 +193,8 @@ def test_collectives_on_several_ranks_for_every_dtype(nprocs, tmp_path):
     check_ok(run_mpi("collectives.py", nprocs, out))
     report = json.loads(out.read_text())
     assert report.pop("sum_and_max_of_floats") == [sum(r + 0.5 for r in range(nprocs)), 0.0]
-    # collectives x dtypes x staging x chunking, + host buffers used, + device buffers handed to MPI, + started
-    # staged collectives returning before the partner joins (the communication thread)
-    assert len(report) == 6 * 4 * 2 * 2 + 4 + 4 * 2 + 4
+    # (collectives x dtypes + 16-bit sums in fp32 for the 2 16-bit dtypes) x route (direct MPI, staged, node
+    # transport) x chunking, + the route taken, + device buffers handed to MPI, + started staged collectives
+    # returning before the partner joins (the communication thread)
+    assert len(report) == (7 * 4 + 2) * 3 * 2 + 6 + 4 * 2 + 4
     assert [name for name, ok in report.items() if not ok] == []

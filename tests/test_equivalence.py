@@ -106,8 +106,8 @@ def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing(tmp_
     out = tmp_path / "variants.json"
     check_ok(run_mpi("variants.py", 3, out))
     differing_tensors = json.loads(out.read_text())
-    assert set(differing_tensors) == {"staged", "chunked", "shard_grad_op", "checkpointed", "overlapped",
-                                      "staged_overlapped"}
+    assert set(differing_tensors) == {"through_mpi", "staged", "chunked", "small_exchanges", "shard_grad_op",
+                                      "checkpointed", "overlapped", "staged_overlapped"}
     assert differing_tensors == {variant: [] for variant in differing_tensors}
 
 

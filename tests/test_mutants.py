@@ -50,6 +50,8 @@ INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_hal
 CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
 COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[2_ranks]"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
+NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
+NODE_FILES = "tests/test_node_transport.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
 CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
@@ -120,8 +122,8 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
         [NAMES]),
     "forced staging copies nothing through the host": (
-        "fsdp_mpi/communication/comm.py", 'return self.force_staging or (not tensor.is_cpu and not self.cuda_aware)',
-        'return not tensor.is_cpu and not self.cuda_aware', [COLLECTIVES]),
+        "fsdp_mpi/communication/comm.py", 'staged = self.force_staging or (kind != "cpu" and not self.cuda_aware)',
+        'staged = kind != "cpu" and not self.cuda_aware', [COLLECTIVES]),
     "staged chunks land in the wrong place": (
         "fsdp_mpi/communication/staging.py", "pipeline.copy_in(full_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))",
         "pipeline.copy_in(full_by_rank[:, a:b], recv[a:b].repeat(world).view(world, b - a))", [COLLECTIVES]),
@@ -194,7 +196,26 @@ MUTANTS = {
     "the cost model forgets the backward all-gather": (
         "experiments/measuring/costmodel.py", "if g > 1 and regathers and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
     "split communicators count their traffic nowhere": (
-        "fsdp_mpi/communication/comm.py", "child.traffic = self.traffic", "pass", [STRATEGIES]),
+        "fsdp_mpi/communication/comm.py", "child.traffic, child.node_exchange_bytes = self.traffic, self.node_exchange_bytes",
+        "child.node_exchange_bytes = self.node_exchange_bytes", [STRATEGIES]),
+    "the node transport's reduce-scatter sums every peer's own row instead of this rank's": (
+        "fsdp_mpi/communication/node_transport.py",
+        "else _typed(peer(rank), full.dtype, self.world * (b - a)).view(self.world, b - a)[self.rank]",
+        "else _typed(peer(rank), full.dtype, self.world * (b - a)).view(self.world, b - a)[rank]", [COLLECTIVES]),
+    "the node transport's 16-bit sums accumulate in 16 bits": (
+        "fsdp_mpi/communication/node_transport.py",
+        "total = parts[0].to(torch.float32 if out.dtype in _SUM_IN_FP32 else out.dtype, copy=True)",
+        "total = parts[0].clone()", [COLLECTIVES]),
+    "the node transport's exchanges all use slot 0": (
+        "fsdp_mpi/communication/node_transport.py", "slot, self._next_slot = self._next_slot, 1 - self._next_slot",
+        "slot, self._next_slot = 0, 0", [NODE_PROTOCOL]),
+    "a rank reads its peers' slots without waiting for their writes (on a GPU: their events)": (
+        "fsdp_mpi/communication/node_transport.py", "        slots.wait_until_written(slot)", "        pass",
+        [NODE_PROTOCOL]),
+    "the host slots' file is left in /dev/shm": (
+        "fsdp_mpi/communication/shared_slots.py",
+        "os.unlink(path)  # every rank has mapped it, or failed: the memory lives as long as the mappings",
+        "pass", [NODE_FILES]),
     "a quantizer that ignores the scale": (
         "fsdp_mpi/communication/compression.py", "codes = (blocks / divisors).round_()", "codes = blocks.clone().round_()",
         [INT8_ROUND_TRIP]),

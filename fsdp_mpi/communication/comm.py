@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import partial
 
 import numpy
@@ -39,12 +40,25 @@ from fsdp_mpi.communication.collective_log import PROCESS_LOG, VERIFY_ENV, Colle
 from fsdp_mpi.communication.gpu_support import FORCE_STAGING_ENV, describe_device_path, env_flag, mpi_is_cuda_aware
 from fsdp_mpi.communication.launcher import check_launcher_agrees
 from fsdp_mpi.communication.liveness import Liveness
+from fsdp_mpi.communication.node_transport import NodeTransport, open_node_transport
 from fsdp_mpi.communication.staging import StagedCollectives
 
 # MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
 MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1
 # Staged messages move in chunks of this many bytes per rank, so that copies and MPI overlap.
 STAGING_CHUNK_BYTES = 4 * 2**20
+
+NODE_TRANSPORT_ENV = "FSDP_MPI_NODE_TRANSPORT"
+
+
+class Route(Enum):
+    """How one kind of tensor (host or device memory) travels between a communicator's ranks, chosen once
+    per communicator and device type, at its first collective on that kind of tensor."""
+
+    NODE = "node"      # every rank on this node: through memory they share (node_transport.py); MPI synchronises
+    DIRECT = "direct"  # MPI reads the tensor where it is (host memory, or device memory if CUDA-aware)
+    STAGED = "staged"  # through pinned host buffers, in chunks (staging.py)
+
 
 # Moving data needs only the bits: every dtype travels as unsigned integers of its width.
 _BIT_TYPES = {1: MPI.UINT8_T, 2: MPI.INT16_T, 4: MPI.INT32_T, 8: MPI.INT64_T}
@@ -130,6 +144,9 @@ class Communicator:
         mpi_comm: the mpi4py communicator whose ranks share the model.
         force_staging: copy every buffer through host staging buffers even when
             MPI could read it in place. Defaults to ``FSDP_MPI_FORCE_STAGING``.
+        node_transport: where every rank is on this node, move tensors through memory the
+            ranks share (``node_transport.py``) instead of through MPI. Defaults to
+            ``FSDP_MPI_NODE_TRANSPORT``, else on; forced staging turns it off.
         cuda_aware: whether MPI accepts device buffers. Defaults to asking the
             library (``FSDP_MPI_CUDA_AWARE`` overrides).
         timeout: seconds a rank may wait in one collective before it reports what
@@ -140,7 +157,7 @@ class Communicator:
     """
 
     def __init__(self, mpi_comm=None, *, force_staging: bool | None = None, cuda_aware: bool | None = None,
-                 timeout: float | None = None, verify: bool | None = None):
+                 node_transport: bool | None = None, timeout: float | None = None, verify: bool | None = None):
         if not MPI.Is_initialized():  # a program that set mpi4py.rc.initialize = False and has not yet
             raise RuntimeError("MPI is not initialised: call mpi4py's MPI.Init_thread() before building a Communicator")
         self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
@@ -150,6 +167,9 @@ class Communicator:
             check_launcher_agrees(self.world_size)
         self.cuda_aware = mpi_is_cuda_aware() if cuda_aware is None else cuda_aware
         self.force_staging = bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None else force_staging
+        if node_transport is None:
+            node_transport = env_flag(NODE_TRANSPORT_ENV) is not False
+        self.node_transport = node_transport and not self.force_staging
         self.timeout = timeout_from_environment() if timeout is None else float(timeout)
         self.verify = bool(env_flag(VERIFY_ENV)) if verify is None else verify
         # Open MPI's nonblocking reductions crash on device buffers: there they run blocking.
@@ -157,6 +177,10 @@ class Communicator:
         self.collectives_started = 0  # the next collective's sequence number, the same on every rank
         self.max_elements_per_message = MAX_ELEMENTS_PER_MESSAGE
         self.staging_chunk_bytes = STAGING_CHUNK_BYTES
+        self.node_exchange_bytes: int | None = None  # the node transport's chunk; None: its default per device
+        self._routes: dict[str, Route] = {}  # device type -> how its tensors travel (``_route``)
+        self._route_reasons: dict[str, str] = {}  # device type -> why, for the run's log
+        self._node: dict[str, NodeTransport] = {}  # device type -> the node transport, where it is the route
         self.traffic = Traffic()  # shared with the communicators split from this one
         self._staged = StagedCollectives()
         # Where the library lets two threads call MPI at once, staged collectives started early run there.
@@ -165,13 +189,23 @@ class Communicator:
                 and PROCESS_LOG.liveness is None):  # collective: every rank builds a first world Communicator
             PROCESS_LOG.start_answering(Liveness(self.mpi_comm))  # so the watchdog can ask who is still there
 
-    @property
-    def device_path(self) -> str:
-        """How device tensors reach MPI here, and why (for a run's log)."""
+    def describe_route(self, device: torch.device) -> str:
+        """How `device`'s tensors travel between the ranks here, and why (for a run's log). Collective: it
+        chooses the route if no collective has yet."""
         if self.world_size == 1:
             return ("one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves gradients as "
                     "they are)")
-        return describe_device_path(self.cuda_aware, self.force_staging)
+        route, why = self._route(device), self._route_reasons[device.type]
+        if route is Route.NODE:
+            return f"{why} ({NODE_TRANSPORT_ENV}=0: through MPI instead)"
+        through_mpi = (describe_device_path(self.cuda_aware, self.force_staging) if device.type == "cuda"
+                       else "host buffers go to MPI")
+        return f"{through_mpi}; not through shared memory: {why}"
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """How each kind of tensor has travelled here so far: {"cpu": "node"}, say (see ``Route``)."""
+        return {kind: route.value for kind, route in self._routes.items()}
 
     @property
     def staging_slots(self) -> list[str]:
@@ -198,7 +232,13 @@ class Communicator:
         if self.world_size == 1:
             _copy_unless_same(full, shard)
             return
-        if self._needs_staging(full):
+        route = self._route(full.device)
+        if route is Route.NODE:
+            self.bytes_moved["all_gather"] += full.numel() * full.element_size()
+            with self._collective("all_gather", shard, unit):
+                self._node[full.device.type].all_gather(full, shard)
+            return
+        if route is Route.STAGED:
             self.bytes_moved["all_gather"] += full.numel() * full.element_size()
             with self._collective("all_gather", shard, unit):
                 self._staged.all_gather(full, shard, self._staging_chunk_numel(shard), self._mpi_all_gather)
@@ -223,6 +263,11 @@ class Communicator:
         self._check_pair(full, shard, "reduce_scatter_sum")
         if self.world_size == 1:
             _copy_unless_same(shard, full)
+            return
+        if self._route(full.device) is Route.NODE:  # sends 16-bit values as they are, sums them in fp32
+            self.bytes_moved["reduce_scatter"] += full.numel() * full.element_size()
+            with self._collective("reduce_scatter", full, unit):
+                self._node[full.device.type].reduce_scatter(shard, full)
             return
         if shard.dtype in _SUM_IN_FP32:
             shard_fp32 = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
@@ -249,13 +294,19 @@ class Communicator:
         metrics)."""
         if self.world_size == 1:
             return
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce_sum_ needs a contiguous tensor")
+        if self._route(tensor.device) is Route.NODE:
+            flat = tensor.view(-1)
+            self.bytes_moved["all_reduce"] += flat.numel() * flat.element_size()
+            with self._collective("all_reduce", flat, unit):
+                self._node[flat.device.type].all_reduce(flat)
+            return
         if tensor.dtype in _SUM_IN_FP32:
             tensor_fp32 = tensor.float()
             self.all_reduce_sum_(tensor_fp32, unit)
             tensor.copy_(tensor_fp32)
             return
-        if not tensor.is_contiguous():
-            raise ValueError("all_reduce_sum_ needs a contiguous tensor")
         flat = tensor.view(-1)
         self.bytes_moved["all_reduce"] += flat.numel() * flat.element_size()
         if self._needs_staging(flat):
@@ -281,7 +332,12 @@ class Communicator:
             _copy_unless_same(received, sent)
             return
         self.bytes_moved["all_to_all"] += sent.numel() * sent.element_size()
-        if self._needs_staging(sent):
+        route = self._route(sent.device)
+        if route is Route.NODE:
+            with self._collective("all_to_all", sent, unit):
+                self._node[sent.device.type].all_to_all(received, sent)
+            return
+        if route is Route.STAGED:
             with self._collective("all_to_all", sent, unit):
                 self._staged.all_to_all(received, sent, self.world_size, self._staging_chunk_numel(sent),
                                         self._mpi_all_to_all)
@@ -310,23 +366,25 @@ class Communicator:
             else:
                 sub = self.mpi_comm.Split(color, self.rank)
         child = Communicator(sub, force_staging=self.force_staging, cuda_aware=self.cuda_aware,
-                             timeout=self.timeout, verify=self.verify)
-        child.traffic = self.traffic
+                             node_transport=self.node_transport, timeout=self.timeout, verify=self.verify)
+        child.traffic, child.node_exchange_bytes = self.traffic, self.node_exchange_bytes
         return child
 
     def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> Pending:
         """Like ``all_gather_into``, returning before the data has arrived: ``wait()`` before reading `full`.
 
-        A staged transfer runs on the communication thread (``background.py``). A direct
-        (unchunked) one is a nonblocking MPI call: MPI moves the data when its progress
-        engine runs, inside later MPI calls, or in the background where the library has a
-        progress thread or offloads to hardware. Others complete here.
+        A staged transfer, or a node transfer of device memory, runs on the communication
+        thread (``background.py``). A direct (unchunked) one is a nonblocking MPI call: MPI
+        moves the data when its progress engine runs, inside later MPI calls, or in the
+        background where the library has a progress thread or offloads to hardware. Others
+        (a node transfer of host memory: copies the CPU would make anyway) complete here.
         """
         self._check_pair(full, shard, "start_all_gather_into")
-        if self.world_size > 1 and self._needs_staging(full) and self._background is not None:
+        route = self._route(full.device) if self.world_size > 1 else None
+        if self._on_the_communication_thread(route, full):
             started = self._background.start(partial(self.all_gather_into, full, shard, unit), full.device)
             return Pending(self, buffers=(full, shard), started=started)
-        if self.world_size == 1 or self._needs_staging(full) or shard.numel() > self.max_elements_per_message:
+        if route is not Route.DIRECT or shard.numel() > self.max_elements_per_message:
             self.all_gather_into(full, shard, unit)
             return Pending(self)
         self.bytes_moved["all_gather"] += full.numel() * full.element_size()
@@ -338,11 +396,11 @@ class Communicator:
     def start_reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> Pending:
         """Like ``reduce_scatter_sum``, returning at once: `shard` holds the sum after ``wait()``."""
         self._check_pair(full, shard, "start_reduce_scatter_sum")
-        if self.world_size > 1 and self._needs_staging(full) and self._background is not None:
+        route = self._route(full.device) if self.world_size > 1 else None
+        if self._on_the_communication_thread(route, full):
             started = self._background.start(partial(self.reduce_scatter_sum, shard, full, unit), full.device)
             return Pending(self, buffers=(full, shard), started=started)
-        direct = (self.world_size > 1 and not self._needs_staging(full)
-                  and shard.numel() <= self.max_elements_per_message)
+        direct = route is Route.DIRECT and shard.numel() <= self.max_elements_per_message
         if not direct or shard.dtype in _SUM_IN_FP32 or (full.is_cuda and not self.device_reductions_in_background):
             self.reduce_scatter_sum(shard, full, unit)
             return Pending(self)
@@ -361,7 +419,12 @@ class Communicator:
         flat = tensor.view(-1)
         self.bytes_moved["broadcast"] += flat.numel() * flat.element_size()
         broadcast = partial(self._mpi_broadcast, root=root)
-        if self._needs_staging(flat):
+        route = self._route(flat.device)
+        if route is Route.NODE:
+            with self._collective("broadcast", flat):
+                self._node[flat.device.type].broadcast(flat, root)
+            return
+        if route is Route.STAGED:
             with self._collective("broadcast", flat):
                 self._staged.in_place(flat, self._staging_chunk_numel(flat), broadcast, send=self.rank == root,
                                       receive=self.rank != root, slot="broadcast")
@@ -446,8 +509,40 @@ class Communicator:
     def _mpi_broadcast(self, tensor: torch.Tensor, root: int) -> None:
         self.mpi_comm.Bcast(_bits(tensor), root=root)
 
+    def _route(self, device: torch.device) -> Route:
+        """How tensors on `device` travel here: chosen at the first collective on such a tensor, then kept."""
+        route = self._routes.get(device.type)
+        return route if route is not None else self._choose_route(device)
+
+    def _choose_route(self, device: torch.device) -> Route:
+        """Opens the node transport where it can (collective: every rank is in the same first collective on
+        this kind of tensor), else MPI's route: direct, or staged where MPI cannot read the memory."""
+        kind = device.type
+        if self.world_size > 1 and self.node_transport and kind in ("cpu", "cuda"):
+            with self._collective("open_node_transport"):
+                transport, why = open_node_transport(self.mpi_comm, device, self.node_exchange_bytes)
+            if transport is not None:
+                self._node[kind] = transport
+                self._routes[kind], self._route_reasons[kind] = Route.NODE, why
+                return Route.NODE
+        elif self.force_staging:
+            why = f"{FORCE_STAGING_ENV}=1"
+        elif not self.node_transport:
+            why = f"{NODE_TRANSPORT_ENV}=0"
+        else:
+            why = "one rank" if self.world_size == 1 else f"no shared memory for {kind} tensors"
+        staged = self.force_staging or (kind != "cpu" and not self.cuda_aware)
+        self._routes[kind], self._route_reasons[kind] = (Route.STAGED if staged else Route.DIRECT), why
+        return self._routes[kind]
+
+    def _on_the_communication_thread(self, route: Route | None, tensor: torch.Tensor) -> bool:
+        """Whether a started collective runs on the worker: host work (staging, or queueing a node transfer's
+        device copies behind a barrier) that would otherwise hold the main thread until every rank joined."""
+        return self._background is not None and (
+            route is Route.STAGED or (route is Route.NODE and tensor.is_cuda))
+
     def _needs_staging(self, tensor: torch.Tensor) -> bool:
-        return self.force_staging or (not tensor.is_cpu and not self.cuda_aware)
+        return self._route(tensor.device) is Route.STAGED
 
     def _staging_chunk_numel(self, tensor: torch.Tensor) -> int:
         """Elements per rank in one staged chunk: ``staging_chunk_bytes``, within MPI's count limit."""

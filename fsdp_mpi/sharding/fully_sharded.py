@@ -101,8 +101,8 @@ class FullyShardedDataParallel(nn.Module):
             computes_on = device or next(module.parameters()).device
             if computes_on.type == "cpu":
                 keep_freed_host_memory_for_reuse()
-            else:
-                report_device_path_once(comm.device_path, comm.rank)
+            shared = _groups.shard if _groups.shard.world_size > 1 or _groups.replicas is None else _groups.replicas
+            report_device_path_once(shared.describe_route(computes_on), comm.rank)  # collective: chooses the route
             check_same_model_on_all_ranks(module, comm)
             if sync_module_states:
                 _broadcast_module_states(module, comm)

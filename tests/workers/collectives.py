@@ -1,14 +1,17 @@
-"""Every collective, for every dtype, direct and staged, whole and chunked, against closed forms (any rank count).
+"""Every collective, for every dtype, direct, staged and through the node's shared memory, whole and chunked,
+against closed forms (any rank count); with ``--device cuda``, on the GPU (``on_the_gpu``).
 
 With S elements per rank: rank r's shard arange(S) + r*S gathers to arange(N*S);
 rank r's full buffer (r + 1) * arange(N*S) averages to (N + 1) / 2 * arange(N*S).
 All values are small integers (or halves), exact in every dtype tested.
 """
 
+import sys
 import time
 
 import torch
 from common import output_path, write_json
+from mpi4py import MPI
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.comm import _BIT_TYPES, DeviceBuffer
@@ -17,33 +20,48 @@ S = 5
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check(comm: Communicator, dtype: torch.dtype) -> dict:
+def check(comm: Communicator, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> dict:
     n, r = comm.world_size, comm.rank
-    everything = torch.arange(n * S, dtype=dtype)
+    everything = torch.arange(n * S, dtype=dtype, device=device)
     total = everything * (n * (n + 1) // 2)  # the sum of everything * (rank + 1) over ranks
     mine = slice(r * S, (r + 1) * S)
     results = {}
 
-    full = torch.empty(n * S, dtype=dtype)
+    full = torch.empty(n * S, dtype=dtype, device=device)
     comm.all_gather_into(full, everything[mine].clone())
     results["all_gather"] = torch.equal(full, everything)
-    full = torch.empty(n * S, dtype=dtype)
+    full = torch.empty(n * S, dtype=dtype, device=device)
     comm.start_all_gather_into(full, everything[mine].clone()).wait()
     results["start_all_gather"] = torch.equal(full, everything)
 
-    shard = torch.empty(S, dtype=dtype)
+    shard = torch.empty(S, dtype=dtype, device=device)
     comm.reduce_scatter_sum(shard, everything * (r + 1))
     results["reduce_scatter_sum"] = torch.equal(shard, total[mine])
-    shard = torch.empty(S, dtype=dtype)
+    shard = torch.empty(S, dtype=dtype, device=device)
     comm.start_reduce_scatter_sum(shard, everything * (r + 1)).wait()
     results["start_reduce_scatter_sum"] = torch.equal(shard, total[mine])
     summed = everything * (r + 1)
     comm.all_reduce_sum_(summed)
     results["all_reduce_sum"] = torch.equal(summed, total)
 
-    tensor = torch.full((3, 4), float(r + 1), dtype=dtype)
+    tensor = torch.full((3, 4), float(r + 1), dtype=dtype, device=device)
     comm.broadcast_(tensor, root=n - 1)
-    results["broadcast"] = torch.equal(tensor, torch.full((3, 4), float(n), dtype=dtype))
+    results["broadcast"] = torch.equal(tensor, torch.full((3, 4), float(n), dtype=dtype, device=device))
+
+    spacing_of_one_at = {torch.bfloat16: 256.0, torch.float16: 2048.0}.get(dtype)
+    if spacing_of_one_at:  # where the next 16-bit value is 2 away: rank 0 adds that, the others 1 each
+        parts = torch.full((n * S,), spacing_of_one_at if r == 0 else 1.0, dtype=dtype, device=device)
+        summed, shard = parts.clone(), torch.empty(S, dtype=dtype, device=device)
+        comm.all_reduce_sum_(summed)
+        comm.reduce_scatter_sum(shard, parts)
+        # in fp32, rounded once: 256 + (n - 1); summed in 16 bits, each 1 would be rounded away
+        expected = torch.full((n * S,), spacing_of_one_at + n - 1, dtype=torch.float32).to(dtype)
+        results["16-bit sums in fp32"] = torch.equal(summed, expected) and torch.equal(shard, expected[mine])
+
+    received = torch.empty(n * S, dtype=dtype, device=device)
+    comm.all_to_all(received, everything + r)  # chunk j of rank i's is everything[j-th] + i
+    results["all_to_all"] = torch.equal(received.view(n, S), everything[mine].expand(n, S) +
+                                        torch.arange(n, dtype=dtype, device=device)[:, None])
     return results
 
 
@@ -100,18 +118,52 @@ def started_while_the_partner_is_away(comm: Communicator, dtype: torch.dtype) ->
     return results
 
 
-if __name__ == "__main__":
-    report = {}
-    for staging in (False, True):
-        for chunk in (None, 2):
-            comm = Communicator(force_staging=staging)
+def on_the_gpu() -> dict:
+    """Device tensors through the node transport (CUDA IPC) and the staged path, on the GPU of each rank's place
+    on its node (ranks may share one): the closed forms, whole and in exchanges of 16 bytes, collectives
+    started on the communication thread, and 64 MiB of random values, bit for bit the same both ways."""
+    local_rank = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    report, results = {}, {}
+    for route in ("node", "staged"):
+        for chunk in (None, 16):
+            comm = Communicator(force_staging=route == "staged", node_transport=route == "node")
             if chunk:
+                comm.node_exchange_bytes = comm.staging_chunk_bytes = chunk
+            for name, dtype in DTYPES.items():
+                for what, ok in check(comm, dtype, device).items():
+                    report[f"cuda/{what}/{name}/{route}/chunk={chunk}"] = all(comm.allgather_object(ok))
+            report[f"cuda/route/{route}/chunk={chunk}"] = comm.routes == {"cuda": route}
+        comm = Communicator(force_staging=route == "staged", node_transport=route == "node")  # whole chunks
+        numel = 2**24 // comm.world_size  # 64 MiB of fp32 in all, per collective
+        generator = torch.Generator(device).manual_seed(comm.rank)
+        full = torch.randn(numel * comm.world_size, generator=generator, device=device)
+        gathered, shard = torch.empty_like(full), torch.empty(numel, device=device)
+        comm.all_gather_into(gathered, full[:numel].clone())
+        comm.reduce_scatter_sum(shard, full)
+        results[route] = (gathered, shard)
+    report["cuda/64 MiB node == staged, bit for bit"] = all(comm.allgather_object(
+        all(torch.equal(a, b) for a, b in zip(results["node"], results["staged"]))))
+    return report
+
+
+if __name__ == "__main__":
+    if sys.argv[2:] == ["--device", "cuda"]:
+        write_json(output_path(), on_the_gpu())
+        sys.exit(0)
+    report = {}
+    for route in ("direct", "staged", "node"):
+        for chunk in (None, 2):
+            comm = Communicator(force_staging=route == "staged", node_transport=route == "node")
+            if chunk:  # several messages, pipeline chunks or exchanges per collective
                 comm.max_elements_per_message = chunk
+                comm.node_exchange_bytes = 2 * 8
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype).items():
-                    report[f"{what}/{name}/staged={staging}/chunk={chunk}"] = all(comm.allgather_object(ok))
-            report[f"host buffers used if and only if staged={staging}/chunk={chunk}"] = (
-                bool(comm.staging_slots) is staging)
+                    report[f"{what}/{name}/{route}/chunk={chunk}"] = all(comm.allgather_object(ok))
+            report[f"host buffers used if and only if staged, shared memory if node/{route}/chunk={chunk}"] = (
+                bool(comm.staging_slots) is (route == "staged") and comm.routes == {"cpu": route})
     for name, dtype in DTYPES.items():
         for what, ok in device_buffers(comm, dtype).items():
             report[f"{what}/{name}"] = all(comm.allgather_object(ok))

@@ -1,10 +1,11 @@
 """Trains the same tied GPT-2 under several ways of running the same algorithm.
 
-Each variant must give bit-identical parameters to plain FULL_SHARD with direct
-MPI buffers: forced host staging, messages split into tiny chunks, SHARD_GRAD_OP,
-activation checkpointing inside each block, and prefetching with asynchronous
-reduce-scatter, direct and staged (the staged collectives then run on the
-communication thread).
+Each variant must give bit-identical parameters to plain FULL_SHARD through the
+node transport (the default on one machine): MPI reading the buffers directly,
+forced host staging, MPI messages split into tiny chunks, the node transport in
+exchanges of 16 bytes, SHARD_GRAD_OP, activation checkpointing inside each
+block, and prefetching with asynchronous reduce-scatter, through the node and
+staged (the staged collectives then run on the communication thread).
 """
 
 import copy
@@ -39,12 +40,16 @@ def with_checkpointing(model: GPT2LMHeadModel) -> GPT2LMHeadModel:
 if __name__ == "__main__":
     torch.manual_seed(0)
     initial = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
-    comm = Communicator(force_staging=False)
-    chunked = Communicator()
+    comm = Communicator()
+    chunked = Communicator(node_transport=False)
     chunked.max_elements_per_message = 7
+    small_exchanges = Communicator()
+    small_exchanges.node_exchange_bytes = 16
     runs = {
+        "through_mpi": train(copy.deepcopy(initial), Communicator(node_transport=False)),
         "staged": train(copy.deepcopy(initial), Communicator(force_staging=True)),
         "chunked": train(copy.deepcopy(initial), chunked),
+        "small_exchanges": train(copy.deepcopy(initial), small_exchanges),
         "shard_grad_op": train(copy.deepcopy(initial), comm, ShardingStrategy.SHARD_GRAD_OP),
         "checkpointed": train(with_checkpointing(copy.deepcopy(initial)), comm),
         "overlapped": train(copy.deepcopy(initial), comm, forward_prefetch=True, backward_prefetch=True,

@@ -1,0 +1,246 @@
+"""Memory that every rank of a node maps: two exchange slots per rank, on the host or on the GPU.
+
+The node transport (``node_transport.py``) moves a collective's bytes through
+these slots: a rank writes its contribution into its own slot, and, once every
+rank has written, reads what it needs from its peers' slots. Two slots per rank,
+used in turn, let one barrier per exchange suffice (see ``node_transport``).
+
+    rank 0: [slot 0][slot 1]   rank 1: [slot 0][slot 1]   ...   each `capacity` bytes
+
+Two kinds, with one interface:
+
+* ``HostSlots``: one file in ``/dev/shm`` that every rank maps, unlinked as soon as
+  all have mapped it, so nothing outlives the job however it ends. (MPI-3's
+  ``MPI_Win_allocate_shared`` gives the same memory, but MPICH leaves the
+  window's segment in ``/dev/shm`` when a rank is killed: measured.)
+* ``DeviceSlots``: one ``cudaMalloc`` per rank, mapped by each peer through CUDA
+  IPC once (``cuda_ipc.py``), with inter-process CUDA events saying "my slot is
+  written" and "I have read your slot", so that the GPU, not the host, waits.
+
+Slots grow (collectively: every rank asks for the same size in the same
+collective) up to the transport's chunk size, and never shrink.
+"""
+
+import atexit
+import glob
+import mmap
+import os
+import tempfile
+import uuid
+
+import torch
+
+from fsdp_mpi.communication.cuda_ipc import CudaRuntime, bytes_at
+
+SLOTS_PER_RANK = 2
+_ALIGNMENT = 256  # every slot starts at a multiple of this: any dtype can view it
+
+
+class SharedSlotsError(RuntimeError):
+    """The node's memory could not be shared or grown; raised on every rank of the node alike."""
+
+
+def _agree(mpi_comm, local_step):
+    """Runs `local_step()` on every rank and returns its result here, once every rank has succeeded; if any
+    failed, raises ``SharedSlotsError`` on every rank alike (so no rank is left waiting in a collective)."""
+    result, error = None, None
+    try:
+        result = local_step()
+    except Exception as failure:  # noqa: BLE001 -- whatever refused, every rank must hear of it, not wait
+        error = f"{type(failure).__name__}: {failure}"
+    failures = [f"rank {rank}: {e}" for rank, e in enumerate(mpi_comm.allgather(error)) if e is not None]
+    if failures:
+        raise SharedSlotsError("; ".join(failures))
+    return result
+
+
+def _grown(capacity: int, needed: int, limit: int) -> int:
+    """The next capacity: at least `needed`, at least double the last, at most `limit` (if that holds `needed`)."""
+    grown = max(needed, min(2 * capacity, limit))
+    return -(-grown // _ALIGNMENT) * _ALIGNMENT
+
+
+class HostSlots:
+    """Slots in host memory that the ranks of one node (`mpi_comm`, all on this node) share through one file."""
+
+    def __init__(self, mpi_comm, limit: int):
+        self.mpi_comm, self.rank, self.world = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.limit, self.capacity = limit, 0
+        self._mine: list[torch.Tensor] = []
+        self._peers: list[list[torch.Tensor]] = []
+        self.ensure(_ALIGNMENT)  # fails here, at set-up, where memory cannot be shared at all
+
+    def ensure(self, nbytes: int) -> None:
+        """Slots of at least `nbytes` (collective when they grow: every rank asks for the same)."""
+        if nbytes <= self.capacity:
+            return
+        capacity = _grown(self.capacity, nbytes, self.limit)
+        # A peer still reading an old slot reads its own mapping of the old file, which lives as long as it.
+        views = _map_one_file(self.mpi_comm, self.world * SLOTS_PER_RANK * capacity).view(
+            self.world, SLOTS_PER_RANK, capacity)
+        self._peers = [[views[rank, slot] for slot in range(SLOTS_PER_RANK)] for rank in range(self.world)]
+        self._mine, self.capacity = self._peers[self.rank], capacity
+
+    def mine(self, slot: int) -> torch.Tensor:
+        return self._mine[slot]
+
+    def peer(self, rank: int, slot: int) -> torch.Tensor:
+        return self._peers[rank][slot]
+
+    # A host copy is finished when it returns, and the barrier between writing and reading orders the ranks'
+    # copies: nothing is left to wait for.
+    def written(self, slot: int) -> None:
+        pass
+
+    def wait_until_written(self, slot: int) -> None:
+        pass
+
+    def read(self, slot: int) -> None:
+        pass
+
+    def wait_until_read(self, slot: int) -> None:
+        pass
+
+
+def _map_one_file(mpi_comm, nbytes: int) -> torch.Tensor:
+    """`nbytes` of memory mapped by every rank of `mpi_comm`, as a uint8 tensor; its file is already gone.
+
+    Rank 0 creates and sizes the file (``posix_fallocate``, so that a full ``/dev/shm`` is an error
+    here rather than a SIGBUS at the first write), every rank maps it, and rank 0 unlinks it once all
+    have: a rank killed later leaves nothing behind.
+    """
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+    def create() -> str | None:
+        if mpi_comm.Get_rank() != 0:
+            return None
+        path = os.path.join(folder, f"fsdp_mpi-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(descriptor, 0, nbytes)
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(descriptor)
+        return path
+
+    path = mpi_comm.bcast(_agree(mpi_comm, create), root=0)
+
+    def attach() -> mmap.mmap:
+        descriptor = os.open(path, os.O_RDWR)
+        try:
+            return mmap.mmap(descriptor, nbytes)
+        finally:
+            os.close(descriptor)
+
+    try:
+        mapping = _agree(mpi_comm, attach)
+    finally:
+        if mpi_comm.Get_rank() == 0:
+            os.unlink(path)  # every rank has mapped it, or failed: the memory lives as long as the mappings
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+class DeviceSlots:
+    """Slots in device memory: this rank's own allocation, and each peer's mapped through CUDA IPC.
+
+    The events (``torch.cuda.Event(interprocess=True)``, one per slot and purpose) are
+    recorded on the stream that writes or reads, and the peers' streams wait for them:
+    the host never waits for the device, except when the slots grow.
+    """
+
+    def __init__(self, mpi_comm, device: torch.device, limit: int):
+        self.mpi_comm, self.rank, self.world = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.device, self.limit, self.capacity = device, limit, 0
+        self._allocation: int | None = None
+        self._opened: list[int] = []
+        self._mine: list[torch.Tensor] = []
+        self._peers: list[list[torch.Tensor]] = []
+
+        def make_events():
+            self._runtime = CudaRuntime()
+            with torch.cuda.device(device):
+                self._written = [torch.cuda.Event(interprocess=True) for _ in range(SLOTS_PER_RANK)]
+                self._read = [torch.cuda.Event(interprocess=True) for _ in range(SLOTS_PER_RANK)]
+                return [[event.ipc_handle() for event in self._written], [event.ipc_handle() for event in self._read]]
+
+        handles = mpi_comm.allgather(_agree(mpi_comm, make_events))
+
+        self._peers_written: dict[int, list] = {}
+        self._peers_read: dict[int, list] = {}
+
+        def open_events():
+            for rank, (written, read) in enumerate(handles):
+                if rank != self.rank:
+                    self._peers_written[rank] = [torch.cuda.Event.from_ipc_handle(device, h) for h in written]
+                    self._peers_read[rank] = [torch.cuda.Event.from_ipc_handle(device, h) for h in read]
+
+        _agree(mpi_comm, open_events)
+        atexit.register(_remove_the_drivers_event_file)
+        self.ensure(_ALIGNMENT)  # fails here, at set-up, where IPC is refused
+
+    def ensure(self, nbytes: int) -> None:
+        """Slots of at least `nbytes` (collective when they grow: every rank asks for the same)."""
+        if nbytes <= self.capacity:
+            return
+        capacity = _grown(self.capacity, nbytes, self.limit)
+        if self._allocation is not None:  # nobody may still read or write the old slots: the one host wait
+            torch.cuda.synchronize(self.device)
+            self.mpi_comm.Barrier()
+            for address in self._opened:
+                self._runtime.close(address)
+            self._runtime.free(self._allocation)
+            self._allocation, self._opened, self._mine, self._peers = None, [], [], []
+
+        def allocate() -> bytes:
+            self._allocation = self._runtime.allocate(self.device, SLOTS_PER_RANK * capacity)
+            return self._runtime.export(self._allocation)
+
+        handles = self.mpi_comm.allgather(_agree(self.mpi_comm, allocate))
+
+        def open_peers() -> None:
+            for rank, handle in enumerate(handles):
+                if rank != self.rank:
+                    self._opened.append(self._runtime.open(self.device, handle))
+            bases = self._opened[:self.rank] + [self._allocation] + self._opened[self.rank:]
+            whole = [bytes_at(base, SLOTS_PER_RANK * capacity) for base in bases]  # a peer's, on its own GPU
+            self._peers = [[memory[slot * capacity:(slot + 1) * capacity] for slot in range(SLOTS_PER_RANK)]
+                           for memory in whole]
+
+        _agree(self.mpi_comm, open_peers)
+        self._mine, self.capacity = self._peers[self.rank], capacity
+
+    def mine(self, slot: int) -> torch.Tensor:
+        return self._mine[slot]
+
+    def peer(self, rank: int, slot: int) -> torch.Tensor:
+        return self._peers[rank][slot]
+
+    def written(self, slot: int) -> None:
+        self._written[slot].record(torch.cuda.current_stream(self.device))
+
+    def wait_until_written(self, slot: int) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        for events in self._peers_written.values():
+            stream.wait_event(events[slot])
+
+    def read(self, slot: int) -> None:
+        self._read[slot].record(torch.cuda.current_stream(self.device))
+
+    def wait_until_read(self, slot: int) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        for events in self._peers_read.values():
+            stream.wait_event(events[slot])
+
+
+def _remove_the_drivers_event_file() -> None:
+    """At exit: CUDA keeps what backs a process's inter-process events in ``/dev/shm/cuda.shm.<GPU>.<pid in
+    hex>.<n>`` and removes it only when the process resets its device, so every rank that ever made one
+    would leave it behind (measured on an H100, driver 580; IPC memory handles leave nothing). The peers
+    mapped it when they opened our events, so its name is no longer needed. A killed rank's stays."""
+    for path in glob.glob(f"/dev/shm/cuda.shm.*.{os.getpid():x}.*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

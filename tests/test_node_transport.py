@@ -1,0 +1,112 @@
+"""The node transport (fsdp_mpi/communication/node_transport.py) beyond the closed forms of test_comm.py: what it
+leaves in /dev/shm after a normal end, an exception and a kill, how fast a failed rank ends the job, how it is
+chosen and how it falls back. Training on it is the equivalence suite's default on one machine."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from mpi_launch import check_ok, run_mpi
+
+from fsdp_mpi.communication.node_transport import NodeTransport
+
+START_UP_SECONDS = 30  # MPI start-up and importing torch on a loaded 2-core machine
+
+
+def our_segments() -> set[str]:
+    """Shared-memory files of fsdp_mpi's (MPI libraries leave their own when a rank is killed: not ours)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("fsdp_mpi-")}
+
+
+@pytest.mark.parametrize("mode", ["normal", "raise", "kill"])
+def test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds(mode, tmp_path):
+    before = our_segments()
+    out = tmp_path / "out.json"
+    start = time.monotonic()
+    result = run_mpi("node_files.py", 3 if mode == "normal" else 2, out, mode, timeout=START_UP_SECONDS + 60)
+    elapsed = time.monotonic() - start
+    assert our_segments() - before == set()
+    if mode == "normal":
+        check_ok(result)
+        report = json.loads(out.read_text())
+        assert report["routes"] == {"cpu": "node"} and report["sums_right"]
+        assert report["listed_while_running"] == []  # unlinked as soon as every rank had mapped it
+        return
+    assert result.returncode != 0 and not out.exists()
+    assert elapsed < START_UP_SECONDS + 15, f"the job took {elapsed:.0f} s to end after rank 1 failed"
+    if mode == "raise":
+        assert "rank 1 fails on purpose" in result.stderr
+
+
+class _RankZeroOfTwo:
+    """The node communicator as rank 0 of 2 sees it, alone in this process: barriers are recorded, not met."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Barrier(self):
+        self.calls.append("barrier")
+
+
+class _RecordingSlots:
+    """Slots in plain memory, every call recorded; rank 1's slot s holds 100 + s when read (what it wrote)."""
+
+    limit = 8  # bytes a rank writes per exchange: two fp32 values
+
+    def __init__(self, calls: list):
+        self.calls = calls
+        self.memory = {(rank, slot): torch.zeros(8, dtype=torch.uint8) for rank in (0, 1) for slot in (0, 1)}
+
+    def ensure(self, nbytes):
+        assert nbytes <= self.limit
+
+    def mine(self, slot):
+        self.calls.append(("write", slot))
+        return self.memory[0, slot]
+
+    def peer(self, rank, slot):
+        self.calls.append(("read", rank, slot))
+        if rank == 1:
+            self.memory[1, slot].view(torch.float32).fill_(100 + slot)
+        return self.memory[rank, slot]
+
+    def written(self, slot):
+        self.calls.append(("mark written", slot))
+
+    def wait_until_written(self, slot):
+        self.calls.append(("wait for the peers' writes", slot))
+
+    def read(self, slot):
+        self.calls.append(("mark read", slot))
+
+    def wait_until_read(self, slot):
+        self.calls.append(("wait for the peers' reads", slot))
+
+
+def test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn():
+    """The protocol of node_transport.py's docstring, call by call, as the GPU's events follow it: the slots
+    alternate, a rank writes a slot only after waiting for the peers' reads of it, and reads the peers' only
+    after the barrier and after waiting for their writes."""
+    calls = []
+    transport = NodeTransport(_RankZeroOfTwo(calls), _RecordingSlots(calls))
+    full = torch.zeros(10)
+    transport.all_gather(full, torch.arange(5.0))  # two values per exchange: 3 exchanges
+    exchanges = [[("wait for the peers' reads", s), ("write", s), ("mark written", s), "barrier",
+                  ("wait for the peers' writes", s), ("read", 1, s), ("mark read", s)] for s in (0, 1, 0)]
+    assert calls == [call for exchange in exchanges for call in exchange]
+    assert full.tolist() == [0, 1, 2, 3, 4, 100, 100, 101, 101, 100]
+
+    calls.clear()
+    shard = torch.zeros(2)
+    transport.reduce_scatter(shard, torch.tensor([1.0, 2.0, 3.0, 4.0]))  # rows of 1 value: 2 exchanges
+    assert [call for call in calls if call[0] in ("write", "read")] == [("write", 1), ("read", 1, 1),
+                                                                         ("write", 0), ("read", 1, 0)]
+    assert shard.tolist() == [1 + 101, 2 + 100]  # this rank's row, then rank 1's, summed in rank order

@@ -1,0 +1,35 @@
+"""The node transport's shared memory and failures: 2+ ranks gather, reduce and all-reduce through it for 40
+steps, growing its slots on the way; rank 1 ends as argv[2] says at step 10 (`normal`: it does not; `raise`:
+an exception; `kill`: SIGKILL, in the middle of the collectives). The file each slot lives in is listed while
+the job runs, to show the name is gone as soon as every rank has mapped it."""
+
+import os
+import signal
+import sys
+
+import torch
+from common import output_path, write_json
+
+from fsdp_mpi import Communicator, abort_job_on_uncaught_exception
+
+if __name__ == "__main__":
+    mode = sys.argv[2]
+    comm = Communicator()
+    abort_job_on_uncaught_exception(comm.mpi_comm)
+    listed_while_running = []
+    for step in range(40):
+        numel = 2 ** (8 + step % 12)  # 256 to 512 Ki elements: the slots grow, chunks repeat
+        shard = torch.full((numel,), float(comm.rank))
+        full = torch.empty(numel * comm.world_size)
+        comm.all_gather_into(full, shard)
+        comm.reduce_scatter_sum(shard, full)
+        comm.all_reduce_sum_(shard)
+        listed_while_running += [name for name in os.listdir("/dev/shm") if name.startswith("fsdp_mpi-")]
+        if step == 10 and comm.rank == 1 and mode == "raise":
+            raise RuntimeError("rank 1 fails on purpose")
+        if step == 10 and comm.rank == 1 and mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    sum_of_ranks = comm.world_size * (comm.world_size - 1) / 2
+    write_json(output_path(), {"routes": comm.routes, "listed_while_running": listed_while_running,
+                               # rank r's shard reduces to N * r; all-reduced, to N * the sum of the ranks
+                               "sums_right": bool(torch.all(shard == comm.world_size * sum_of_ranks))})
