@@ -20,7 +20,7 @@ a started staged collective completes before ``start()`` returns, as before.
 """
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 import torch
@@ -55,8 +55,11 @@ class CommunicationThread:
             caller_stream = torch.cuda.current_stream(device)
             ready = torch.cuda.Event()
             ready.record(caller_stream)
-            side = self._side_streams.setdefault(device, torch.cuda.Stream(device))
-        self._queued = [future for future in self._queued if not future.done()]
+            if device not in self._side_streams:  # made once: each new stream takes the next of torch's pool
+                self._side_streams[device] = torch.cuda.Stream(device)
+            side = self._side_streams[device]
+        # done ones leave the queue, unless they failed: wait_for_all() re-raises that
+        self._queued = [future for future in self._queued if not future.done() or future.exception() is not None]
         future = self._executor.submit(self._run, collective, ready, side)
         self._queued.append(future)
         return Started(future, caller_stream)
@@ -66,7 +69,9 @@ class CommunicationThread:
         if side is None:
             collective()
             return None
-        with torch.cuda.stream(side):
+        # The worker's current GPU is the stream's: otherwise it is GPU 0, and leaving the stream context would
+        # make CUDA create a context there, on another rank's GPU.
+        with torch.cuda.device(side.device), torch.cuda.stream(side):
             side.wait_event(ready)
             collective()
             done = torch.cuda.Event()
@@ -74,10 +79,13 @@ class CommunicationThread:
         return done
 
     def wait_for_all(self) -> None:
-        """Completes every collective queued so far (re-raising what one raised); a no-op on the worker."""
+        """Completes every collective queued so far, then re-raises the first error one raised; a no-op on the
+        worker. It waits for all of them even after an error, so that no collective of this communicator can
+        start on the main thread while the worker is still inside one."""
         if not self._queued or threading.current_thread() is self._worker:
             return
         queued, self._queued = self._queued, []
+        wait(queued)
         for future in queued:
             future.result()
 
