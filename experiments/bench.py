@@ -47,6 +47,8 @@ fsdp-mpi's overlap mechanisms are measured as extra strategies:
 is not timed. ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients
 compressed (the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each
 none, bf16 or int8).
+``fsdp-mpi+mpi`` moves the node's bytes through MPI instead of the memory its
+ranks share (``FSDP_MPI_NODE_TRANSPORT=0``), as before the node transport.
 ``fsdp-mpi+SHARD_GRAD_OP`` (or any sharding strategy) runs fsdp-mpi with that
 strategy in place of ``--sharding-strategy``, so that several share the rounds.
 Where the ranks span several hosts (``FSDP_MPI_MPIEXEC`` names a launcher that
@@ -96,6 +98,7 @@ OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")  # fsdp-mpi+NO_SHARD: that run's strategy
 COMPILE = "compile"  # plain+compile, fsdp-mpi+compile: each GPT-2 block compiled in place (inductor)
 COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/GRADIENTS]
+THROUGH_MPI = "mpi"  # fsdp-mpi+mpi: the node's ranks exchange through MPI, not shared memory (FSDP_MPI_NODE_TRANSPORT=0)
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 
@@ -121,6 +124,8 @@ def run_one(spec: str, ranks: int, args) -> dict:
                    "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision,
                    "--sharding-strategy", args.sharding_strategy, "--device", args.device]
         env = launch.environment(OMP_NUM_THREADS=str(args.threads))
+        if THROUGH_MPI in overlap:
+            env["FSDP_MPI_NODE_TRANSPORT"] = "0"
         if not args.malloc_as_shipped:
             env["GLIBC_TUNABLES"] = MALLOC_REUSE
         print(f"-- {spec} on {ranks} rank(s)", flush=True)
@@ -346,7 +351,7 @@ def main() -> int:
         compressed = [token for token in overlap if token.startswith(COMPRESSION)]
         overlap = [token for token in overlap if token not in compressed]
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
-                or not set(overlap) <= {*OVERLAP, *SHARDING, COMPILE} or (set(overlap) - {COMPILE} and base != "fsdp-mpi") \
+                or not set(overlap) <= {*OVERLAP, *SHARDING, COMPILE, THROUGH_MPI} or (set(overlap) - {COMPILE} and base != "fsdp-mpi") \
                 or len(set(overlap) & set(SHARDING)) > 1 \
                 or (COMPILE in overlap and base not in ("plain", "fsdp-mpi")) or (compressed and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")

@@ -1,18 +1,28 @@
 """Throughput of the two collectives FSDP lives on: fsdp-mpi's communication layer against raw mpi4py and gloo.
 
     mpiexec -n 2 python experiments/bench_comm.py --sizes-mb 1,4,16,64,256 --rounds 5
+    mpiexec -n 2 python experiments/bench_comm.py --device cuda --sizes-mb 256 --rounds 3
 
 For each size (a unit's full, gathered fp32 buffer) it times an all-gather and a
-reduce-scatter through three paths, on the same ranks and the same memory:
+reduce-scatter through these paths, on the same ranks:
 
 - ``fsdp-mpi``: ``Communicator.all_gather_into`` and ``reduce_scatter_sum`` on
-  torch tensors, as the sharding layer calls them (raw buffers at the tensors'
-  addresses, the collective log and hang watch; the 1/N that makes the sum a
-  mean is folded into backward's assembly of the gradient, not done here);
-- ``mpi4py``: ``Allgather`` and ``Reduce_scatter_block`` (sum) on numpy views
-  of that memory: the ceiling fsdp-mpi can reach through this MPI;
-- ``gloo``: torch.distributed's all-gather and reduce-scatter into a tensor,
-  what torch FSDP2 and DDP use on CPU.
+  torch tensors, as the sharding layer calls them (the collective log and hang
+  watch included; the 1/N that makes the sum a mean is folded into backward's
+  assembly of the gradient, not done here). Where the ranks share a node this is
+  the node transport (shared host memory, or CUDA IPC for device tensors);
+- ``fsdp-mpi+mpi``: the same calls with the node transport off
+  (``FSDP_MPI_NODE_TRANSPORT=0``): MPI moves the bytes, straight from the
+  tensors' memory, or staged through pinned host buffers for device tensors
+  when MPI is not CUDA-aware;
+- ``mpi4py``: ``Allgather`` and ``Reduce_scatter_block`` (sum) on numpy arrays
+  in host memory (on the CPU, views of the same memory): what this MPI itself
+  moves;
+- ``gloo`` (CPU only): torch.distributed's all-gather and reduce-scatter into a
+  tensor, what torch FSDP2 and DDP use on CPU.
+
+On a GPU (``--device cuda``) each call ends with ``torch.cuda.synchronize()``, so
+its time is the device's as well as the host's.
 
 A time is the median over ``--repeats`` of the slowest rank's, after one
 untimed call. Each round runs every (size, path) once, the paths in an order
@@ -33,11 +43,11 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 from measuring.profiling import slowest_rank_seconds
-from training.strategies import init_torch_distributed
+from training.strategies import init_torch_distributed, node_placement
 
 from fsdp_mpi import Communicator
 
-PATHS = ("fsdp-mpi", "mpi4py", "gloo")
+PATHS = ("fsdp-mpi", "fsdp-mpi+mpi", "mpi4py", "gloo")
 OPERATIONS = ("all_gather", "reduce_scatter")
 # torch 2.13 renamed the tensor collectives; older releases have only the old names
 _GLOO_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,6 +60,8 @@ def arguments():
                         help="full buffer sizes in MiB, comma-separated (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=5, help="default: %(default)s")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per (size, path) per round")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the tensors live; cuda: each rank on the GPU of its place on its node")
     parser.add_argument("--out", default="results/bench-comm.csv")
     args = parser.parse_args()
     try:
@@ -61,14 +73,17 @@ def arguments():
     return args
 
 
-def collectives(path: str, operation: str, full: torch.Tensor, shard: torch.Tensor, comm: Communicator):
-    """One call of `operation` through `path`, as a function of no arguments."""
-    if path == "fsdp-mpi":
+def collectives(path: str, operation: str, full: torch.Tensor, shard: torch.Tensor, comms: dict):
+    """One call of `operation` through `path`, as a function of no arguments (`comms`: fsdp-mpi's
+    communicators by path)."""
+    if path in comms:
+        comm = comms[path]
         if operation == "all_gather":
             return lambda: comm.all_gather_into(full, shard)
         return lambda: comm.reduce_scatter_sum(shard, full)
+    comm = comms["fsdp-mpi"]
     if path == "mpi4py":
-        full_array, shard_array = full.numpy(), shard.numpy()  # views of the same memory
+        full_array, shard_array = full.cpu().numpy(), shard.cpu().numpy()  # on the CPU: views of the same memory
         if operation == "all_gather":
             return lambda: comm.mpi_comm.Allgather(shard_array, full_array)
         return lambda: comm.mpi_comm.Reduce_scatter_block(full_array, shard_array, op=MPI.SUM)
@@ -77,24 +92,33 @@ def collectives(path: str, operation: str, full: torch.Tensor, shard: torch.Tens
     return lambda: _GLOO_REDUCE_SCATTER(shard, full)
 
 
-def measure(args, comm: Communicator) -> list[dict]:
-    """Every round's GB/s per (size, operation, path). The timing's own barriers and maxima go through `comm`
-    too, outside the timed calls."""
-    runs = []
+def measure(args, comms: dict, device: torch.device, paths: tuple) -> list[dict]:
+    """Every round's GB/s per (size, operation, path). The timing's own barriers and maxima go through
+    fsdp-mpi's communicator too, outside the timed calls."""
+    comm, runs = comms["fsdp-mpi"], []
     for round_index in range(args.rounds):
-        shift = round_index % len(PATHS)
-        order = PATHS[shift:] + PATHS[:shift]
+        shift = round_index % len(paths)
+        order = paths[shift:] + paths[:shift]
         for size in args.sizes:
-            shard = torch.ones(max(1, int(size * 2**20) // 4 // comm.world_size))
-            full = torch.ones(shard.numel() * comm.world_size)
+            shard = torch.ones(max(1, int(size * 2**20) // 4 // comm.world_size), device=device)
+            full = torch.ones(shard.numel() * comm.world_size, device=device)
             for operation in OPERATIONS:
                 for path in order:
-                    run = collectives(path, operation, full, shard, comm)
+                    run = collectives(path, operation, full, shard, comms)
+                    if device.type == "cuda":
+                        run = _until_the_device_is_done(run)
                     seconds = slowest_rank_seconds(run, comm, args.repeats)
                     runs.append({"round": round_index + 1, "size_mb": full.numel() * 4 / 2**20,
                                  "operation": operation, "path": path, "seconds": seconds,
                                  "gb_per_s": full.numel() * 4 / seconds / 1e9})
     return runs
+
+
+def _until_the_device_is_done(run):
+    def synchronised():
+        run()
+        torch.cuda.synchronize()
+    return synchronised
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -107,9 +131,10 @@ def summarise(runs: list[dict]) -> list[dict]:
             if (run["size_mb"], run["operation"]) == (size, operation):
                 per_round.setdefault(run["round"], {})[run["path"]] = run["gb_per_s"]
         row = {"size_mb": size, "operation": operation, "rounds": len(per_round)}
-        for path in PATHS:
+        paths = [path for path in PATHS if path in next(iter(per_round.values()))]
+        for path in paths:
             row[f"{path}_gb_per_s"] = statistics.median(each[path] for each in per_round.values())
-        for other in PATHS[1:]:
+        for other in paths[1:]:
             ratios = [each["fsdp-mpi"] / each[other] for each in per_round.values()]
             row.update({f"vs_{other}": statistics.median(ratios), f"vs_{other}_min": min(ratios),
                         f"vs_{other}_max": max(ratios)})
@@ -117,17 +142,18 @@ def summarise(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict], ranks: int) -> None:
-    print(f"\n{ranks} ranks, {MPI.Get_library_version().splitlines()[0].strip()}; GB/s = full buffer bytes / time, "
-          f"median over rounds; ratios: fsdp-mpi's GB/s over the other's, median of per-round ratios (min-max)\n")
-    columns = ["operation", "MiB", "fsdp-mpi GB/s", "mpi4py GB/s", "gloo GB/s", "fsdp-mpi / mpi4py", "fsdp-mpi / gloo"]
+def print_table(rows: list[dict], ranks: int, paths: tuple, device: str) -> None:
+    print(f"\n{ranks} ranks, {device} tensors, {MPI.Get_library_version().splitlines()[0].strip()}; GB/s = full "
+          f"buffer bytes / time, median over rounds; ratios: fsdp-mpi's GB/s over the other's, median of "
+          f"per-round ratios (min-max)\n")
+    columns = ["operation", "MiB", *(f"{path} GB/s" for path in paths), *(f"fsdp-mpi / {p}" for p in paths[1:])]
     print("| " + " | ".join(columns) + " |")
     print("| " + " | ".join("---" for _ in columns) + " |")
     for row in rows:
         ratios = [f"{row[f'vs_{other}']:.2f} ({row[f'vs_{other}_min']:.2f}-{row[f'vs_{other}_max']:.2f})"
-                  for other in PATHS[1:]]
+                  for other in paths[1:]]
         print(f"| {row['operation']} | {row['size_mb']:.4g} | " + " | ".join(
-            f"{row[f'{path}_gb_per_s']:.2f}" for path in PATHS) + " | " + " | ".join(ratios) + " |")
+            f"{row[f'{path}_gb_per_s']:.2f}" for path in paths) + " | " + " | ".join(ratios) + " |")
 
 
 def main() -> int:
@@ -138,11 +164,20 @@ def main() -> int:
               "experiments/bench_comm.py", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    init_torch_distributed(comm, torch.device("cpu"))  # gloo
-    rows = summarise(measure(args, comm))
-    dist.destroy_process_group()
+    device, paths = torch.device("cpu"), PATHS
+    if args.device == "cuda":
+        device, paths = torch.device("cuda", node_placement(comm)[0] % torch.cuda.device_count()), PATHS[:-1]
+        torch.cuda.set_device(device)
+    comms = {"fsdp-mpi": comm, "fsdp-mpi+mpi": Communicator(node_transport=False)}
+    routes = {path: communicator.describe_route(device) for path, communicator in comms.items()}  # collective
+    if device.type == "cpu":
+        init_torch_distributed(comm, device)  # gloo
+    rows = summarise(measure(args, comms, device, paths))
+    if device.type == "cpu":
+        dist.destroy_process_group()
     if comm.rank == 0:
-        print_table(rows, comm.world_size)
+        print("\n".join(f"{path}: {route}" for path, route in routes.items()))
+        print_table(rows, comm.world_size, paths, device.type)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w", newline="") as f:

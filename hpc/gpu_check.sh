@@ -1,38 +1,54 @@
 #!/bin/bash
-# The GPU check of docs/gpu.md: installs fsdp_mpi as a GPU user would, then runs every experiment on the
-# GPU under mpiexec on 1 and 2 ranks (fp32, bf16-mixed, 16-mixed; fsdp-mpi, lightning-fsdp-mpi and, on one
-# rank, the nccl baselines, which must refuse two ranks on one GPU) and the interleaved GPU benchmark.
-# Every command's output goes to its own log in results/gpu-check-<date>/, with a summary line per command.
+# The GPU check of docs/gpu.md: installs fsdp_mpi as a GPU user would, then runs the GPU lane of the tests, the
+# collectives through the node's shared device memory (CUDA IPC) and through MPI, every experiment on the GPU
+# under mpiexec on 1 and 2 ranks (fp32, bf16-mixed, 16-mixed; fsdp-mpi, lightning-fsdp-mpi and, on one rank,
+# the nccl baselines, which must refuse two ranks on one GPU) and the interleaved GPU benchmark.
+# Every command's output goes to its own log in results/gpu-check-<date>/ (or $FSDP_MPI_GPU_CHECK_OUT), with a
+# summary line per command.
 #
-#   bash hpc/gpu_check.sh                     # online: pip fetches what is missing
+#   bash hpc/gpu_check.sh                     # online: pip fetches what is missing, into .venv-gpu
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh
+#       # the quick form, at most 6 minutes on one GPU: the GPU lane, a 256 MiB collective table, and GPT-2
+#       # (gpt2, bf16, 16 x 1024 tokens a step) as plain torch, fsdp-mpi on 1 rank, on 2 ranks sharing the GPU
+#       # through the node transport and through MPI (staged), and FSDP2 on 1 rank
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
-#       # offline: a folder of wheels for this machine's Python (mpich, mpi4py, tokenizers, lightning, ...),
-#       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`
+#       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
+#       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
+#       # a prefix (not a virtual environment), the checkout on PYTHONPATH, as ../shared/GPU-NOTES.md found works.
 #
-# Uses the torch already installed (a CUDA build): the virtual environment sees the system's packages.
-# FSDP_MPI_DATA_DIR must hold the corpora (../shared/data's layout); FSDP_MPI_GPU_CHECK_QUICK=1 runs only
-# what the tests cannot show (one precision per script, the benchmark's shortest form).
+# Uses the torch already installed (a CUDA build). FSDP_MPI_DATA_DIR must hold the corpora (../shared/data's
+# layout) for the experiments of the full form.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="results/gpu-check-$(date +%Y%m%d-%H%M%S)"
+out="${FSDP_MPI_GPU_CHECK_OUT:-results/gpu-check-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$out"
 summary="$out/summary.txt"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" FSDP_MPI_TIMEOUT="${FSDP_MPI_TIMEOUT:-120}" PYTHONUNBUFFERED=1
+quick="${FSDP_MPI_GPU_CHECK_QUICK:-0}"
 
-venv="${FSDP_MPI_VENV:-.venv-gpu}"
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv --system-site-packages "$venv"
-    if [ -n "${FSDP_MPI_WHEELS:-}" ]; then
-        "$venv/bin/pip" install --no-index --find-links "$FSDP_MPI_WHEELS" -e ".[mpich,experiments]" \
-            > "$out/install.log" 2>&1
-    else
-        "$venv/bin/pip" install -e ".[mpich,experiments]" > "$out/install.log" 2>&1
-    fi || { echo "install failed: see $out/install.log"; exit 1; }
+if [ -n "${FSDP_MPI_WHEELS:-}" ]; then
+    prefix="${FSDP_MPI_PREFIX:-$PWD/.gpu-prefix}"
+    python3 -m pip install --no-index --no-deps --no-compile --prefix "$prefix" "$FSDP_MPI_WHEELS"/*.whl \
+        > "$out/install.log" 2>&1 || { echo "install failed: see $out/install.log"; exit 1; }
+    site="$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib', vars={'base': '$prefix', 'platbase': '$prefix'}))")"
+    export PATH="$prefix/bin:$PATH" PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export FSDP_MPI_MPIEXEC="$prefix/bin/mpiexec"  # not an mpiexec that the image may have beside its Python
+    libmpi="$prefix/lib/libmpi.so.12"
+    PY=python3
+else
+    venv="${FSDP_MPI_VENV:-.venv-gpu}"
+    if [ ! -x "$venv/bin/python" ]; then
+        python3 -m venv --system-site-packages "$venv"
+        "$venv/bin/pip" install -e ".[mpich,experiments]" > "$out/install.log" 2>&1 \
+            || { echo "install failed: see $out/install.log"; exit 1; }
+    fi
+    source "$venv/bin/activate"
+    libmpi="$(python -c 'import sysconfig; print(sysconfig.get_paths()["data"])')/lib/libmpi.so.12"
+    PY=python
 fi
-source "$venv/bin/activate"
 # mpi4py must load the wheel's MPICH, not an MPI the image brings (docs/gpu.md, "Checking a cluster's MPI").
-libmpi="$(python -c 'import sysconfig; print(sysconfig.get_paths()["data"])')/lib/libmpi.so.12"
 [ -e "$libmpi" ] && export MPI4PY_MPIABI=mpich MPI4PY_LIBMPI="$libmpi" LD_LIBRARY_PATH="$(dirname "$libmpi"):${LD_LIBRARY_PATH:-}"
+mpiexec="${FSDP_MPI_MPIEXEC:-mpiexec}"
 
 run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time limit; its exit code in the summary
     local name="$1" seconds="$2"; shift 2
@@ -43,44 +59,52 @@ run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time lim
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
-  python -c "from fsdp_mpi.communication.gpu_support import describe_device_path as d, mpi_is_cuda_aware as a; print(d(a(), False))"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  $PY -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+  $PY -c "from fsdp_mpi.communication.gpu_support import describe_device_path as d, mpi_is_cuda_aware as a; print(d(a(), False))"
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
-# The GPU tests of the suite (they skip on a machine without CUDA).
-run pytest-gpu 600 python -m pytest -q -rs -k "cuda or device" tests/test_comm.py
+# The GPU lane of the tests: device code for real on 2 ranks (node transport, staged path, the worker thread).
+run pytest-gpu 150 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
 
-# E: the experiments on the GPU.
-precisions="32 bf16-mixed 16-mixed"
-[ "${FSDP_MPI_GPU_CHECK_QUICK:-0}" = 1 ] && precisions="bf16-mixed"
+# The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.
+run bench-comm-gpu 90 "$mpiexec" -n 2 $PY experiments/bench_comm.py --device cuda --sizes-mb 256 --rounds 3 \
+    --repeats 5 --out "$out/bench-comm.csv"
+
+# The interleaved GPU benchmark: one process against 2 ranks sharing the GPU on the same global batch, through
+# the node transport and through MPI (fsdp-mpi+mpi), and FSDP2 (nccl) on one rank.
+bench="--device cuda --model gpt2 --seq-len 1024 --same-global-batch --ranks 2 --batch-size 16"
+if [ "$quick" = 1 ]; then
+    run bench-gpu 300 $PY experiments/bench.py $bench --rounds 2 --steps 8 --warmup 3 --out "$out/bench.csv" \
+        --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1,fsdp-mpi:bf16-mixed,fsdp-mpi+mpi:bf16-mixed,torch-fsdp:bf16-mixed@1
+    echo "logs, CSVs and summary in $out"
+    exit 0
+fi
+run bench-gpu 600 $PY experiments/bench.py $bench --rounds 3 --steps 10 --warmup 3 --out "$out/bench.csv" \
+    --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1,fsdp-mpi:bf16-mixed,fsdp-mpi+mpi:bf16-mixed,torch-fsdp:bf16-mixed@1
+overlapped=fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter
+run bench-gpu-prefetch 600 $PY experiments/bench.py $bench --rounds 3 --steps 10 --warmup 3 \
+    --out "$out/bench-prefetch.csv" --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed,$overlapped:bf16-mixed
+# The stretch target: compiled blocks, gpt2-medium on one GPU (>= 35% bf16 MFU, faster than FSDP2).
+run bench-gpu-compiled 600 $PY experiments/bench.py --device cuda --model gpt2-medium --seq-len 1024 --rounds 3 \
+    --steps 10 --warmup 3 --ranks 1 --batch-size 8 --out "$out/bench-compiled.csv" \
+    --strategies plain+compile:bf16-mixed,fsdp-mpi+compile:bf16-mixed@1,fsdp-mpi:bf16-mixed@1,torch-fsdp:bf16-mixed@1
+
+# The experiments on the GPU.
 tiny="--device cuda --epochs 1 --steps-per-epoch 20 --val-steps 5 --no-progress --out-dir $out/csv"
 for ranks in 1 2; do
     for script in run_gpt2 run_bert; do
-        for precision in $precisions; do
+        for precision in 32 bf16-mixed 16-mixed; do
             run "$script-fsdp-mpi-n$ranks-$precision" 600 \
-                mpiexec -n "$ranks" python "experiments/$script.py" $tiny --strategy fsdp-mpi --precision "$precision"
+                "$mpiexec" -n "$ranks" $PY "experiments/$script.py" $tiny --strategy fsdp-mpi --precision "$precision"
         done
         run "$script-lightning-fsdp-mpi-n$ranks" 600 \
-            mpiexec -n "$ranks" python "experiments/$script.py" $tiny --strategy lightning-fsdp-mpi --precision bf16-mixed
+            "$mpiexec" -n "$ranks" $PY "experiments/$script.py" $tiny --strategy lightning-fsdp-mpi --precision bf16-mixed
     done
     for strategy in ddp torch-fsdp lightning-ddp lightning-fsdp; do  # nccl: one GPU per rank, else a refusal
         run "run_gpt2-$strategy-n$ranks" 600 \
-            mpiexec -n "$ranks" python experiments/run_gpt2.py $tiny --strategy "$strategy" --precision bf16-mixed
+            "$mpiexec" -n "$ranks" $PY experiments/run_gpt2.py $tiny --strategy "$strategy" --precision bf16-mixed
     done
 done
-
-# F: the interleaved GPU benchmark (plain torch, fsdp-mpi, FSDP2 where each rank has its own GPU).
-# One process against 2 ranks sharing the GPU on the same global batch, and FSDP2 (nccl) on one rank.
-bench="--device cuda --model gpt2 --seq-len 1024 --rounds 3 --steps 10 --warmup 3 --same-global-batch"
-run bench-gpu 600 python experiments/bench.py $bench --ranks 2 --batch-size 16 --out "$out/bench.csv" \
-    --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1,fsdp-mpi:bf16-mixed,torch-fsdp:bf16-mixed@1
-overlapped=fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter
-run bench-gpu-prefetch 600 python experiments/bench.py $bench --ranks 2 --batch-size 16 \
-    --out "$out/bench-prefetch.csv" --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed,$overlapped:bf16-mixed
-# The stretch target: compiled blocks, gpt2-medium on one GPU (>= 35% bf16 MFU, faster than FSDP2).
-run bench-gpu-compiled 600 python experiments/bench.py --device cuda --model gpt2-medium --seq-len 1024 --rounds 3 \
-    --steps 10 --warmup 3 --ranks 1 --batch-size 8 --out "$out/bench-compiled.csv" \
-    --strategies plain+compile:bf16-mixed,fsdp-mpi+compile:bf16-mixed@1,fsdp-mpi:bf16-mixed@1,torch-fsdp:bf16-mixed@1
 echo "logs, CSVs and summary in $out"

@@ -11,7 +11,11 @@ REPO_ROOT = Path(__file__).parent.parent
 
 
 def mpiexec() -> str:
-    """The mpiexec beside this Python (the mpich wheel's) or else the first on PATH."""
+    """``$FSDP_MPI_MPIEXEC`` if set (hpc/gpu_check.sh sets it), else the mpiexec beside this Python (the mpich
+    wheel's), else the first on PATH."""
+    named = os.environ.get("FSDP_MPI_MPIEXEC", "").strip()
+    if named and Path(named).is_file():  # a launcher alone; one with options is for the benchmarks (launch.py)
+        return named
     beside_python = Path(sys.executable).parent / "mpiexec"
     found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
     if found is None:

@@ -109,20 +109,22 @@ def test_bad_arguments():
     assert "exceeds gpt2-tiny's context" in run_bench("--model", "gpt2-tiny", "--seq-len", "999").stderr
 
 
-def test_bench_comm_times_three_paths_per_size_and_operation(tmp_path):
+def test_bench_comm_times_four_paths_per_size_and_operation(tmp_path):
     out = tmp_path / "comm.csv"
     command = [mpiexec(), "-n", "2", sys.executable, str(BENCH_COMM), "--sizes-mb", "0.0625,0.25", "--rounds", "2",
                "--repeats", "1", "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "| operation | MiB | fsdp-mpi GB/s | mpi4py GB/s | gloo GB/s |" in result.stdout
+    assert "| operation | MiB | fsdp-mpi GB/s | fsdp-mpi+mpi GB/s | mpi4py GB/s | gloo GB/s |" in result.stdout
+    assert "fsdp-mpi: the 2 ranks of this node exchange through a host segment" in result.stdout
+    assert "fsdp-mpi+mpi: host buffers go to MPI; not through shared memory: FSDP_MPI_NODE_TRANSPORT=0" in result.stdout
     with open(out) as f:
         rows = list(csv.DictReader(f))
     assert [(row["operation"], float(row["size_mb"])) for row in rows] == [
         ("all_gather", 0.0625), ("reduce_scatter", 0.0625), ("all_gather", 0.25), ("reduce_scatter", 0.25)]
     for row in rows:
         assert row["ranks"] == "2" and row["rounds"] == "2"
-        for other in ("mpi4py", "gloo"):
+        for other in ("fsdp-mpi+mpi", "mpi4py", "gloo"):
             assert float(row[f"vs_{other}_min"]) <= float(row[f"vs_{other}"]) <= float(row[f"vs_{other}_max"])
             assert all(float(row[f"{path}_gb_per_s"]) > 0 for path in ("fsdp-mpi", "mpi4py", "gloo"))
 
