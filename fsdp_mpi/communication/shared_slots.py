@@ -60,14 +60,41 @@ def _grown(capacity: int, needed: int, limit: int) -> int:
     return -(-grown // _ALIGNMENT) * _ALIGNMENT
 
 
-class HostSlots:
-    """Slots in host memory that the ranks of one node (`mpi_comm`, all on this node) share through one file."""
+class _Slots:
+    """What both kinds share: each rank's slots as uint8 tensors of `capacity` bytes, and the four marks and
+    waits of an exchange, which on the host have nothing to do: a host copy is finished when it returns, and
+    the barrier between writing and reading orders the ranks' copies. ``DeviceSlots`` waits with events."""
 
     def __init__(self, mpi_comm, limit: int):
         self.mpi_comm, self.rank, self.world = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.limit, self.capacity = limit, 0
         self._mine: list[torch.Tensor] = []
         self._peers: list[list[torch.Tensor]] = []
+
+    def mine(self, slot: int) -> torch.Tensor:
+        return self._mine[slot]
+
+    def peer(self, rank: int, slot: int) -> torch.Tensor:
+        return self._peers[rank][slot]
+
+    def written(self, slot: int) -> None:
+        pass
+
+    def wait_until_written(self, slot: int) -> None:
+        pass
+
+    def read(self, slot: int) -> None:
+        pass
+
+    def wait_until_read(self, slot: int) -> None:
+        pass
+
+
+class HostSlots(_Slots):
+    """Slots in host memory that the ranks of one node (`mpi_comm`, all on this node) share through one file."""
+
+    def __init__(self, mpi_comm, limit: int):
+        super().__init__(mpi_comm, limit)
         self.ensure(_ALIGNMENT)  # fails here, at set-up, where memory cannot be shared at all
 
     def ensure(self, nbytes: int) -> None:
@@ -80,26 +107,6 @@ class HostSlots:
             self.world, SLOTS_PER_RANK, capacity)
         self._peers = [[views[rank, slot] for slot in range(SLOTS_PER_RANK)] for rank in range(self.world)]
         self._mine, self.capacity = self._peers[self.rank], capacity
-
-    def mine(self, slot: int) -> torch.Tensor:
-        return self._mine[slot]
-
-    def peer(self, rank: int, slot: int) -> torch.Tensor:
-        return self._peers[rank][slot]
-
-    # A host copy is finished when it returns, and the barrier between writing and reading orders the ranks'
-    # copies: nothing is left to wait for.
-    def written(self, slot: int) -> None:
-        pass
-
-    def wait_until_written(self, slot: int) -> None:
-        pass
-
-    def read(self, slot: int) -> None:
-        pass
-
-    def wait_until_read(self, slot: int) -> None:
-        pass
 
 
 def _map_one_file(mpi_comm, nbytes: int) -> torch.Tensor:
@@ -142,7 +149,7 @@ def _map_one_file(mpi_comm, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-class DeviceSlots:
+class DeviceSlots(_Slots):
     """Slots in device memory: this rank's own allocation, and each peer's mapped through CUDA IPC.
 
     The events (``torch.cuda.Event(interprocess=True)``, one per slot and purpose) are
@@ -151,12 +158,10 @@ class DeviceSlots:
     """
 
     def __init__(self, mpi_comm, device: torch.device, limit: int):
-        self.mpi_comm, self.rank, self.world = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.device, self.limit, self.capacity = device, limit, 0
+        super().__init__(mpi_comm, limit)
+        self.device = device
         self._allocation: int | None = None
         self._opened: list[int] = []
-        self._mine: list[torch.Tensor] = []
-        self._peers: list[list[torch.Tensor]] = []
 
         def make_events():
             self._runtime = CudaRuntime()
@@ -177,7 +182,7 @@ class DeviceSlots:
                     self._peers_read[rank] = [torch.cuda.Event.from_ipc_handle(device, h) for h in read]
 
         _agree(mpi_comm, open_events)
-        atexit.register(_remove_the_drivers_event_file)
+        _remove_the_drivers_event_file_at_exit()
         self.ensure(_ALIGNMENT)  # fails here, at set-up, where IPC is refused
 
     def ensure(self, nbytes: int) -> None:
@@ -211,12 +216,6 @@ class DeviceSlots:
         _agree(self.mpi_comm, open_peers)
         self._mine, self.capacity = self._peers[self.rank], capacity
 
-    def mine(self, slot: int) -> torch.Tensor:
-        return self._mine[slot]
-
-    def peer(self, rank: int, slot: int) -> torch.Tensor:
-        return self._peers[rank][slot]
-
     def written(self, slot: int) -> None:
         self._written[slot].record(torch.cuda.current_stream(self.device))
 
@@ -232,6 +231,16 @@ class DeviceSlots:
         stream = torch.cuda.current_stream(self.device)
         for events in self._peers_read.values():
             stream.wait_event(events[slot])
+
+
+_removing_at_exit = False
+
+
+def _remove_the_drivers_event_file_at_exit() -> None:
+    global _removing_at_exit
+    if not _removing_at_exit:
+        atexit.register(_remove_the_drivers_event_file)
+        _removing_at_exit = True
 
 
 def _remove_the_drivers_event_file() -> None:
