@@ -21,7 +21,7 @@ import pandas as pd
 
 from training.results import COLUMNS, EVAL_COLUMNS, STEP_COLUMNS
 
-GROUP = ["experiment", "model", "strategy", "precision", "world_size"]
+GROUP = ["experiment", "model", "device", "strategy", "precision", "world_size"]  # a CPU run never averages with a GPU one
 EVAL_SHOWN = ["run_id", "model", "world_size", "precision", "batch_size", "size_mb", "val_loss", "val_perplexity",
               "val_mlm_accuracy", "val_nsp_accuracy", "latency_p50_ms", "latency_p99_ms", "tokens_per_s"]
 
@@ -85,7 +85,8 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(lines)
     one_rank = table[table["world_size"] == 1].set_index(GROUP[:-1])["samples_per_s"]
     table["speedup_vs_1_rank"] = [
-        row.samples_per_s / one_rank.get((row.experiment, row.model, row.strategy, row.precision), float("nan"))
+        row.samples_per_s / one_rank.get((row.experiment, row.model, row.device, row.strategy, row.precision),
+                                         float("nan"))
         for row in table.itertuples()
     ]
     return table.dropna(axis=1, how="all")
@@ -117,10 +118,11 @@ def plot_scaling(table: pd.DataFrame, out_dir: Path) -> list[Path]:
         experiments = sorted(table["experiment"].unique())
         figure, axes = plt.subplots(1, len(experiments), figsize=(6 * len(experiments), 4.5), squeeze=False)
         for axis, experiment in zip(axes[0], experiments):  # one panel per experiment: a line per strategy
-            for (model, strategy, precision), runs in table[table["experiment"] == experiment].groupby(
-                    ["model", "strategy", "precision"]):
+            for (model, device, strategy, precision), runs in table[table["experiment"] == experiment].groupby(
+                    ["model", "device", "strategy", "precision"]):
                 runs = runs.sort_values("world_size")
-                axis.plot(runs["world_size"], runs[column], marker="o", label=f"{strategy} {precision} ({model})")
+                axis.plot(runs["world_size"], runs[column], marker="o",
+                          label=f"{strategy} {precision} on {device} ({model})")
             axis.set_title(f"{experiment}: {title}")
             axis.set_xlabel("ranks")
             axis.set_xticks(sorted(table.loc[table["experiment"] == experiment, "world_size"].unique()))
@@ -150,7 +152,8 @@ def plot_losses(rows: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> Path:
         per_step = runs["run_id"].isin(stepped).any()
         for run_id, run in runs.groupby("run_id"):
             run = run.sort_values("epoch")
-            label = f"{run['strategy'].iloc[0]} {run['precision'].iloc[0]} n={run['world_size'].iloc[0]}"
+            label = (f"{run['strategy'].iloc[0]} {run['precision'].iloc[0]} n={run['world_size'].iloc[0]} "
+                     f"on {run['device'].iloc[0]}")
             epoch_ends = run["steps"].cumsum() if per_step else run["epoch"]
             if run_id in stepped:
                 curve = steps[steps["run_id"] == run_id].sort_values("step")

@@ -193,3 +193,29 @@ def test_the_step_breakdown_tells_waiting_for_a_slower_rank_from_compute(tmp_pat
     assert early["mpi_waiting_s"] >= 0.8 * sleep and early["mpi_waiting_s"] <= early["mpi_s"]
     assert late["mpi_waiting_s"] <= 0.2 * sleep
     assert late["compute_s"] >= sleep > early["compute_s"]
+
+
+def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(monkeypatch):
+    """The experiments' CSVs and bench.py share one MFU denominator (training/results.py: job_peak_flops): two
+    ranks sharing a GPU count it once, two GPUs twice, at the dense peak of the precision's compute dtype;
+    the GPU's peak-memory counter restarts after it, so that a measured probe is not training's peak."""
+    from training import results
+
+    monkeypatch.setattr(results, "published_peak_flops",
+                        lambda device, dtype: {"bf16": 989e12, "fp32": 67e12}[dtype])
+    restarted = []
+    monkeypatch.setattr(results.torch.cuda, "reset_peak_memory_stats", restarted.append)
+
+    class Ranks:  # what allgather_object gathers when every rank is `places` of this one
+        def __init__(self, *gpus):
+            self.gpus = gpus
+
+        def allgather_object(self, place):
+            host, _, flops = place
+            return [(host, gpu, flops) for gpu in self.gpus]
+
+    gpu = results.torch.device("cuda", 0)
+    assert results.job_peak_flops(Ranks("cuda:0", "cuda:0"), gpu, "bf16-mixed") == 989e12
+    assert results.job_peak_flops(Ranks("cuda:0", "cuda:1"), gpu, "bf16-mixed") == 2 * 989e12
+    assert results.job_peak_flops(Ranks("cuda:0"), gpu, "32") == 67e12
+    assert restarted == [gpu] * 3

@@ -25,8 +25,9 @@ needs_data = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(), 
 # Two runs of the same training in another order of float32 sums: the CSV rounds each loss to 1e-5 (1e-5
 # between them), and a loss near 4 moves by a few ulps (4.8e-7 each) per changed sum through QUICK's 6 steps.
 SAME_TRAINING = 3e-5
-QUICK = ["--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4", "--seq-len", "32", "--val-steps", "2",
-         "--no-progress"]
+# On the CPU, also on a machine with a GPU (where --device auto would take it): these tests check CPU runs.
+QUICK = ["--device", "cpu", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4", "--seq-len", "32",
+         "--val-steps", "2", "--no-progress"]
 
 
 def launch(script: str, nprocs: int, *args, timeout: float = 300,
@@ -324,14 +325,26 @@ def test_compressed_communication_trains_like_fp32_in_fewer_bytes(results_dir, t
 @needs_data
 def test_compare_makes_tables_and_plots(results_dir, tmp_path):
     csvs = sorted(str(p) for p in results_dir.glob("*/*.csv"))
-    result = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *csvs, "--out-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    # the same configuration run on a GPU: a row of its own, never averaged with the CPU's
+    cpu_run = next(Path(p) for p in csvs if "run_gpt2-fsdp-mpi/" in p and not p.endswith("-steps.csv"))
+    with open(cpu_run) as f:
+        rows = list(csv.DictReader(f))
+    gpu_run = tmp_path / "gpu-run.csv"
+    with open(gpu_run, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**row, "device": "cuda", "run_id": "gpu-" + row["run_id"],
+                          "epoch_time_s": float(row["epoch_time_s"]) / 10} for row in rows)
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *csvs, str(gpu_run),
+                             "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "summary.csv") as f:
         summary = list(csv.DictReader(f))
-    assert {(r["experiment"], r["strategy"]) for r in summary} == {
-        (e, s) for e in ("gpt2", "bert") for s in ("fsdp-mpi", "lightning-ddp")}
-    assert "| experiment | model | strategy | precision | world_size |" in (tmp_path / "summary.md").read_text()
+    assert {(r["experiment"], r["strategy"], r["device"]) for r in summary} == {
+        (e, s, "cpu") for e in ("gpt2", "bert") for s in ("fsdp-mpi", "lightning-ddp")} | {("gpt2", "fsdp-mpi", "cuda")}
+    on = {r["device"]: float(r["epoch_time_s"]) for r in summary if (r["experiment"], r["strategy"]) == ("gpt2", "fsdp-mpi")}
+    assert on["cuda"] == pytest.approx(on["cpu"] / 10)
+    assert "| experiment | model | device | strategy | precision | world_size |" in (tmp_path / "summary.md").read_text()
     for name in ("epoch_time.png", "peak_memory.png", "loss_curves.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any(path.endswith("-steps.csv") for path in csvs)  # the loss curves are per step

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from measuring.breakdown import PARTS, StepBreakdown
-from training.results import measured_peak_flops, model_state_bytes, peak_rss_mb, published_peak_flops
+from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
 from training.strategies import PRECISIONS, Prepared, compression_from_option, node_placement, prepare, torch_amp
 
 from fsdp_mpi import Communicator, ShardingStrategy
@@ -227,9 +227,7 @@ def main() -> None:
         device = torch.device("cuda", node_placement(comm)[0] % torch.cuda.device_count())
         torch.cuda.set_device(device)
     comm.barrier()
-    compute_dtype = {"32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}[args.precision]
-    # A GPU's published peak, else measured on every rank at once (contention included)
-    peak_flops = published_peak_flops(device, compute_dtype) or measured_peak_flops(device)
+    job_peak = job_peak_flops(comm, device, args.precision)  # every GPU in use once, or every rank's cores
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))
     flops_per_token = model.training_flops_per_token(args.seq_len)
@@ -278,8 +276,6 @@ def main() -> None:
     state_bytes = max(comm.allgather_object(model_state_bytes(measured, optimizer)))
     rss = max(comm.allgather_object(peak_rss_mb()))
     on_gpu = device.type == "cuda"
-    # MFU's denominator: the peak of every GPU in use, once each (ranks may share one), or of every rank's cores
-    processors = len(set(comm.allgather_object((socket.gethostname(), str(device))))) if on_gpu else comm.world_size
     gpu_mb = max(comm.allgather_object(torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else 0))
     blocked_median = statistics.median(comm.allgather_object(statistics.median(blocked)))
     if comm.rank == 0:
@@ -292,7 +288,7 @@ def main() -> None:
                 "precision": args.precision, "ranks": comm.world_size, "parameters": parameters,
                 "step_s": step, "step_times_s": times, "cpu_s": statistics.median(cpu), "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,
-                "mfu": tokens_per_s * flops_per_token / (peak_flops * processors),
+                "mfu": tokens_per_s * flops_per_token / job_peak,
                 "peak_rss_mb": rss, "peak_gpu_mb": gpu_mb if on_gpu else None,
                 "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
                 "comm_mb_per_step": statistics.median(moved) / 2**20,

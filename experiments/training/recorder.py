@@ -14,7 +14,7 @@ import numpy
 import torch
 
 from training.options import RunConfig
-from training.results import STEP_COLUMNS, CsvWriter, git_commit, measured_peak_flops, peak_rss_mb
+from training.results import STEP_COLUMNS, CsvWriter, git_commit, job_peak_flops, peak_rss_mb
 from training.resume import EpochTally
 
 from fsdp_mpi import Communicator
@@ -33,7 +33,7 @@ class RunRecorder:
         task_flops = getattr(task, "training_flops_per_token", None)  # a task that skips some of the model's work
         self.flops_per_token = task_flops(model) if task_flops else model.training_flops_per_token(task.seq_len)
         comm.barrier()
-        self.peak_flops = comm.allreduce_sum_float(measured_peak_flops(device))
+        self.peak_flops = job_peak_flops(comm, device, config.precision)  # as bench.py's MFU
         self.fixed = {
             "run_id": self.run_id, "experiment": experiment, "strategy": config.strategy, "model": task.model_name,
             "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": config.threads,

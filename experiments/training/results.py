@@ -4,6 +4,7 @@ optimizer step (its loss curve), and eval.py's."""
 import csv
 import os
 import resource
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -105,6 +106,25 @@ def published_peak_flops(device: torch.device, compute_dtype: str) -> float | No
     name = torch.cuda.get_device_properties(device).name
     return next((flops for (model, dtype), flops in PUBLISHED_DENSE_PEAK_FLOPS.items()
                  if model in name and dtype == compute_dtype), None)
+
+
+COMPUTE_DTYPES = {"32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}  # --precision -> the matrix products' dtype
+
+
+def job_peak_flops(comm, device: torch.device, precision: str) -> float:
+    """MFU's denominator for the whole job (collective over `comm`, a ``Communicator``): every GPU in use once
+    (ranks may share one) at its published dense peak for the compute dtype of `precision`, measured where the
+    GPU is not listed; on the CPU, every rank's measured matrix product, all ranks at once (contention included).
+
+    The measurement's matrices are not training's memory: the GPU's peak-memory counter starts again after it.
+    """
+    peak = published_peak_flops(device, COMPUTE_DTYPES[precision]) or measured_peak_flops(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    places = comm.allgather_object((socket.gethostname(), str(device), peak))
+    if device.type == "cuda":
+        places = list({(host, gpu): (host, gpu, flops) for host, gpu, flops in places}.values())
+    return sum(flops for _, _, flops in places)
 
 
 def measured_peak_flops(device: torch.device, repeats: int = 3) -> float:
