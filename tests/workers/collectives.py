@@ -55,7 +55,7 @@ def check(comm: Communicator, dtype: torch.dtype, device: torch.device = torch.d
         comm.all_reduce_sum_(summed)
         comm.reduce_scatter_sum(shard, parts)
         # in fp32, rounded once: 256 + (n - 1); summed in 16 bits, each 1 would be rounded away
-        expected = torch.full((n * S,), spacing_of_one_at + n - 1, dtype=torch.float32).to(dtype)
+        expected = torch.full((n * S,), spacing_of_one_at + n - 1, dtype=torch.float32, device=device).to(dtype)
         results["16-bit sums in fp32"] = torch.equal(summed, expected) and torch.equal(shard, expected[mine])
 
     received = torch.empty(n * S, dtype=dtype, device=device)
