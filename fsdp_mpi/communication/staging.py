@@ -130,9 +130,12 @@ class _Pipeline:
             self.copy = staged.copy_stream(tensor.device)
 
     def __enter__(self) -> "_Pipeline":
+        # The last device collective's copies back may still read the host buffers that this one (on the GPU or,
+        # with staging forced, a CPU tensor's) is about to overwrite.
+        if self.staged._host_buffers_read is not None:
+            self.staged._host_buffers_read.synchronize()
+            self.staged._host_buffers_read = None
         if self.cuda:
-            if self.staged._host_buffers_read is not None:  # MPI is about to overwrite what they may still read
-                self.staged._host_buffers_read.synchronize()
             self.copy.wait_stream(self.compute)  # what the collective sends has been computed
         return self
 

@@ -1,5 +1,6 @@
-"""The communication thread (fsdp_mpi/communication/background.py) on its own, without MPI: what waiting for
-its queue waits for after an error, and how many CUDA streams it makes (with torch's CUDA calls faked)."""
+"""The GPU paths' host-side logic on its own, without MPI or a GPU (torch's CUDA calls faked where needed): the
+communication thread (background.py: what waiting for its queue waits for after an error, how many CUDA streams
+it makes) and the staging pipeline's wait for the last collective's copies back (staging.py)."""
 
 import threading
 import time
@@ -47,3 +48,26 @@ def test_one_side_stream_per_device_however_many_collectives_start(monkeypatch):
     thread.wait_for_all()
     # torch hands out its pooled streams in turn: a stream made per call would come round to the copy stream's
     assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+class _CopiesBack:
+    """Stands in for the CUDA event that a device collective's copies back record: whether the host waited."""
+
+    def __init__(self):
+        self.waited = False
+
+    def synchronize(self):
+        self.waited = True
+
+
+def test_a_cpu_collective_staged_after_a_device_one_waits_for_its_copies_back():
+    """FSDP_MPI_FORCE_STAGING=1 on a GPU machine: the host buffers a CPU tensor is staged through may still be
+    read by the last device collective's copies back, so the CPU one waits for them too (and only once)."""
+    from fsdp_mpi.communication.staging import StagedCollectives
+
+    staged = StagedCollectives()
+    staged._host_buffers_read = copies_back = _CopiesBack()
+    tensor = torch.arange(6.0)
+    staged.in_place(tensor, 4, lambda host: host.mul_(2))
+    assert copies_back.waited and staged._host_buffers_read is None
+    assert tensor.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
