@@ -53,6 +53,8 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
     announce_devices(device, comm)
     if comm.world_size > 1:
         abort_job_on_uncaught_exception(comm.mpi_comm)
+    if device.type == "cuda":  # before anything makes a CUDA context: else it is made on GPU 0, by every rank
+        torch.cuda.set_device(device)
     stopped = None
     if config.strategy.startswith("lightning"):
         from training.lightning_runner import train_with_lightning  # imports Lightning: only when it trains
