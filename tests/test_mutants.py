@@ -246,6 +246,9 @@ def test_mutant_is_killed(name, tmp_path):
     text = source.read_text()
     assert text.count(original) == 1, f"the mutant's line is not (once) in {path}: update the mutant"
     source.write_text(text.replace(original, mutated))
+    shared_before = set(Path("/dev/shm").glob("fsdp_mpi-*"))
     result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                             cwd=repo, capture_output=True, text=True, timeout=600)
+    for left in set(Path("/dev/shm").glob("fsdp_mpi-*")) - shared_before:  # what a mutant leaked
+        left.unlink(missing_ok=True)
     assert result.returncode == 1, f"mutant survived (exit {result.returncode}):\n{result.stdout[-2000:]}"

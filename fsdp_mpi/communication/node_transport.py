@@ -45,9 +45,10 @@ def open_node_transport(mpi_comm, device: torch.device, exchange_bytes: int | No
     """A ``NodeTransport`` for `device`'s tensors if every rank of `mpi_comm` is on this node and the node's
     memory can be shared, else None; and one line saying which, and why. Collective over `mpi_comm`."""
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, mpi_comm.Get_rank())
-    if node.Get_size() != mpi_comm.Get_size():
+    on_this_node = node.Get_size()
+    if on_this_node != mpi_comm.Get_size():
         node.Free()
-        return None, f"the ranks span several nodes ({node.Get_size()} of {mpi_comm.Get_size()} on this one)"
+        return None, f"the ranks span several nodes ({on_this_node} of {mpi_comm.Get_size()} on this one)"
     try:
         if device.type == "cuda":
             slots = DeviceSlots(node, device, exchange_bytes or DEVICE_EXCHANGE_BYTES)

@@ -1,7 +1,7 @@
 """The node transport's shared memory and failures: 2+ ranks gather, reduce and all-reduce through it for 40
 steps, growing its slots on the way; rank 1 ends as argv[2] says at step 10 (`normal`: it does not; `raise`:
-an exception; `kill`: SIGKILL, in the middle of the collectives). The file each slot lives in is listed while
-the job runs, to show the name is gone as soon as every rank has mapped it."""
+an exception; `kill`: SIGKILL, in the middle of the collectives). The files of fsdp_mpi's in /dev/shm are listed
+after every step, to show that a slot's file is gone by the time every rank has gone on."""
 
 import os
 import signal
@@ -16,6 +16,7 @@ if __name__ == "__main__":
     mode = sys.argv[2]
     comm = Communicator()
     abort_job_on_uncaught_exception(comm.mpi_comm)
+    ours = f"fsdp_mpi-{comm.broadcast_object(os.getpid())}-"  # the files rank 0 makes (others' may be there)
     listed_while_running = []
     for step in range(40):
         numel = 2 ** (8 + step % 12)  # 256 to 512 Ki elements: the slots grow, chunks repeat
@@ -24,7 +25,8 @@ if __name__ == "__main__":
         comm.all_gather_into(full, shard)
         comm.reduce_scatter_sum(shard, full)
         comm.all_reduce_sum_(shard)
-        listed_while_running += [name for name in os.listdir("/dev/shm") if name.startswith("fsdp_mpi-")]
+        comm.barrier()  # rank 0 unlinks a new file after the others have mapped it: list once it has gone on
+        listed_while_running += [name for name in os.listdir("/dev/shm") if name.startswith(ours)]
         if step == 10 and comm.rank == 1 and mode == "raise":
             raise RuntimeError("rank 1 fails on purpose")
         if step == 10 and comm.rank == 1 and mode == "kill":
