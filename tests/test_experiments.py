@@ -397,13 +397,14 @@ torch.cuda.device_count = lambda: int(os.environ["FAKE_CUDA_DEVICES"])
 def test_a_run_on_gpus_gets_past_set_up_with_each_rank_on_its_node_local_gpu(tmp_path):
     """Issue 36: on a GPU, rank 0 used to compute its node-local rank (a collective) alone, inside the set-up
     it runs before the others, and the job hung silently. Now set-up ends, rank 0 names every rank's device,
-    and the job fails promptly where a CPU build of torch first puts a tensor on the GPU it was shown."""
+    and the job fails promptly at its first CUDA call, which a CPU build of torch cannot make: selecting each
+    rank's GPU (torch.cuda.set_device, before anything else touches CUDA)."""
     (tmp_path / "sitecustomize.py").write_text(FAKE_GPUS)
     python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     result = launch("run_gpt2.py", 2, *QUICK, "--device", "cuda", "--out-dir", tmp_path, timeout=90,
                     env={"PYTHONPATH": python_path, "FAKE_CUDA_DEVICES": "2", "FSDP_MPI_TIMEOUT": "30"})
     assert "devices: rank 0 cuda:0, rank 1 cuda:1\n" in result.stdout, result.stdout + result.stderr
-    assert result.returncode != 0 and "Torch not compiled with CUDA enabled" in result.stderr, result.stderr
+    assert result.returncode != 0 and "torch.cuda.set_device(device)" in result.stderr, result.stderr
     assert not list(tmp_path.glob("*.csv"))
 
 
