@@ -13,10 +13,17 @@ from mpi_launch import REPO_ROOT, check_ok, mpiexec, run_mpi
 from models.gpt2 import GPT2LMHeadModel, gpt2_config
 
 
+_reports: dict[int, dict] = {}  # one run of the worker per rank count serves every test below
+
+
 def run_memory(nprocs, tmp_path) -> dict:
-    out = tmp_path / f"memory{nprocs}.json"
-    check_ok(run_mpi("memory.py", nprocs, out))
-    return json.loads(out.read_text())
+    """The worker measures what live tensors hold; through MPI, not the node transport, whose exchange slots
+    are tensors too, so that what it measures is parameters and gradients alone."""
+    if nprocs not in _reports:
+        out = tmp_path / f"memory{nprocs}.json"
+        check_ok(run_mpi("memory.py", nprocs, out, env={"FSDP_MPI_NODE_TRANSPORT": "0"}))
+        _reports[nprocs] = json.loads(out.read_text())
+    return _reports[nprocs]
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])
@@ -33,6 +40,10 @@ def test_persistent_parameters_are_one_shard_per_rank(nprocs, tmp_path):
     padding_bytes = sum(h["padded_numel"] * 4 for h in report["persistent"]) - report["unwrapped_bytes"]
     assert 0 <= padding_bytes < 4 * nprocs * len(report["persistent"])
     assert total == (report["unwrapped_bytes"] + padding_bytes) // nprocs
+    # Measured: after wrapping, live tensors hold exactly the shards; the full parameters are gone.
+    assert report["held_at_rest"] == total
+    # A model of the same size, wrapped, trained one step and dropped, frees its shards and its gradients.
+    assert report["dropped_model"] == {"handles_alive": 0, "bytes_freed": 2 * total}
 
 
 def test_only_the_computing_unit_holds_gathered_parameters(tmp_path):
@@ -58,10 +69,12 @@ def test_forward_prefetch_gathers_the_next_unit_while_one_computes(tmp_path):
 def test_no_sync_holds_full_gradients_until_the_synced_backward(tmp_path):
     report = run_memory(2, tmp_path)
     padded_bytes = sum(h["padded_numel"] * 4 for h in report["persistent"])
-    # Under no_sync: every unit's full-size gradient, and zero_grad(set_to_none) released the sharded ones.
-    assert report["during_no_sync"] == {"unsharded": padded_bytes, "sharded": 0}
+    shards = padded_bytes // 2
+    # Under no_sync: every unit's full-size gradient, and zero_grad(set_to_none) released the sharded ones;
+    # measured, live tensors hold the parameters' shards and those full gradients, nothing else.
+    assert report["during_no_sync"] == {"unsharded": padded_bytes, "sharded": 0, "measured": shards + padded_bytes}
     # After the synced backward: only 1/N of the padded gradient per rank.
-    assert report["after_sync"] == {"unsharded": 0, "sharded": padded_bytes // 2}
+    assert report["after_sync"] == {"unsharded": 0, "sharded": shards, "measured": shards + shards}
 
 
 # Allocates and touches 64 MiB, frees it, and prints how much of it the process still holds.
@@ -86,7 +99,7 @@ def test_freed_host_memory_is_kept_for_reuse_unless_turned_off(value, tunables, 
     env = dict(os.environ, FSDP_MPI_REUSE_HOST_MEMORY=value, GLIBC_TUNABLES=tunables, PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run([sys.executable, "-c", RETAINED_AFTER_FREE], env=env, capture_output=True, text=True,
                             timeout=120)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     applied, retained_mib = result.stdout.split()
     assert applied == str(kept)
     # Kept: the freed 64 MiB stay resident, ready for the next gather. Returned: glibc unmaps them at once.

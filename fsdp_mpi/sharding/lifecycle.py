@@ -34,6 +34,7 @@ reduction run on while the earlier units' backward goes on (one in flight).
 """
 
 import dataclasses
+import weakref
 from enum import Enum, auto
 
 import torch
@@ -99,8 +100,7 @@ class ShardedUnit:
                         for params in _group_unit_params(module)]
         for handle in self.handles:
             if handle.requires_grad:
-                handle.full_flat.register_post_accumulate_grad_hook(
-                    lambda _full_flat, handle=handle: self._post_backward(handle))
+                handle.full_flat.register_post_accumulate_grad_hook(_post_backward_hook(self, handle))
         self.state = TrainingState.IDLE
         # False inside no_sync(): gradients stay unsharded and accumulate until a backward with sync.
         self.requires_gradient_sync = True
@@ -322,6 +322,17 @@ def modules_outside_units(module: nn.Module, prefix: str = "", seen: set | None 
     for name, child in module.named_children():
         if UNIT_ATTRIBUTE not in child.__dict__:
             yield from modules_outside_units(child, f"{prefix}.{name}" if prefix else name, seen)
+
+
+def _post_backward_hook(unit: ShardedUnit, handle: FlatParamHandle):
+    """The hook that reduces `handle`'s gradient once autograd has accumulated it into ``full_flat``.
+
+    It holds the unit and the handle weakly: the hook lives in C++, out of the garbage collector's sight, so
+    strong references (the handle holds ``full_flat``) would make a cycle that keeps the shards of a model its
+    user dropped alive until the process ends.
+    """
+    unit_ref, handle_ref = weakref.ref(unit), weakref.ref(handle)
+    return lambda _full_flat: unit_ref()._post_backward(handle_ref())
 
 
 def _register_on_output_tensors(output, hook) -> None:

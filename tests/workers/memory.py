@@ -1,10 +1,28 @@
 """Checks where parameter memory is held: shards only at rest, one unit (plus its ancestors) while computing."""
 
+import gc
+import weakref
+
 import torch
 from common import gpt_batch, local_part, output_path, write_json
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
 from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of host memory that live tensors hold, measured: every distinct storage that a live tensor object,
+    or its ``.grad`` (held by autograd, not by a Python object of its own), refers to (views share their base's),
+    whatever the sharding layer believes it holds. Between steps no autograd graph holds anything else."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            for tensor in (obj, obj.grad):
+                if tensor is not None and tensor.device.type == "cpu":
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def gathered_units(units) -> list[int]:
@@ -14,9 +32,12 @@ def gathered_units(units) -> list[int]:
 if __name__ == "__main__":
     comm = Communicator()
     torch.manual_seed(0)
+    inputs, targets = gpt_batch(0, 128)
+    before_model = live_tensor_bytes()  # with the batch: from here on, what tensors hold is the model's
     plain = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
     unwrapped_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     model = FullyShardedDataParallel(plain, comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+    held_at_rest = live_tensor_bytes() - before_model  # the full parameters must be gone, only shards left
     units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
 
     persistent = [
@@ -31,7 +52,6 @@ if __name__ == "__main__":
     seen_during_blocks = []
     for unit in units[1:]:
         unit.module.register_forward_pre_hook(lambda module, args: seen_during_blocks.append(gathered_units(units)))
-    inputs, targets = gpt_batch(0, 128)
     _, loss = model(local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))
     after_forward = gathered_units(units)
     loss.backward()
@@ -64,13 +84,27 @@ if __name__ == "__main__":
     model.zero_grad(set_to_none=True)
     local_inputs, local_targets = local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank,
                                                                                             comm.world_size)
+    del prefetching, prefetch_units, unit, _, loss  # what tensors hold is the model's alone again
     with model.no_sync():
         model(local_inputs, local_targets)[1].backward()
-    during_no_sync = gradient_bytes()
+    during_no_sync = gradient_bytes() | {"measured": live_tensor_bytes() - before_model}
     model(local_inputs, local_targets)[1].backward()
-    after_sync = gradient_bytes()
+    after_sync = gradient_bytes() | {"measured": live_tensor_bytes() - before_model}
+
+    # A wrapped model that its user drops, after a training step, leaves nothing behind (its units' hooks live
+    # in C++, where a reference cycle through them would be out of the garbage collector's reach).
+    dropped = FullyShardedDataParallel(GPT2LMHeadModel(gpt2_config("gpt2-tiny")), comm=comm,
+                                       auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+    dropped(local_inputs, local_targets)[1].backward()
+    held_with_dropped = live_tensor_bytes()
+    handles_of_dropped = [weakref.ref(h) for m in dropped.modules() if isinstance(m, FullyShardedDataParallel)
+                          for h in m.handles]
+    del dropped
+    freed = held_with_dropped - live_tensor_bytes()  # which collects garbage first
+    dropped_model = {"handles_alive": sum(ref() is not None for ref in handles_of_dropped), "bytes_freed": freed}
 
     write_json(output_path(), {
+        "dropped_model": dropped_model,
         "during_no_sync": during_no_sync,
         "after_sync": after_sync,
         "seen_with_prefetch": seen_with_prefetch,
@@ -78,6 +112,7 @@ if __name__ == "__main__":
         "unwrapped_bytes": unwrapped_bytes,
         "parameter_bytes": parameter_bytes,
         "persistent": persistent,
+        "held_at_rest": held_at_rest,
         "seen_during_blocks": seen_in_two_forwards,
         "after_forward": after_forward,
         "after_backward": after_backward,
