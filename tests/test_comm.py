@@ -28,9 +28,14 @@ def test_library_is_asked_when_not_overridden(monkeypatch):
     from mpi4py import MPI
     library = ctypes.CDLL(MPI.__file__)
     # MPICH 4+ and Open MPI 4+ have a query; without one, fsdp_mpi would silently assume "not CUDA-aware".
-    assert hasattr(library, "MPIX_GPU_query_support") or hasattr(library, "MPIX_Query_cuda_support")
-    if not torch.cuda.is_available():
-        assert mpi_is_cuda_aware() is False  # no CUDA here: a library claiming support would be misread
+    # Asked here directly, the library's answer must be fsdp_mpi's, whatever this machine has.
+    if hasattr(library, "MPIX_GPU_query_support"):
+        flag = ctypes.c_int(-1)
+        assert library.MPIX_GPU_query_support(0, ctypes.byref(flag)) == 0  # 0: MPIX_GPU_SUPPORT_CUDA
+        answer = flag.value == 1
+    else:
+        answer = library.MPIX_Query_cuda_support() == 1
+    assert mpi_is_cuda_aware() is answer
 
 
 @pytest.mark.one_rank  # in a child: on a machine with a GPU the buffers are pinned, which starts CUDA, and pytest's

@@ -6,6 +6,7 @@ and measures how long the job took to end: a hang would hit the test's timeout.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -84,9 +85,14 @@ def test_even_batches_stops_every_rank_when_the_first_runs_out(tmp_path):
 
 
 def test_a_killed_rank_ends_the_job(tmp_path):
-    result, elapsed = run_timed("kill", 3, tmp_path / "out.json", **{TIMEOUT_ENV: "0"})  # the launcher, not the watchdog
+    out = tmp_path / "out.json"
+    result, elapsed = run_timed("kill", 3, out, **{TIMEOUT_ENV: "0"})  # the launcher ends it, not the watchdog
     assert result.returncode != 0
     assert elapsed < START_UP_SECONDS, f"took {elapsed:.0f} s"
+    # It ended because of the kill: every rank had started, the launcher names rank 1's signal, no rank is left.
+    pids = [int(Path(f"{out}.pids.{rank}").read_text()) for rank in range(3)]
+    assert re.search(r"signal:? 9\b", result.stdout + result.stderr, re.IGNORECASE), result.stdout + result.stderr
+    assert not any(_alive(pid) for pid in pids)
 
 
 def test_sigterm_to_the_launcher_ends_every_rank(tmp_path):

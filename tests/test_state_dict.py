@@ -86,6 +86,9 @@ def test_state_dicts_summon_and_wrap_time_broadcast_across_ranks(nprocs, tmp_pat
     out = tmp_path / "state_dicts.json"
     check_ok(run_mpi("state_dicts.py", nprocs, out))
     report = json.loads(out.read_text())
+    # A forward abandoned before a full step: the step's gradients are one process's, within equivalence's bound.
+    gradients = report.pop("abandoned_forward_then_step_gradients")
+    assert gradients["grad_error"] <= gradients["grad_bound"] and gradients["worst_tensor_ratio"] <= 1, gradients
     expected = {
         "broadcast_rank0_weights": True, "rank0_only_empty_elsewhere": True,
         "load_round_trip": True, "loaded_model_computes_like_source": True,

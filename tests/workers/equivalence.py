@@ -36,6 +36,7 @@ import sys
 import torch
 from common import (NestedMLP, ResidualBlock, bert_batch, gpt_batch, local_part, mlp_batch, output_path,
                     write_json)
+from gradients import compare_gradients, full_gradients, reference_gradients
 from torch import nn
 
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, clip_grad_norm_,
@@ -183,31 +184,6 @@ def max_update_size(optimizer) -> float:
     return max(1.0, (1 - beta1) / math.sqrt(1 - beta2)) / (1 - beta1)  # bias correction of the first step
 
 
-# ----------------------------------------------------------------- gathering ours
-
-def full_gradients(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
-    """Our reduced gradients, gathered into full tensors under the original names (zeros where none)."""
-    from fsdp_mpi.sharding.lifecycle import units_with_names
-    grads = {}
-    for prefix, unit in units_with_names(model):
-        for handle in unit.handles:
-            if not handle.requires_grad:
-                continue
-            shard_grad = handle.shard_grad if handle.shard_grad is not None else torch.zeros_like(handle.shard)
-            full = torch.empty(handle.padded_numel, dtype=shard_grad.dtype)
-            handle.comm.all_gather_into(full, shard_grad)
-            for slot in handle.slots:
-                for use in slot.uses:
-                    grads[f"{prefix}.{use.name}" if prefix else use.name] = full[slot.offset:slot.offset + slot.numel
-                                                                                  ].view(slot.shape).clone()
-    return grads
-
-
-def reference_gradients(model: nn.Module, dtype) -> dict[str, torch.Tensor]:
-    return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).to(dtype)
-            for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-
-
 # ----------------------------------------------------------------- one run
 
 def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communicator,
@@ -293,28 +269,6 @@ def compile_model(sharded: FullyShardedDataParallel, wrap_classes: set, compiled
             if isinstance(module, tuple(wrap_classes)):
                 module.compile()
     return sharded
-
-
-def compare_gradients(ours: dict, fp32: dict, fp64: dict, world_size: int, u: float) -> dict:
-    """`fp32` is the one-process gradient under the same policy, `u` the unit roundoff of its compute dtype."""
-    def norm(tensors):
-        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
-
-    names = sorted(fp64)
-    numel = sum(fp64[n].numel() for n in names)
-    error32 = norm(fp32[n] - fp64[n] for n in names)
-    result = {
-        "grad_error": norm(ours[n].double() - fp64[n] for n in names),
-        "grad_bound": 4 * error32 + world_size * 2 * u * norm(fp64[n] for n in names),
-        "worst_tensor": None, "worst_tensor_ratio": 0.0,
-    }
-    for n in names:
-        error = norm([ours[n].double() - fp64[n]])
-        bound = (4 * norm([fp32[n] - fp64[n]]) + world_size * 2 * u * norm([fp64[n]])
-                 + 4 * error32 * math.sqrt(fp64[n].numel() / numel))
-        if bound == 0.0 or error / bound > result["worst_tensor_ratio"]:
-            result["worst_tensor"], result["worst_tensor_ratio"] = n, (error / bound if bound else math.inf)
-    return result
 
 
 def compare_clipping(sharded, reference, ours: dict) -> dict:

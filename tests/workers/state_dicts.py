@@ -9,6 +9,7 @@ import copy
 
 import torch
 from common import gpt_batch, local_part, output_path, write_json
+from gradients import compare_gradients, full_gradients, reference_gradients
 
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy,
                       full_state_dict, summon_full_params)
@@ -95,17 +96,20 @@ def main(comm: Communicator) -> dict:
     report["nothing_gathered_after_summon"] = not gathered_anywhere(model)
 
     # A forward with no backward, then a normal step: the abandoned state is cleared.
-    plain = copy.deepcopy(rank0_model)
+    # Its gradients are those of one process on the global batch (fp32 and fp64), within equivalence's bound.
+    plain, plain64 = copy.deepcopy(rank0_model), copy.deepcopy(rank0_model).double()
     fresh = wrap(copy.deepcopy(rank0_model), comm)
     inputs, targets = gpt_batch(1, 128)
     fresh(local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))
     fresh(local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))[1].backward()
     plain(inputs, targets)[1].backward()
+    plain64(inputs, targets)[1].backward()
     report["abandoned_forward_cleared"] = not gathered_anywhere(fresh)
-    grads_ok = []
-    for (_, p_ours), (_, p_plain) in zip(fresh.named_parameters(), plain.named_parameters()):
-        grads_ok.append(p_ours.grad is not None and p_ours.grad.numel() == p_ours.numel())
-    report["abandoned_forward_then_step_has_gradients"] = all(grads_ok)
+    report["abandoned_forward_then_step_has_gradients"] = all(p.grad is not None and p.grad.numel() == p.numel()
+                                                              for p in fresh.parameters())
+    gradients = compare_gradients(full_gradients(fresh), reference_gradients(plain, torch.float64),
+                                  reference_gradients(plain64, torch.float64), comm.world_size, u=2.0**-24)
+    report["abandoned_forward_then_step_gradients"] = gradients
 
     # A unit that ran forward but whose output the loss ignores gets no gradient (None), as in one process.
     ignored = wrap(copy.deepcopy(rank0_model), comm)
