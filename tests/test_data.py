@@ -14,6 +14,8 @@ from corpora.files import DataError, data_file, read_cornell, read_text
 from corpora.tokenization import BertTokenizer, CharTokenizer, GPT2Tokenizer
 from training.sampling import global_batch_size, rank_batches, steps_per_epoch
 
+pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
+
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", Path(__file__).parents[2] / "shared" / "data"))
 needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(),
                                        reason=f"no shared data at {SHARED_DATA}")

@@ -10,6 +10,8 @@ import torch
 
 from fsdp_mpi.communication.background import CommunicationThread
 
+pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
+
 
 def test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error():
     thread = CommunicationThread()
