@@ -22,33 +22,67 @@ mpi4py.rc.finalize = False
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "experiments"))
 
+from mpi_launch import RunFailed  # noqa: E402  (found through the path set just above)
+
 # Tests marked `one_mpi` check fsdp_mpi's own logic, not the MPI library under it (the mutants, evaluation, the
 # cost model, the benchmarks, the experiments' bookkeeping beyond a real run of each): CI runs the whole suite
 # under its first MPI and, with FSDP_MPI_SECOND_MPI=1, the rest again under its second.
 SECOND_MPI_ENV = "FSDP_MPI_SECOND_MPI"
 
 
+# The mutants (test_mutants.py) run last, so that each can check that the tests it names passed unmutated
+# in this same session (see `outcomes_so_far`), without running them a second time.
+MUTANTS_MODULE = "test_mutants.py"
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get(SECOND_MPI_ENV) != "1":
-        return
-    once = {item for item in items if item.get_closest_marker("one_mpi")}
-    config.hook.pytest_deselected(items=list(once))
-    items[:] = [item for item in items if item not in once]
+    if os.environ.get(SECOND_MPI_ENV) == "1":
+        once = {item for item in items if item.get_closest_marker("one_mpi")}
+        config.hook.pytest_deselected(items=list(once))
+        items[:] = [item for item in items if item not in once]
+    items.sort(key=lambda item: item.path.name == MUTANTS_MODULE)  # stable: the order is kept otherwise
+
+
+_OUTCOMES: dict[str, str] = {}  # node id -> "passed", "failed" or "skipped", for this session's tests so far
+
+
+def pytest_runtest_logreport(report):
+    """Records each test's outcome: "failed" if any phase failed, else its call's (or its skip's)."""
+    if report.failed or report.when == "call" or (report.when == "setup" and report.skipped):
+        if _OUTCOMES.get(report.nodeid) != "failed":
+            _OUTCOMES[report.nodeid] = report.outcome
+
+
+@pytest.fixture(scope="session")
+def outcomes_so_far() -> dict[str, str]:
+    """What every test this session has run so far ended with (node id -> outcome)."""
+    return _OUTCOMES
+
 
 # Where every test must run (CI: data, MPI and transformers are installed), a skip is a failure,
 # except for tests that need hardware this machine lacks.
 MAY_SKIP_ANYWHERE = ("needs a CUDA device",)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
+def _fail_skip_where_every_test_must_run(report) -> None:
     if report.skipped and os.environ.get("FSDP_MPI_STRICT_SKIPS") == "1":
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         if not any(allowed in reason for allowed in MAY_SKIP_ANYWHERE):
             report.outcome = "failed"
             report.longrepr = f"skipped where every test must run (FSDP_MPI_STRICT_SKIPS=1): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skip_where_every_test_must_run(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A whole module skipped at collection (``pytest.importorskip`` at its top) is held to the same rule."""
+    outcome = yield
+    _fail_skip_where_every_test_must_run(outcome.get_result())
 
 
 ONE_RANK_TIMEOUT_SECONDS = 300
@@ -59,10 +93,13 @@ def pytest_pyfunc_call(pyfuncitem):
     """Runs a test marked `one_rank` in a forked child that initialises MPI as a world of one rank.
 
     Fixtures are set up in pytest's process (so they must not use MPI); the test body runs in the child,
-    which writes its traceback, if any, to a file. A child that does not end in time is killed and fails.
+    which writes its traceback, if any, to a file. A child's failed assertion fails the test as an
+    AssertionError (what the mutants count as a kill); any other error, or a child that does not end in time
+    (it is killed), fails it as an error of the run.
     """
     if not pyfuncitem.get_closest_marker("one_rank"):
         return None
+    __tracebackhide__ = True  # a failure shows the child's traceback, not this function
     with tempfile.NamedTemporaryFile(mode="r", suffix=".traceback") as report:
         pid = os.fork()
         if pid == 0:
@@ -81,11 +118,13 @@ def pytest_pyfunc_call(pyfuncitem):
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                pytest.fail(f"the test's child process did not end within {ONE_RANK_TIMEOUT_SECONDS} s", pytrace=False)
+                raise RunFailed(f"the test's child process did not end within {ONE_RANK_TIMEOUT_SECONDS} s")
             time.sleep(0.05)
         if ended[1] != 0:
             failure = report.read() or f"it ended with wait status {ended[1]}"
-            pytest.fail(f"in the test's child process:\n{failure}", pytrace=False)
+            if failure.rstrip().splitlines()[-1].startswith("AssertionError"):
+                raise AssertionError(f"in the test's child process:\n{failure}")  # a check failed, as in-process
+            raise RunFailed(f"in the test's child process:\n{failure}")
     return True
 
 

@@ -1,6 +1,7 @@
 """Launching test workers under mpiexec from pytest, with a timeout so that a hang fails."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,5 +33,20 @@ def run_mpi(worker: str, nprocs: int, *args: str, timeout: float = 240,
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+class RunFailed(Exception):
+    """A launched run ended in error without any failed check: a crash, not a wrong answer."""
+
+
+# A Python traceback's last line when an `assert` (or torch.testing.assert_close) failed in a rank.
+_FAILED_CHECK = re.compile(r"^(\w+\.)*AssertionError\b", re.MULTILINE)
+
+
 def check_ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    """Passes if the run succeeded. If it did not, fails as an AssertionError when a check inside it failed
+    (the test's verdict), or raises RunFailed when it crashed: the mutants count only the first as a kill."""
+    if result.returncode == 0:
+        return
+    output = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    if _FAILED_CHECK.search(result.stderr) or _FAILED_CHECK.search(result.stdout):
+        raise AssertionError(f"a check failed in the run: {output}")
+    raise RunFailed(output)

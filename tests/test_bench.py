@@ -25,7 +25,7 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     result = run_bench("--model", "gpt2-tiny", "--vocab-size", "128", "--batch-size", "2", "--seq-len", "16",
                        "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
                        "--strategies", ",".join(plan))
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     assert "| strategy | precision | ranks | step s (min-max) | fsdp-mpi / this (min-max) |" in result.stdout
     with open(out) as f:
         summary = {(r["strategy"], r["precision"], r["ranks"]): r for r in csv.DictReader(f)}
@@ -90,7 +90,7 @@ def rounds_of(strategy: str, ranks: str, runs: list[dict]) -> list[dict]:
 
 def test_replicated_model_too_big_for_this_machine_is_reported_not_run(tmp_path):
     result = run_bench("--model", "gpt2-xl", "--ranks", "64", "--strategies", "ddp", "--out", str(tmp_path / "b.csv"))
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     assert "not run: model state needs" in result.stdout and "x 16 B x 1,557,611,200" in result.stdout
 
 
@@ -114,7 +114,7 @@ def test_bench_comm_times_four_paths_per_size_and_operation(tmp_path):
     command = [mpiexec(), "-n", "2", sys.executable, str(BENCH_COMM), "--sizes-mb", "0.0625,0.25", "--rounds", "2",
                "--repeats", "1", "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     assert "| operation | MiB | fsdp-mpi GB/s | fsdp-mpi+mpi GB/s | mpi4py GB/s | gloo GB/s |" in result.stdout
     assert "fsdp-mpi: the 2 ranks of this node exchange through a host segment" in result.stdout
     assert "fsdp-mpi+mpi: host buffers go to MPI; not through shared memory: FSDP_MPI_NODE_TRANSPORT=0" in result.stdout
@@ -158,7 +158,7 @@ def test_network_report_tables_step_times_and_the_cost_models_link_bytes(tmp_pat
     report = REPO_ROOT / "experiments" / "network_report.py"
     finished = subprocess.run([sys.executable, str(report), str(tmp_path), "none", "1gbit", "--vocab-size", "128"],
                               capture_output=True, text=True, timeout=120)
-    assert finished.returncode == 0, finished.stderr
+    check_ok(finished)
     table = (tmp_path / "network.md").read_text().splitlines()
     assert len(table) == 2 + 3 and (tmp_path / "network.png").stat().st_size > 0
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]] for line in table[2:]}

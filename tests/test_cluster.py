@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_launch import REPO_ROOT, WORKERS, mpiexec
+from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec
 
 # The cluster is MPICH-specific: hydra's ssh launcher, and the bytes model follows MPICH's algorithms.
 pytestmark = pytest.mark.one_mpi
@@ -74,7 +74,7 @@ def across(nodes, worker_args, timeout=300):
 def test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says(two_nodes, tmp_path):
     out = tmp_path / "multinode.json"
     finished = across(two_nodes, [WORKERS / "multinode.py", out])
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    check_ok(finished)
     result = json.loads(out.read_text())
     assert result["hosts"] == ["fmnode0", "fmnode0", "fmnode1", "fmnode1"]
     check_placement(result)
@@ -233,7 +233,7 @@ def test_a_two_node_job_warned_before_its_time_limit_checkpoints_requeues_and_re
     submitted = slurm("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
                       f"--output={output}", "hpc/run_gpt2_cpu.sbatch", *TINY, "--out-dir", str(results),
                       **job_environment(CHECKPOINT_DIR=str(checkpoints)))
-    assert submitted.returncode == 0, submitted.stderr
+    check_ok(submitted)
     job = submitted.stdout.strip().split(";")[0]
     try:
         wait_for(job, lambda state: (output.exists() and "epoch 0:" in output.read_text())

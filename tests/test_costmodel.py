@@ -19,7 +19,7 @@ import pytest
 from measuring.costmodel import (Collective, Layout, Link, MeasuredNetwork, Profile, RingNetwork, Unit, collectives,
                                  predict)
 from measuring.profiling import load_profile
-from mpi_launch import REPO_ROOT, mpiexec
+from mpi_launch import REPO_ROOT, check_ok, mpiexec
 
 pytestmark = pytest.mark.one_mpi  # the cost model's arithmetic and bookkeeping, not the MPI library
 
@@ -119,7 +119,7 @@ def test_validation_counts_the_bytes_and_state_that_four_ranks_really_have(tmp_p
     result = run_predict("validate", "--model", "gpt2-tiny", "--vocab-size", "128", "--batch-size", "2",
                          "--seq-len", "16", "--ranks", "4", "--rounds", "1", "--steps", "1", "--warmup", "1",
                          "--max-bytes", 2**18, "--repeats", "1", "--out-dir", tmp_path)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     with open(tmp_path / "predict-validation.csv") as f:
         rows = {row["strategy"]: row for row in csv.DictReader(f)}
     assert set(rows) == {"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD (2 groups of 2)", "NO_SHARD"}
@@ -133,7 +133,7 @@ def test_validation_counts_the_bytes_and_state_that_four_ranks_really_have(tmp_p
 
 def test_cluster_prediction_table_and_plot(tmp_path):
     result = run_predict("cluster", "--model", "gpt2-xl", "--nodes", "1,4,16", "--out-dir", tmp_path)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     with open(tmp_path / "predict-gpt2-xl-cluster.csv") as f:
         rows = list(csv.DictReader(f))
     assert (tmp_path / "predict-gpt2-xl-cluster.png").stat().st_size > 10_000
@@ -165,7 +165,7 @@ def test_a_profile_under_mpiexec_is_taken_on_every_rank_at_once_and_written_once
     the median rank's profile."""
     result = run_predict("profile", "--model", "gpt2-tiny", "--vocab-size", "128", "--steps", "2", "--warmup", "1",
                          "--out", tmp_path / "p.json", launcher=(mpiexec(), "-n", "2"), timeout=120)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     profile = load_profile(tmp_path / "p.json")
     assert [unit.name for unit in profile.units] == ["<root>", "block.0", "block.1"]
     assert profile.step_s > 0 and profile.optimizer_s > 0 and profile.activation_bytes > 0

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from mpi_launch import check_ok
 from test_experiments import EXPERIMENTS, QUICK, launch, needs_data, read_rows
 
 from training.results import EVAL_COLUMNS
@@ -29,7 +30,7 @@ def save(tmp_path_factory, script: str, name: str):
     """Trains briefly on 2 ranks with --save-dir: (the model's directory, the training CSV's rows)."""
     out = tmp_path_factory.mktemp(name)
     trained = launch(script, 2, *QUICK, "--out-dir", out, "--save-dir", out / "model")
-    assert trained.returncode == 0, trained.stderr
+    check_ok(trained)
     return out / "model", read_rows(out)
 
 
@@ -45,7 +46,7 @@ def bert_run(tmp_path_factory):
 
 def evaluate(model_dir, out_dir, nprocs: int, *args) -> list[dict]:
     result = launch("eval.py", nprocs, model_dir, "--out-dir", out_dir, *EVAL_QUICK, *args)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     files = list(out_dir.glob("eval-*.csv"))
     assert len(files) == 1 and files[0].name.endswith(f"-n{nprocs}.csv"), files
     with open(files[0]) as f:
@@ -129,7 +130,7 @@ def test_bert_reports_its_accuracies(bert_run, tmp_path):
 def test_a_lightning_ddp_run_saves_a_model_that_eval_reads(tmp_path):
     trained = launch("run_gpt2.py", 2, *QUICK, "--strategy", "lightning-ddp", "--out-dir", tmp_path,
                      "--save-dir", tmp_path / "model")
-    assert trained.returncode == 0, trained.stderr
+    check_ok(trained)
     rows = by_precision(evaluate(tmp_path / "model", tmp_path / "eval", 2, "--precisions", "fp32", "--val-steps", "2"))
     assert rows["fp32"]["trained_strategy"] == "lightning-ddp"
     assert float(rows["fp32"]["val_loss"]) == pytest.approx(float(read_rows(tmp_path)[-1]["val_loss"]), abs=SAME_LOSS)
@@ -143,7 +144,7 @@ def test_compare_shows_evaluations_beside_training(gpt2_run, tmp_path):
     report = tmp_path / "report"
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *map(str, csvs), "--out-dir", str(report)],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     table = (report / "evaluation.md").read_text().splitlines()
     assert len(table) == 2 + 4 and all("| gpt2-tiny |" in line for line in table[2:])  # 2 precisions x 2 batches
     assert (report / "evaluation.png").stat().st_size > 0 and (report / "summary.md").is_file()

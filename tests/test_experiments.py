@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mpi_launch import REPO_ROOT, mpiexec
+from mpi_launch import REPO_ROOT, check_ok, mpiexec
 from torch import nn
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
@@ -153,7 +153,7 @@ def results_dir(tmp_path_factory):
         for strategy in ("fsdp-mpi", "lightning-ddp"):
             out = root / f"{script[:-3]}-{strategy}"
             result = launch(script, 2, *QUICK, "--strategy", strategy, "--out-dir", out)
-            assert result.returncode == 0, result.stderr[-3000:]
+            check_ok(result)
     return root
 
 
@@ -246,7 +246,7 @@ def test_two_accumulated_micro_batches_train_like_one_batch_of_twice_the_size(re
     # QUICK's steps of 4 samples per rank, as 2 micro-batches of 2; twice the validation batches, so the same samples.
     result = launch("run_gpt2.py", 2, *QUICK, "--batch-size", "2", "--grad-accum", "2", "--val-steps", "4",
                     "--strategy", strategy, *extra, "--out-dir", tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    check_ok(result)
     reference = read_rows(results_dir / "run_gpt2-fsdp-mpi")
     rows = read_rows(tmp_path)
     assert len(rows) == len(reference) == 2
@@ -269,7 +269,7 @@ def test_two_accumulated_micro_batches_train_like_one_batch_of_twice_the_size(re
                                             ("ddp", [])])
 def test_other_strategies_and_recomputed_activations_train_like_fsdp_mpi(results_dir, tmp_path, strategy, extra):
     result = launch("run_gpt2.py", 2, *QUICK, "--strategy", strategy, *extra, "--out-dir", tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    check_ok(result)
     for row, ref in zip(read_rows(tmp_path), read_rows(results_dir / "run_gpt2-fsdp-mpi"), strict=True):
         assert row["strategy"] == strategy
         assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING)
@@ -289,7 +289,7 @@ def test_other_strategies_and_recomputed_activations_train_like_fsdp_mpi(results
 ])
 def test_mixed_precision_trains_within_two_percent_of_fp32(results_dir, tmp_path, strategy, precision):
     result = launch("run_gpt2.py", 2, *QUICK, "--strategy", strategy, "--precision", precision, "--out-dir", tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    check_ok(result)
     rows, reference = read_rows(tmp_path), read_rows(results_dir / "run_gpt2-fsdp-mpi")
     assert [row["precision"] for row in rows] == [precision] * 2 and reference[0]["precision"] == "32"
     assert float(rows[-1]["val_loss"]) == pytest.approx(float(reference[-1]["val_loss"]), rel=0.02)
@@ -314,7 +314,7 @@ def test_compressed_communication_trains_like_fp32_in_fewer_bytes(results_dir, t
     bytes of a step: about 1 + 4/256 bytes per gathered element and 2 per reduced one, against 4 and 4, so
     about 0.34 of fp32's here; below 0.4 leaves room for each rank's last partial block of scales."""
     result = launch("run_gpt2.py", 2, *QUICK, "--comm-compression", "int8/bf16", "--out-dir", tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    check_ok(result)
     rows, reference = read_rows(tmp_path), read_rows(results_dir / "run_gpt2-fsdp-mpi")
     assert [row["comm_compression"] for row in rows] == ["int8/bf16"] * 2 and reference[0]["comm_compression"] == "none"
     assert float(rows[-1]["val_loss"]) == pytest.approx(float(reference[-1]["val_loss"]), rel=0.02)
@@ -337,7 +337,7 @@ def test_compare_makes_tables_and_plots(results_dir, tmp_path):
                           "epoch_time_s": float(row["epoch_time_s"]) / 10} for row in rows)
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *csvs, str(gpu_run),
                              "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     with open(tmp_path / "summary.csv") as f:
         summary = list(csv.DictReader(f))
     assert {(r["experiment"], r["strategy"], r["device"]) for r in summary} == {
@@ -435,9 +435,9 @@ def test_unusable_text_fails_cleanly(tmp_path, content, message):
 @needs_data
 def test_model_saved_from_two_ranks_samples_text(tmp_path):
     trained = launch("run_gpt2.py", 2, *QUICK, "--strategy", "fsdp-mpi", "--out-dir", tmp_path, "--save-dir", tmp_path / "model")
-    assert trained.returncode == 0, trained.stderr
+    check_ok(trained)
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "sample.py"), str(tmp_path / "model"),
                              "--prompt", "ROMEO:", "--max-new-tokens", "20"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    check_ok(result)
     assert result.stdout.startswith("ROMEO:") and len(result.stdout.rstrip("\n")) == len("ROMEO:") + 20

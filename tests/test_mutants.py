@@ -1,16 +1,19 @@
 """Proof that the suite catches breakage: each mutant is a deliberate one-line break of the code,
-applied to a copy of the repository, and the named tests must fail on it.
+applied to a copy of the repository. The tests it names must pass on the code as it is, and one of their
+checks must fail on the mutant: a failed assertion (see mutation_verdict.py), not an error, crash or timeout.
 
 A mutant that survives means a mechanism nobody checks. Every new mechanism gets
 its mutant here, with the fastest tests that should kill it.
 """
 
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mutation_verdict import VERDICT_ENV
 
 pytestmark = pytest.mark.one_mpi  # the mutants test the suite, not the MPI library
 
@@ -52,6 +55,11 @@ COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_clo
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
 NODE_FILES = "tests/test_node_transport.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
+QUEUE_WAIT = "tests/test_device_paths.py::test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error"
+KILLED_SAVE = "tests/test_checkpoint.py::test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_whole"
+TRUNCATED = "tests/test_checkpoint.py::test_a_damaged_file_is_named[truncate]"
+PERSISTENT = "tests/test_memory.py::test_persistent_parameters_are_one_shard_per_rank[2]"
+PREFETCH = "tests/test_memory.py::test_forward_prefetch_gathers_the_next_unit_while_one_computes"
 CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
@@ -229,6 +237,42 @@ MUTANTS = {
     "compressed gradients summed in low precision": (
         "fsdp_mpi/communication/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
         [RANK_ORDER_SUM]),
+    "staged reduce-scatter sends every chunk's columns from the first chunk": (
+        "fsdp_mpi/communication/staging.py", "send[world * a:world * b].view(world, b - a), full_by_rank[:, a:b])",
+        "send[world * a:world * b].view(world, b - a), full_by_rank[:, :b - a])", [COLLECTIVES]),
+    "staged all-to-all lands every chunk in the first columns": (
+        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(received_by_rank[:, a:b],",
+        "pipeline.copy_in(received_by_rank[:, :b - a],", [COLLECTIVES]),
+    "staged in-place collectives copy the first chunk back for every chunk": (
+        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(tensor[a:b], host[a:b])",
+        "pipeline.copy_in(tensor[a:b], host[:b - a])", [COLLECTIVES]),
+    "a reduce-scatter cut into messages sends the first message's columns each time": (
+        "fsdp_mpi/communication/comm.py",
+        "self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)",
+        "self._reduce_scatter(shard[start:stop], full_by_rank[:, :stop - start].contiguous(), unit)", [COLLECTIVES]),
+    "broadcast_ through MPI sends rank 0's tensor whatever the root": (
+        "fsdp_mpi/communication/comm.py", "broadcast = partial(self._mpi_broadcast, root=root)",
+        "broadcast = partial(self._mpi_broadcast, root=0)", [COLLECTIVES]),
+    "after a failed collective the communication thread's later ones are not waited for": (
+        "fsdp_mpi/communication/background.py", "        wait(queued)\n", "", [QUEUE_WAIT]),
+    "a save writes over the previous checkpoint in place": (
+        "fsdp_mpi/files/checkpoint.py", 'temporary = directory.with_name(directory.name + ".tmp")',
+        "temporary = directory", [KILLED_SAVE]),
+    "a truncated file is not told from a corrupted one": (
+        "fsdp_mpi/files/checkpoint.py", 'if path.stat().st_size != expected["bytes"]:', "if False:", [TRUNCATED]),
+    "rank0_only state dicts are full on every rank": (
+        "fsdp_mpi/sharding/state_dict.py", "keep = not rank0_only or units[0][1].comm.rank == 0", "keep = True",
+        [STATE]),
+    "the post-backward hook holds its unit strongly, so a dropped model's shards live on": (
+        "fsdp_mpi/sharding/lifecycle.py", "unit_ref, handle_ref = weakref.ref(unit), weakref.ref(handle)",
+        "unit_ref, handle_ref = (lambda: unit), (lambda: handle)", [PERSISTENT]),
+    "forward prefetch gathers nothing ahead": (
+        "fsdp_mpi/sharding/lifecycle.py",
+        'if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:',
+        "if False:", [PREFETCH]),
+    "the re-forward of activation checkpointing is taken for a new forward": (
+        "fsdp_mpi/sharding/lifecycle.py", "        if self.state is TrainingState.BACKWARD:\n            # Activation",
+        "        if False:\n            # Activation", [SWITCHES]),
 }
 
 
@@ -238,17 +282,46 @@ def copy_of_repository(destination: Path) -> Path:
     return destination
 
 
+def run_tests(tests: list[str], cwd: Path, verdict: Path | None = None) -> subprocess.CompletedProcess:
+    plugin = ["-p", "mutation_verdict"] if verdict else []
+    path = os.pathsep.join(filter(None, [str(cwd / "tests"), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, **({VERDICT_ENV: str(verdict)} if verdict else {}))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, *tests],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+_unmutated: dict[str, str] = {}  # a named test (or file) -> how it ended unmutated, where this session had not run it
+
+
+def unmutated_outcomes(tests: list[str], outcomes_so_far: dict[str, str]) -> dict[str, str]:
+    """How each named test ended on the code as it is: from this session (the mutants run last, see
+    conftest.py), else from one run of those tests here."""
+    found = {}
+    for spec in tests:
+        ran = {node: outcome for node, outcome in outcomes_so_far.items()
+               if node == spec or node.startswith((f"{spec}::", f"{spec}["))}
+        if not ran:
+            if spec not in _unmutated:
+                _unmutated[spec] = "passed" if run_tests([spec], REPO).returncode == 0 else "failed"
+            ran = {spec: _unmutated[spec]}
+        found.update(ran)
+    return found
+
+
 @pytest.mark.parametrize("name", MUTANTS)
-def test_mutant_is_killed(name, tmp_path):
+def test_mutant_is_killed(name, tmp_path, outcomes_so_far):
     path, original, mutated, tests = MUTANTS[name]
+    unmutated = unmutated_outcomes(tests, outcomes_so_far)
+    assert set(unmutated.values()) == {"passed"}, f"the named tests do not pass unmutated: {unmutated}"
     repo = copy_of_repository(tmp_path / "repo")
     source = repo / path
     text = source.read_text()
     assert text.count(original) == 1, f"the mutant's line is not (once) in {path}: update the mutant"
     source.write_text(text.replace(original, mutated))
     shared_before = set(Path("/dev/shm").glob("fsdp_mpi-*"))
-    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                            cwd=repo, capture_output=True, text=True, timeout=600)
+    verdict = tmp_path / "verdict"
+    result = run_tests(tests, repo, verdict)
     for left in set(Path("/dev/shm").glob("fsdp_mpi-*")) - shared_before:  # what a mutant leaked
         left.unlink(missing_ok=True)
-    assert result.returncode == 1, f"mutant survived (exit {result.returncode}):\n{result.stdout[-2000:]}"
+    assert verdict.exists(), (f"mutant survived: no check failed (exit {result.returncode}; an error, a crash or a "
+                              f"timeout is not a kill):\n{result.stdout[-3000:]}")

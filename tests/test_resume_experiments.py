@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mpi_launch import mpiexec
+from mpi_launch import check_ok, mpiexec
 from training.resume import FORMAT, STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT, ResumeError, RunCheckpoints
 from test_checkpoint import assert_same_parameters_and_optimizer_state
 from test_experiments import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
@@ -90,7 +90,7 @@ def test_a_run_stopped_by_a_signal_on_one_rank_and_resumed_ends_as_if_never_stop
     # Never stopped; --resume with an empty --checkpoint-dir starts fresh and says so.
     whole = launch("run_bert.py", 2, *BERT, "--out-dir", tmp_path / "whole-csv", "--checkpoint-dir",
                    tmp_path / "whole", "--resume")
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    check_ok(whole)
     assert f"--resume: no checkpoint in {tmp_path / 'whole'} yet; starting fresh" in whole.stdout
     assert step_directories(tmp_path / "whole") == [f"step-{BERT_TOTAL_STEPS:08d}"]
 
@@ -119,7 +119,7 @@ def test_a_run_stopped_by_a_signal_on_one_rank_and_resumed_ends_as_if_never_stop
 
     resumed = launch("run_bert.py", 2, *BERT, "--out-dir", csv_dir, "--checkpoint-dir", parts, "--checkpoint-every", 1,
                      "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    check_ok(resumed)
     assert f"resuming from {parts / f'step-{step:08d}'}: epoch {(step - 1) // BERT_STEPS_PER_EPOCH}, " \
            f"after optimizer step {step} of {BERT_TOTAL_STEPS}" in resumed.stdout
     assert step_directories(parts) == [f"step-{s:08d}" for s in (BERT_TOTAL_STEPS - 1, BERT_TOTAL_STEPS)]
