@@ -133,8 +133,8 @@ MUTANTS = {
         "fsdp_mpi/communication/comm.py", 'staged = self.force_staging or (kind != "cpu" and not self.cuda_aware)',
         'staged = kind != "cpu" and not self.cuda_aware', [COLLECTIVES]),
     "staged chunks land in the wrong place": (
-        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(full_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))",
-        "pipeline.copy_in(full_by_rank[:, a:b], recv[a:b].repeat(world).view(world, b - a))", [COLLECTIVES]),
+        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(full_by_rank[:, a:b],",
+        "pipeline.copy_in(full_by_rank[:, :b - a],", [COLLECTIVES]),
     "parameters no rank used keep a zero gradient": (
         "fsdp_mpi/sharding/lifecycle.py", "            self._drop_gradients_no_rank_used()", "            pass", [UNUSED]),
     "a parameter used on one rank only loses its gradient": (
@@ -238,14 +238,15 @@ MUTANTS = {
         "fsdp_mpi/communication/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
         [RANK_ORDER_SUM]),
     "staged reduce-scatter sends every chunk's columns from the first chunk": (
-        "fsdp_mpi/communication/staging.py", "send[world * a:world * b].view(world, b - a), full_by_rank[:, a:b])",
-        "send[world * a:world * b].view(world, b - a), full_by_rank[:, :b - a])", [COLLECTIVES]),
+        "fsdp_mpi/communication/staging.py", "full_by_rank[:, a:b]),\n", "full_by_rank[:, :b - a]),\n", [COLLECTIVES]),
     "staged all-to-all lands every chunk in the first columns": (
         "fsdp_mpi/communication/staging.py", "pipeline.copy_in(received_by_rank[:, a:b],",
         "pipeline.copy_in(received_by_rank[:, :b - a],", [COLLECTIVES]),
-    "staged in-place collectives copy the first chunk back for every chunk": (
-        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(tensor[a:b], host[a:b])",
-        "pipeline.copy_in(tensor[a:b], host[:b - a])", [COLLECTIVES]),
+    "staged in-place collectives copy the ring's first slot back for every chunk": (
+        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(tensor[a:b], host(i, a, b))",
+        "pipeline.copy_in(tensor[a:b], host(0, a, b))", [COLLECTIVES]),
+    "every staged chunk goes through the ring's first slot": (
+        "fsdp_mpi/communication/staging.py", "slot = i % RING_SLOTS", "slot = 0", [COLLECTIVES]),
     "a reduce-scatter cut into messages sends the first message's columns each time": (
         "fsdp_mpi/communication/comm.py",
         "self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)",

@@ -11,7 +11,8 @@ Wang et al., ISC 2011)::
     copy stream:                in 0   in 1   in 2   in 3
 
 so MPI's work on chunk i overlaps the device-to-host copy of chunk i+1 and the
-host-to-device copy of chunk i-1.
+host-to-device copy of chunk i-1. Three chunks are in flight at most, in a ring
+of three chunk-sized host slots: pinned memory is bounded by the chunk size.
 
 The copies run on a stream of their own, which first waits for what the compute
 stream has queued so far; the compute stream then waits, through an event, for
@@ -38,9 +39,16 @@ def chunk_bounds(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_numel, numel)) for start in range(0, max(numel, 1), chunk_numel)]
 
 
+RING_SLOTS = 3  # chunks in flight: one being copied out, one in MPI, one being copied back
+
+
 class StagedCollectives:
     """Runs one communicator's collectives through its reusable host buffers, `chunk_numel` elements per rank
-    at a time; the caller supplies MPI's part for one chunk (``MpiStep``)."""
+    at a time; the caller supplies MPI's part for one chunk (``MpiStep``).
+
+    Each collective's host memory is a ring of ``RING_SLOTS`` chunk-sized slots, chunk i in slot i % 3: the
+    pinned memory a communicator keeps is bounded by the chunk size, whatever the largest message.
+    """
 
     def __init__(self):
         self.buffers = HostStagingBuffers()
@@ -49,50 +57,44 @@ class StagedCollectives:
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, chunk_numel: int, gather: MpiStep) -> None:
         """full (W * S,) <- every rank's shard (S,); ``gather(send (c,), recv (W * c,))`` moves one chunk."""
-        shard_numel = shard.numel()
-        world = full.numel() // shard_numel
-        send = self.buffers.get("all_gather_send", shard_numel, shard.dtype)
-        recv = self.buffers.get("all_gather_recv", full.numel(), full.dtype)  # chunk after chunk, each (W, c)
-        full_by_rank = full.view(world, shard_numel)
-        chunks = chunk_bounds(shard_numel, chunk_numel)
-        with _Pipeline(self, full) as pipeline:
-            copied_out = [pipeline.copy_out(send[a:b], shard[a:b]) for a, b in chunks]
-            for (a, b), wait_until_copied in zip(chunks, copied_out):
-                wait_until_copied()
-                gather(send[a:b], recv[world * a:world * b])
-                pipeline.copy_in(full_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))
+        world = full.numel() // shard.numel()
+        full_by_rank = full.view(world, -1)
+        chunks = chunk_bounds(shard.numel(), chunk_numel)
+        send = self._ring("all_gather_send", chunks, 1, shard.dtype)
+        recv = self._ring("all_gather_recv", chunks, world, full.dtype)
+        self._pipelined(full, chunks,
+                        lambda pipeline, slot, a, b: pipeline.copy_out(send(slot, a, b), shard[a:b]),
+                        lambda slot, a, b: gather(send(slot, a, b), recv(slot, a, b)),
+                        lambda pipeline, slot, a, b: pipeline.copy_in(full_by_rank[:, a:b],
+                                                                      recv(slot, a, b).view(world, b - a)))
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, chunk_numel: int, reduce: MpiStep) -> None:
         """shard (S,) <- the sum over ranks of their part of `full` (W * S,); ``reduce(send (W * c,), recv (c,))``."""
-        shard_numel = shard.numel()
-        world = full.numel() // shard_numel
-        send = self.buffers.get("reduce_scatter_send", full.numel(), full.dtype)  # chunk after chunk, each (W, c)
-        recv = self.buffers.get("reduce_scatter_recv", shard_numel, shard.dtype)
-        full_by_rank = full.view(world, shard_numel)
-        chunks = chunk_bounds(shard_numel, chunk_numel)
-        with _Pipeline(self, full) as pipeline:
-            copied_out = [pipeline.copy_out(send[world * a:world * b].view(world, b - a), full_by_rank[:, a:b])
-                          for a, b in chunks]
-            for (a, b), wait_until_copied in zip(chunks, copied_out):
-                wait_until_copied()
-                reduce(send[world * a:world * b], recv[a:b])
-                pipeline.copy_in(shard[a:b], recv[a:b])
+        world = full.numel() // shard.numel()
+        full_by_rank = full.view(world, -1)
+        chunks = chunk_bounds(shard.numel(), chunk_numel)
+        send = self._ring("reduce_scatter_send", chunks, world, full.dtype)
+        recv = self._ring("reduce_scatter_recv", chunks, 1, shard.dtype)
+        self._pipelined(full, chunks,
+                        lambda pipeline, slot, a, b: pipeline.copy_out(send(slot, a, b).view(world, b - a),
+                                                                       full_by_rank[:, a:b]),
+                        lambda slot, a, b: reduce(send(slot, a, b), recv(slot, a, b)),
+                        lambda pipeline, slot, a, b: pipeline.copy_in(shard[a:b], recv(slot, a, b)))
 
     def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, world: int, chunk_numel: int,
                    exchange: MpiStep) -> None:
         """received (W * K,) <- chunk `rank` of every rank's `sent` (W * K,); ``exchange(send (W * c,), recv (W * c,))``
         moves the same c columns of all W chunks at once."""
-        send = self.buffers.get("all_to_all_send", sent.numel(), sent.dtype)  # chunk after chunk, each (W, c)
-        recv = self.buffers.get("all_to_all_recv", received.numel(), received.dtype)
         sent_by_rank, received_by_rank = sent.view(world, -1), received.view(world, -1)
         chunks = chunk_bounds(sent_by_rank.shape[1], chunk_numel)
-        with _Pipeline(self, sent) as pipeline:
-            copied_out = [pipeline.copy_out(send[world * a:world * b].view(world, b - a), sent_by_rank[:, a:b])
-                          for a, b in chunks]
-            for (a, b), wait_until_copied in zip(chunks, copied_out):
-                wait_until_copied()
-                exchange(send[world * a:world * b], recv[world * a:world * b])
-                pipeline.copy_in(received_by_rank[:, a:b], recv[world * a:world * b].view(world, b - a))
+        send = self._ring("all_to_all_send", chunks, world, sent.dtype)
+        recv = self._ring("all_to_all_recv", chunks, world, received.dtype)
+        self._pipelined(sent, chunks,
+                        lambda pipeline, slot, a, b: pipeline.copy_out(send(slot, a, b).view(world, b - a),
+                                                                       sent_by_rank[:, a:b]),
+                        lambda slot, a, b: exchange(send(slot, a, b), recv(slot, a, b)),
+                        lambda pipeline, slot, a, b: pipeline.copy_in(received_by_rank[:, a:b],
+                                                                      recv(slot, a, b).view(world, b - a)))
 
     def in_place(self, tensor: torch.Tensor, chunk_numel: int, step: MpiStep, *, send: bool = True,
                  receive: bool = True, slot: str = "in_place") -> None:
@@ -100,15 +102,39 @@ class StagedCollectives:
 
         `send`: this rank's values are copied out first; `receive`: the result is copied back.
         """
-        host = self.buffers.get(slot, tensor.numel(), tensor.dtype)
         chunks = chunk_bounds(tensor.numel(), chunk_numel)
+        host = self._ring(slot, chunks, 1, tensor.dtype)
+        self._pipelined(tensor, chunks,
+                        lambda pipeline, i, a, b: pipeline.copy_out(host(i, a, b), tensor[a:b]) if send else _nothing,
+                        lambda i, a, b: step(host(i, a, b)),
+                        lambda pipeline, i, a, b: pipeline.copy_in(tensor[a:b], host(i, a, b)) if receive else _nothing)
+
+    def _ring(self, name: str, chunks: list[tuple[int, int]], rows: int, dtype: torch.dtype):
+        """``RING_SLOTS`` host slots of `rows` x the widest chunk; returns (slot, a, b) -> that slot's first
+        rows * (b - a) elements, for chunk [a, b)."""
+        width = max(b - a for a, b in chunks)
+        ring = self.buffers.get(name, RING_SLOTS * rows * width, dtype).view(RING_SLOTS, rows * width)
+        return lambda slot, a, b: ring[slot, :rows * (b - a)]
+
+    def _pipelined(self, tensor: torch.Tensor, chunks: list[tuple[int, int]], copy_out, mpi_step, copy_in) -> None:
+        """Moves the chunks through the ring: copies out run up to ``RING_SLOTS`` chunks ahead of MPI.
+
+        A slot is written again only after the copy back that last read it: on the copy stream a copy out is
+        queued after that copy back, and before MPI fills a slot the host waits for both.
+        """
         with _Pipeline(self, tensor) as pipeline:
-            copied_out = [pipeline.copy_out(host[a:b], tensor[a:b]) if send else _nothing for a, b in chunks]
-            for (a, b), wait_until_copied in zip(chunks, copied_out):
-                wait_until_copied()
-                step(host[a:b])
-                if receive:
-                    pipeline.copy_in(tensor[a:b], host[a:b])
+            copied_out, copied_back = {}, {}
+            for i in range(min(RING_SLOTS, len(chunks))):
+                copied_out[i] = copy_out(pipeline, i, *chunks[i])
+            for i, (a, b) in enumerate(chunks):
+                slot = i % RING_SLOTS
+                copied_out.pop(i)()
+                if i >= RING_SLOTS:
+                    copied_back.pop(i - RING_SLOTS)()
+                mpi_step(slot, a, b)
+                copied_back[i] = copy_in(pipeline, slot, a, b)
+                if (ahead := i + RING_SLOTS) < len(chunks):
+                    copied_out[ahead] = copy_out(pipeline, slot, *chunks[ahead])
 
     def copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
         if device not in self._copy_streams:
@@ -150,13 +176,17 @@ class _Pipeline:
             copied.record(self.copy)
         return copied.synchronize
 
-    def copy_in(self, target: torch.Tensor, host: torch.Tensor) -> None:
-        """Copies `host` into `target` (on the copy stream: the compute stream waits for it at the end)."""
+    def copy_in(self, target: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
+        """Starts copying `host` into `target` (on the copy stream: the compute stream waits for it at the end);
+        returns what waits until `host` has been read."""
         if not self.cuda:
             target.copy_(host)
-            return
+            return _nothing
         with torch.cuda.stream(self.copy):
             target.copy_(host, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.copy)
+        return copied.synchronize
 
     def __exit__(self, *_exception) -> None:
         if self.cuda:
