@@ -271,9 +271,6 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py",
         'if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:',
         "if False:", [PREFETCH]),
-    "the re-forward of activation checkpointing is taken for a new forward": (
-        "fsdp_mpi/sharding/lifecycle.py", "        if self.state is TrainingState.BACKWARD:\n            # Activation",
-        "        if False:\n            # Activation", [SWITCHES]),
 }
 
 

@@ -24,6 +24,7 @@ def test_every_switch_does_what_it_says(tmp_path):
     # Checkpointing recomputes each of the two blocks' attention in backward.
     assert report["checkpointing_False_attention_calls"] == 2
     assert report["checkpointing_True_attention_calls"] == 4
+    assert report["checkpointing_True_collectives"] == report["checkpointing_False_collectives"] > 0
     # Forced staging goes through host buffers; a 7-element limit splits each unit's gather into pieces.
     assert report["staged_allgather_calls_in_forward"] == 3
     assert report["staged_staging_slots"] == ["all_gather_recv", "all_gather_send", "broadcast"]

@@ -88,14 +88,17 @@ def main(comm: Communicator) -> dict:
         report[f"async_{asynchronous}_running_at_each_reduction"] = reductions.seen
         report[f"async_{asynchronous}_running_after_backward"] = running()
 
-    # Activation checkpointing: each block's attention runs once in forward, once more in backward.
+    # Activation checkpointing: each block's attention runs once in forward, once more in backward, where the
+    # re-run finds its unit gathered for backward: no collective more than without checkpointing.
     for checkpointing in (False, True):
         model = build(comm, checkpointing=checkpointing)
         calls = []
         for block in model.transformer.h:
             block.attn.register_forward_hook(lambda *_: calls.append(1))
+        collectives_before = comm.collectives_started
         step(model, comm).backward()
         report[f"checkpointing_{checkpointing}_attention_calls"] = len(calls)
+        report[f"checkpointing_{checkpointing}_collectives"] = comm.collectives_started - collectives_before
 
     # Forced staging copies through host buffers; a message limit of 7 elements splits every gather.
     for name, communicator in (("staged", Communicator(force_staging=True)), ("chunked", Communicator(node_transport=False))):
