@@ -53,3 +53,51 @@ def test_policy_dtypes_must_be_floating_point():
         MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(TypeError, match="reduce_dtype must be a floating-point torch.dtype"):
         MixedPrecision(reduce_dtype="bf16")
+
+
+@pytest.mark.one_rank
+def test_inputs_and_outputs_keep_their_containers_types_under_mixed_precision():
+    """A Hugging Face-like batch (a UserDict, a dict subclass with its own attributes, a dataclass, a named
+    tuple) reaches a wrapped unit with its floating-point tensors cast to bf16 and every container's type kept;
+    a ModelOutput-like dict subclass going out still gets the hooks that start the unit's backward."""
+    import collections
+    import dataclasses
+
+    from fsdp_mpi import Communicator, FullyShardedDataParallel
+
+    class Encoding(collections.UserDict):
+        pass
+
+    class Tagged(dict):
+        def __init__(self, *args, tag=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.tag = tag
+
+    @dataclasses.dataclass
+    class Extra:
+        scale: torch.Tensor
+        steps: int = 3
+
+    Pair = collections.namedtuple("Pair", "values ids")
+
+    class Output(dict):
+        pass
+
+    class Seen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, encoding, tagged, extra, pair):
+            self.seen = (type(encoding), type(tagged), tagged.tag, type(extra), extra.steps, type(pair),
+                         encoding["x"].dtype, tagged["y"].dtype, extra.scale.dtype, pair.values.dtype, pair.ids.dtype)
+            return Output(out=self.linear(encoding["x"]).sum() * extra.scale.sum())
+
+    model = FullyShardedDataParallel(Seen(), comm=Communicator(), mixed_precision=MixedPrecision(torch.bfloat16))
+    output = model(Encoding(x=torch.ones(3, 2)), Tagged(y=torch.ones(1), tag="kept"), Extra(torch.ones(2)),
+                   Pair(torch.ones(1), torch.ones(1, dtype=torch.long)))
+    assert model.module.seen == (Encoding, Tagged, "kept", Extra, 3, Pair, torch.bfloat16, torch.bfloat16,
+                                 torch.bfloat16, torch.bfloat16, torch.long)
+    assert type(output) is Output
+    output["out"].float().backward()
+    assert all(p.grad is not None for p in model.parameters())  # the unit's backward ran: its reduction too

@@ -33,7 +33,6 @@ does the same in backward, and ``async_reduce_scatter`` lets a unit's gradient
 reduction run on while the earlier units' backward goes on (one in flight).
 """
 
-import dataclasses
 import weakref
 from enum import Enum, auto
 
@@ -46,6 +45,7 @@ from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.sharding.execution_order import ExecutionOrder
 from fsdp_mpi.sharding.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tensors
+from fsdp_mpi.sharding.nested import for_each_tensor
 from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
 
 # The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
@@ -336,20 +336,5 @@ def _post_backward_hook(unit: ShardedUnit, handle: FlatParamHandle):
 
 
 def _register_on_output_tensors(output, hook) -> None:
-    """Registers `hook` on every tensor in `output` that needs a gradient.
-
-    Outputs may nest tuples (named or not), lists, dicts (Hugging Face's
-    ``ModelOutput`` is one) and dataclasses.
-    """
-    if isinstance(output, torch.Tensor):
-        if output.requires_grad:
-            output.register_hook(hook)
-    elif isinstance(output, (tuple, list)):
-        for item in output:
-            _register_on_output_tensors(item, hook)
-    elif isinstance(output, dict):
-        for item in output.values():
-            _register_on_output_tensors(item, hook)
-    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
-        for field in dataclasses.fields(output):
-            _register_on_output_tensors(getattr(output, field.name), hook)
+    """Registers `hook` on every tensor nested in `output` that needs a gradient."""
+    for_each_tensor(lambda tensor: tensor.register_hook(hook) if tensor.requires_grad else None, output)

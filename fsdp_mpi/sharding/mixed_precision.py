@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_mpi.sharding.nested import map_tensors
+
 
 @dataclass(frozen=True)
 class MixedPrecision:
@@ -39,13 +41,5 @@ class MixedPrecision:
 
 
 def cast_floating_tensors(value, dtype: torch.dtype):
-    """`value` with every floating-point tensor in it (nested in tuples, lists, dicts) cast to `dtype`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(cast_floating_tensors(item, dtype) for item in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(cast_floating_tensors(item, dtype) for item in value)
-    if isinstance(value, dict):
-        return {key: cast_floating_tensors(item, dtype) for key, item in value.items()}
-    return value
+    """`value` with every floating-point tensor nested in it cast to `dtype`, each container keeping its type."""
+    return map_tensors(lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor, value)
