@@ -72,7 +72,7 @@ from measuring.bench_worker import median_of_known
 from measuring.breakdown import PARTS
 from training.strategies import compression_from_option
 
-from models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precision
 

@@ -13,8 +13,8 @@ from mpi_launch import REPO_ROOT, mpiexec
 from torch import nn
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
-from models.bert import BertForPreTraining, BertLayer, bert_config
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.bert import BertForPreTraining, BertLayer, bert_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 from training.recipe import optimizer_and_schedule, parameter_groups
 from training.results import COLUMNS, STEP_COLUMNS
 from training.sampling import Batching, epoch_steps, total_optimizer_steps

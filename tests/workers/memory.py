@@ -4,7 +4,7 @@ import torch
 from common import gpt_batch, local_part, output_path, write_json
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def gathered_units(units) -> list[int]:
