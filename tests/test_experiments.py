@@ -362,7 +362,8 @@ def test_compare_rejects_bad_input(tmp_path):
 @pytest.mark.one_mpi
 @needs_data
 @pytest.mark.parametrize("args,message", [
-    (["--data-dir", "/nonexistent/data", "--no-download"], "missing data file /nonexistent/data/tinyshakespeare/input.txt"),
+    (["--tokenizer", "gpt2", "--data-dir", "/nonexistent/data", "--no-download"],
+     "missing data file /nonexistent/data/tokenizers/gpt2/vocab.json"),
     (["--model", "gpt3"], "invalid choice: 'gpt3'"),
     (["--strategy", "horovod"], "invalid choice: 'horovod'"),
     (["--strategy", "lightning-fsdp"], "lightning-fsdp needs a GPU"),
