@@ -1,4 +1,5 @@
-"""The layout's import arrows, read from the source (no MPI, nothing imported).
+"""The layout's import arrows, read from the source (no MPI, nothing imported), and the front door: README's
+"Use" program runs as written, on 2 ranks.
 
 experiments/ holds entry scripts at its top and library packages below them (corpora -> training -> measuring);
 fsdp_mpi/ is the layer they all stand on and imports none of them. A circle of imports, or an arrow into
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpi_launch import REPO_ROOT
+from mpi_launch import REPO_ROOT, check_ok, run_mpi
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 CORE = REPO_ROOT / "fsdp_mpi"
@@ -169,3 +170,18 @@ def test_the_layer_check_catches_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
     with pytest.raises(AssertionError, match="fsdp_mpi.communication.comm imports fsdp_mpi.sharding.lifecycle"):
         test_fsdp_mpi_layers_import_downwards_in_their_reading_order()
+
+
+def readme_program() -> str:
+    """The first Python block of README.md's "Use" section."""
+    use = (REPO_ROOT / "README.md").read_text().split("\n## Use\n", 1)[1]
+    return use.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readmes_use_program_runs_as_written_on_two_ranks(tmp_path):
+    program = tmp_path / "use.py"
+    program.write_text(readme_program())
+    result = run_mpi(program, 2, cwd=tmp_path, timeout=180)
+    check_ok(result)
+    assert result.stdout.startswith("loss ") and "tensors in the full state dict" in result.stdout, result.stdout
+    assert (tmp_path / "ckpt").is_dir()
