@@ -42,6 +42,7 @@ help:
 run: $(RUN_STAMP)
 	@log=$$(mktemp); $(IN_VENV) mpiexec -n 2 python experiments/run_gpt2.py $(RUN_ARGS) | tee "$$log"; \
 	csv=$$(sed -n 's/^wrote \(.*\.csv\).*/\1/p' "$$log" | tail -n 1); rm -f "$$log"; \
+	[ -n "$$csv" ] || exit 0; \
 	echo; echo "The run's CSV: $$csv (one row per epoch; $${csv%.csv}-steps.csv: one per optimizer step)."; \
 	echo "Its table and figures, in results/report/:"; \
 	echo "  $(VENV)/bin/python experiments/compare.py $$csv $${csv%.csv}-steps.csv"
