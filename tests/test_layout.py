@@ -178,6 +178,7 @@ def readme_program() -> str:
     return use.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.one_mpi  # README's program, not the MPI library: CI's first MPI runs it
 def test_readmes_use_program_runs_as_written_on_two_ranks(tmp_path):
     program = tmp_path / "use.py"
     program.write_text(readme_program())
