@@ -67,12 +67,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from measuring import launch
+from measuring import figures, launch
 from measuring.bench_worker import median_of_known
 from measuring.breakdown import PARTS
 from training.strategies import compression_from_option
 
-from models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precision
 
@@ -264,7 +264,8 @@ def print_breakdown(rows: list[dict]) -> None:
 
 
 def plot_breakdown(rows: list[dict], path: Path, title: str) -> None:
-    """Stacked bars of each strategy's step: fsdp-mpi's parts, plain's compute, the others' step whole."""
+    """Stacked bars of each strategy's step: fsdp-mpi's parts, plain's compute, the others' step whole.
+    Long strategy names are wrapped (figures.wrap) and the figure grows with their lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,27 +274,28 @@ def plot_breakdown(rows: list[dict], path: Path, title: str) -> None:
     measured = [row for row in rows if row.get("step_s") is not None]
     if not measured:
         return
-    figure, axes = plt.subplots(figsize=(7, 0.45 * len(measured) + 2.0))
+
+    def label(row):
+        alone = ", each alone" if row["strategy"] == "plain" and row["ranks"] > 1 else ""
+        return figures.wrap(f"{row['strategy']} ({row['ranks']} rank{'s' if row['ranks'] > 1 else ''}{alone})", 30)
+
+    labels = [label(row) for row in reversed(measured)]
+    label_lines = sum(text.count("\n") + 1 for text in labels)
+    figure, axes = plt.subplots(figsize=(7, 0.16 * label_lines + 0.3 * len(measured) + 2.2), layout="constrained")
     colours = dict(zip([*PARTS, "whole"], ["#4c72b0", "#dd8452", "#c44e52", "#8172b3", "#937860", "#bbbbbb"]))
     labelled = set()
     for position, row in enumerate(reversed(measured)):
         left = 0.0
         for part, seconds in (step_parts(row) or {"whole": row["step_s"]}).items():
-            label = None if part in labelled else PART_LABELS.get(part, "step, not broken down")
+            legend_label = None if part in labelled else PART_LABELS.get(part, "step, not broken down")
             labelled.add(part)
-            axes.barh(position, seconds, left=left, color=colours[part], label=label)
+            axes.barh(position, seconds, left=left, color=colours[part], label=legend_label)
             left += seconds
-    def label(row):
-        alone = ", each alone" if row["strategy"] == "plain" and row["ranks"] > 1 else ""
-        return f"{row['strategy']} ({row['ranks']} rank{'s' if row['ranks'] > 1 else ''}{alone})"
-
-    axes.set_yticks(range(len(measured)), [label(row) for row in reversed(measured)])
+    axes.set_yticks(range(len(measured)), labels, fontsize=8)
     axes.set_xlabel("seconds per step (median over rounds)")
-    axes.set_title(title, fontsize=9)
-    axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3, frameon=False)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    figure.suptitle(figures.wrap(title, 80), fontsize=9)  # centred on the figure, not on the narrower axes
+    figure.legend(fontsize=7, loc="outside lower center", ncol=3, frameon=False)
+    figures.save(figure, path, dpi=90)
 
 
 def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:

@@ -61,7 +61,7 @@ def main() -> None:
     from fsdp_mpi import (FullyShardedDataParallel, ModuleWrapPolicy, full_state_dict, load_checkpoint,
                           save_checkpoint)
     from fsdp_mpi.sharding.lifecycle import units_with_names
-    from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+    from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
     rows = []
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from measuring import figures
 from training.results import COLUMNS, EVAL_COLUMNS, STEP_COLUMNS
 
 GROUP = ["experiment", "model", "device", "strategy", "precision", "world_size"]  # a CPU run never averages with a GPU one
@@ -116,7 +117,8 @@ def plot_scaling(table: pd.DataFrame, out_dir: Path) -> list[Path]:
     for column, title, file_name in (("epoch_time_s", "mean epoch time (s)", "epoch_time.png"),
                                      ("peak_memory_mb", "peak memory per rank (MB)", "peak_memory.png")):
         experiments = sorted(table["experiment"].unique())
-        figure, axes = plt.subplots(1, len(experiments), figsize=(6 * len(experiments), 4.5), squeeze=False)
+        figure, axes = plt.subplots(1, len(experiments), figsize=(8 * len(experiments), 4.5), squeeze=False,
+                                    layout="constrained")
         for axis, experiment in zip(axes[0], experiments):  # one panel per experiment: a line per strategy
             for (model, device, strategy, precision), runs in table[table["experiment"] == experiment].groupby(
                     ["model", "device", "strategy", "precision"]):
@@ -127,12 +129,28 @@ def plot_scaling(table: pd.DataFrame, out_dir: Path) -> list[Path]:
             axis.set_xlabel("ranks")
             axis.set_xticks(sorted(table.loc[table["experiment"] == experiment, "world_size"].unique()))
             axis.set_ylim(bottom=0)
-            axis.legend(fontsize=7)
-        figure.tight_layout()
-        figure.savefig(out_dir / file_name, dpi=120)
-        plt.close(figure)
-        written.append(out_dir / file_name)
+            legend_beside(axis)
+        fit_legends(figure)
+        written.append(figures.save(figure, out_dir / file_name, dpi=120))
     return written
+
+
+LEGEND_WIDTH = 34  # characters per line of a legend entry beside a panel
+
+
+def legend_beside(axis) -> None:
+    """The panel's legend to its right, long labels (a strategy with its switches) wrapped."""
+    handles, labels = axis.get_legend_handles_labels()
+    axis.legend(handles, [figures.wrap(label, LEGEND_WIDTH) for label in labels], fontsize=7,
+                loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
+
+def fit_legends(figure) -> None:
+    """Makes the figure tall enough for its longest legend (7-point lines), so that none runs off its foot."""
+    lines = max((sum(text.get_text().count("\n") + 1 for text in axis.get_legend().get_texts())
+                 for axis in figure.axes if axis.get_legend()), default=0)
+    width, height = figure.get_size_inches()
+    figure.set_size_inches(width, max(height, 0.17 * lines + 1.0))
 
 
 def plot_losses(rows: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> Path:
@@ -146,7 +164,8 @@ def plot_losses(rows: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> Path:
 
     stepped = set(steps["run_id"]) if not steps.empty else set()
     experiments = sorted(rows["experiment"].unique())
-    figure, axes = plt.subplots(1, len(experiments), figsize=(6 * len(experiments), 4.5), squeeze=False)
+    figure, axes = plt.subplots(1, len(experiments), figsize=(8 * len(experiments), 4.5), squeeze=False,
+                                layout="constrained")
     for axis, experiment in zip(axes[0], experiments):
         runs = rows[rows["experiment"] == experiment]
         per_step = runs["run_id"].isin(stepped).any()
@@ -165,11 +184,9 @@ def plot_losses(rows: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> Path:
         axis.set_title(f"{experiment}: loss per {'optimizer step' if per_step else 'epoch'}")
         axis.set_xlabel("optimizer step" if per_step else "epoch")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(out_dir / "loss_curves.png", dpi=120)
-    plt.close(figure)
-    return out_dir / "loss_curves.png"
+        legend_beside(axis)
+    fit_legends(figure)
+    return figures.save(figure, out_dir / "loss_curves.png", dpi=120)
 
 
 def plot_evaluation(rows: pd.DataFrame, out_dir: Path) -> Path:
@@ -180,16 +197,15 @@ def plot_evaluation(rows: pd.DataFrame, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     largest = rows[rows["batch_size"] == rows.groupby("run_id")["batch_size"].transform("max")]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 5), layout="constrained")
     for axis, column, title in ((axes[0], "size_mb", "Weights (MiB)"), (axes[1], "tokens_per_s", "Tokens/s, largest batch")):
         table = largest.pivot_table(index=["run_id", "world_size"], columns="precision", values=column)
-        table.plot.bar(ax=axis, rot=20, fontsize=7)
+        table.plot.bar(ax=axis, rot=0, fontsize=7)
+        axis.set_xticks(range(len(table)), [figures.wrap(f"{run_id}, {ranks} ranks", 22, joints="+,- ")
+                                            for run_id, ranks in table.index], fontsize=7)  # a run id: at its dashes
         axis.set_title(title)
         axis.set_xlabel("")
-    figure.tight_layout()
-    figure.savefig(out_dir / "evaluation.png", dpi=120)
-    plt.close(figure)
-    return out_dir / "evaluation.png"
+    return figures.save(figure, out_dir / "evaluation.png", dpi=120)
 
 
 def main() -> int:

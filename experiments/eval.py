@@ -45,8 +45,8 @@ from training.strategies import node_placement
 
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, PretrainedError,
                       abort_job_on_uncaught_exception, load_pretrained)
-from models.checkpoint import CheckpointError
-from models.gpt2 import Conv1D
+from fsdp_mpi_models.checkpoint import CheckpointError
+from fsdp_mpi_models.gpt2 import Conv1D
 
 EXPERIMENTS = {"gpt2": (run_gpt2.GPT2Task, run_gpt2.GPT2RunConfig, run_gpt2.parser),
                "bert": (run_bert.BertTask, RunConfig, run_bert.parser)}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from measuring.costmodel import Layout, Profile, Unit, step_link_bytes
 
-from models.gpt2 import GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2LMHeadModel, gpt2_config
 
 NODES, RANKS_PER_NODE = 2, 2
 

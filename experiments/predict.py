@@ -36,7 +36,7 @@ from measuring.launch import mpiexec
 from measuring.profiling import (SIZES, PredictError, load_network, load_profile, measure_profile,
                                  profile_from_flops, save_profile, time_collectives)
 
-from models.gpt2 import GPT2_CONFIGS, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, gpt2_config
 
 MiB = 2**20
 

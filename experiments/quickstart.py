@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def copy_task_batch(generator: torch.Generator, batch: int, half: int, vocab: int):

@@ -14,7 +14,7 @@ from corpora.tokenization import BertTokenizer
 from training.options import RunConfig, UsageError, argument_parser
 from training.run import main
 
-from models.bert import BERT_CONFIGS, BertForPreTraining, BertLayer, bert_config
+from fsdp_mpi_models.bert import BERT_CONFIGS, BertForPreTraining, BertLayer, bert_config
 
 
 class BertTask:

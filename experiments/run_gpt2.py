@@ -15,7 +15,7 @@ from corpora.tokenization import CharTokenizer, GPT2Tokenizer, save_description
 from training.options import RunConfig, UsageError, argument_parser
 from training.run import main
 
-from models.gpt2 import GPT2_CONFIGS, GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,8 +15,8 @@ from corpora.tokenization import tokenizer_from_description
 from training.startup import communicator_for_the_run
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
-from models.checkpoint import CheckpointError
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, generate
+from fsdp_mpi_models.checkpoint import CheckpointError
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, generate
 
 
 def main() -> int:

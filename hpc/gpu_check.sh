@@ -32,6 +32,7 @@ if [ -n "${FSDP_MPI_WHEELS:-}" ]; then
         > "$out/install.log" 2>&1 || { echo "install failed: see $out/install.log"; exit 1; }
     site="$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib', vars={'base': '$prefix', 'platbase': '$prefix'}))")"
     export PATH="$prefix/bin:$PATH" PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    ln -sfn "$PWD/models" "$site/fsdp_mpi_models"  # the checkout's models/ under the name setup.cfg installs
     export FSDP_MPI_MPIEXEC="$prefix/bin/mpiexec"  # not an mpiexec that the image may have beside its Python
     libmpi="$prefix/lib/libmpi.so.12"
     PY=python3

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.checkpoint import load_into, read_checkpoint, save
-from models.initialization import finish_construction
+from .checkpoint import load_into, read_checkpoint, save
+from .initialization import finish_construction
 
 IGNORE_INDEX = -100  # masked-LM labels of positions that are not predicted
 

@@ -219,3 +219,29 @@ def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(mo
     assert results.job_peak_flops(Ranks("cuda:0", "cuda:1"), gpu, "bf16-mixed") == 2 * 989e12
     assert results.job_peak_flops(Ranks("cuda:0"), gpu, "32") == 67e12
     assert restarted == [gpu] * 3
+
+
+def test_the_breakdown_figure_keeps_the_longest_strategy_name_and_everything_else_inside(tmp_path, monkeypatch):
+    """A long name used to squeeze the bars to a sliver and push the title, axis label and legend off the figure:
+    labels are wrapped now, and every text lies inside the figure (its layout, not its pixels)."""
+    import bench
+    from measuring import figures
+    from measuring.breakdown import PARTS
+
+    longest = "+".join(["fsdp-mpi", *bench.OVERLAP, bench.COMPILE, bench.THROUGH_MPI, max(bench.SHARDING, key=len),
+                        bench.COMPRESSION + "int8/bf16"])
+    rows = [{"strategy": "plain", "ranks": 1, "step_s": 1.0, "compute_s": None},
+            {"strategy": "plain", "ranks": 2, "step_s": 1.1},
+            {"strategy": longest, "ranks": 2, "step_s": 1.2, **dict.fromkeys(PARTS, 0.24)},
+            {"strategy": "fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter", "ranks": 2,
+             "step_s": 1.15, **dict.fromkeys(PARTS, 0.23)},
+            {"strategy": "lightning-ddp", "ranks": 2, "step_s": 1.3}]
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda figure, path, dpi: drawn.append(figure))
+    bench.plot_breakdown(rows, tmp_path / "breakdown.png", "gpt2-seed, batch 4 x 128 per rank, 5 rounds of 3 steps, "
+                                                          "MPICH 5.0.2, torch 2.13.0 CPU, 1 thread per rank, medians")
+    figure, = drawn
+    assert figures.outside_the_figure(figure) == []
+    axes = figure.axes[0]
+    assert axes.get_window_extent().width > 0.45 * figure.bbox.width  # the bars, not the labels, take the width
+    assert {text.get_text().replace("\n", "") for text in axes.get_yticklabels()} >= {f"{longest} (2 ranks)"}

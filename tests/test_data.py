@@ -1,5 +1,7 @@
 """Data for the experiments: where files come from, per-rank slices, masking, labels, tokenizers."""
 
+import gzip
+import hashlib
 import io
 import os
 import zipfile
@@ -84,10 +86,28 @@ def test_masking_ratios_and_next_sentence_balance():
 
 def test_missing_file_without_download_says_where_to_put_it(tmp_path):
     with pytest.raises(DataError) as error:
-        data_file(tmp_path, "tinyshakespeare/input.txt", download=False)
+        data_file(tmp_path, "tokenizers/gpt2/vocab.json", download=False)
     message = str(error.value)
-    assert str(tmp_path / "tinyshakespeare/input.txt") in message
-    assert "raw.githubusercontent.com/karpathy/char-rnn" in message and "--data-dir" in message
+    assert str(tmp_path / "tokenizers/gpt2/vocab.json") in message
+    assert files.SOURCES["tokenizers/gpt2/vocab.json"] in message and "--data-dir" in message
+
+
+TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # char-rnn's input.txt
+
+
+def test_tiny_shakespeare_is_embedded_byte_for_byte_and_read_without_a_data_directory(tmp_path):
+    embedded = files.EMBEDDED["tinyshakespeare/input.txt"]
+    assert hashlib.sha256(gzip.decompress(embedded.read_bytes())).hexdigest() == TINY_SHAKESPEARE_SHA256
+    tokenizer, train, val = shakespeare_windows(tmp_path, CharTokenizer.from_text, 32, download=False)
+    assert tokenizer.vocab_size == 65 and tokenizer.decode(train.windows[0].tolist()).startswith("First Citizen")
+    assert not list(tmp_path.iterdir())  # nothing fetched or written
+
+
+def test_a_data_directorys_own_tiny_shakespeare_is_read_instead(tmp_path):
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare/input.txt").write_text("abcd" * 100)
+    tokenizer, _, _ = shakespeare_windows(tmp_path, CharTokenizer.from_text, 8, download=False)
+    assert tokenizer.characters == "abcd"
 
 
 def test_download_extracts_cornell_files_from_the_zip(tmp_path, monkeypatch):

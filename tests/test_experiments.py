@@ -13,8 +13,8 @@ from mpi_launch import REPO_ROOT, check_ok, mpiexec
 from torch import nn
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
-from models.bert import BertForPreTraining, BertLayer, bert_config
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.bert import BertForPreTraining, BertLayer, bert_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 from training.recipe import optimizer_and_schedule, parameter_groups
 from training.results import COLUMNS, STEP_COLUMNS
 from training.sampling import Batching, epoch_steps, total_optimizer_steps
@@ -362,7 +362,8 @@ def test_compare_rejects_bad_input(tmp_path):
 @pytest.mark.one_mpi
 @needs_data
 @pytest.mark.parametrize("args,message", [
-    (["--data-dir", "/nonexistent/data", "--no-download"], "missing data file /nonexistent/data/tinyshakespeare/input.txt"),
+    (["--tokenizer", "gpt2", "--data-dir", "/nonexistent/data", "--no-download"],
+     "missing data file /nonexistent/data/tokenizers/gpt2/vocab.json"),
     (["--model", "gpt3"], "invalid choice: 'gpt3'"),
     (["--strategy", "horovod"], "invalid choice: 'horovod'"),
     (["--strategy", "lightning-fsdp"], "lightning-fsdp needs a GPU"),
@@ -441,3 +442,40 @@ def test_model_saved_from_two_ranks_samples_text(tmp_path):
                             capture_output=True, text=True, timeout=120)
     check_ok(result)
     assert result.stdout.startswith("ROMEO:") and len(result.stdout.rstrip("\n")) == len("ROMEO:") + 20
+
+
+@pytest.mark.one_mpi
+def test_compare_figures_keep_the_longest_strategy_name_and_everything_else_inside(tmp_path, monkeypatch):
+    """Legends beside the panels, long names wrapped, the figure as tall as its longest legend: every text lies
+    inside the figure (its layout, not its pixels), and the panels keep most of the width."""
+    import pandas as pd
+
+    import compare
+    from measuring import figures
+
+    longest = "fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter"
+    strategies = [longest, "lightning-fsdp-mpi", "ddp", "torch-fsdp", "fsdp-mpi"]
+    runs = pd.DataFrame([
+        {"run_id": f"gpt2-{strategy}-n{n}-{i}{n}", "experiment": "gpt2", "model": "gpt2-tiny", "device": "cpu",
+         "strategy": strategy, "precision": "bf16-mixed", "world_size": n, "epoch": epoch, "steps": 3,
+         "train_loss": 4.0 - epoch, "val_loss": 4.1 - epoch, "epoch_time_s": 10.0 / n, "peak_memory_mb": 300.0 / n}
+        for i, strategy in enumerate(strategies) for n in (1, 2) for epoch in range(2)])
+    steps = pd.DataFrame([{"run_id": run_id, "step": step, "train_loss": 4.0 - step / 6}
+                          for run_id in runs["run_id"].unique() for step in range(1, 7)])
+    evaluation = pd.DataFrame([{"run_id": f"gpt2-{longest}-n2-abc123", "world_size": 2, "batch_size": 8,
+                                "precision": precision, "size_mb": 1.0, "tokens_per_s": 100.0}
+                               for precision in ("fp32", "bf16", "int8")])
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda figure, path, dpi: drawn.setdefault(path.name, figure) and path)
+    compare.plot_scaling(runs.groupby(compare.GROUP, as_index=False)[["epoch_time_s", "peak_memory_mb"]].mean(),
+                         tmp_path)
+    compare.plot_losses(runs, steps, tmp_path)
+    compare.plot_evaluation(evaluation, tmp_path)
+    assert sorted(drawn) == ["epoch_time.png", "evaluation.png", "loss_curves.png", "peak_memory.png"]
+    for name, figure in drawn.items():
+        assert figures.outside_the_figure(figure) == [], name
+        widest = max(axis.get_window_extent().width for axis in figure.axes)
+        assert widest > 0.4 * figure.bbox.width / len(figure.axes), name
+        legends = [text.get_text().replace("\n", "") for axis in figure.axes if axis.get_legend()
+                   for text in axis.get_legend().get_texts()]
+        assert name == "evaluation.png" or any(longest in text for text in legends), (name, legends)

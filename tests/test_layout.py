@@ -1,16 +1,19 @@
-"""The layout's import arrows, read from the source (no MPI, nothing imported).
+"""The layout's import arrows, read from the source (no MPI, nothing imported), and the front door: README's
+"Use" program runs as written, on 2 ranks.
 
 experiments/ holds entry scripts at its top and library packages below them (corpora -> training -> measuring);
 fsdp_mpi/ is the layer they all stand on and imports none of them. A circle of imports, or an arrow into
-experiments/ or models/ from fsdp_mpi/, fails here with the modules named.
+experiments/ or models/ from fsdp_mpi/, fails here with the modules named. setup.cfg installs fsdp_mpi's packages
+and models/ as fsdp_mpi_models; a package folder it leaves out would be missing from an installed (not editable) copy.
 """
 
 import ast
+import configparser
 import sys
 from pathlib import Path
 
 import pytest
-from mpi_launch import REPO_ROOT
+from mpi_launch import REPO_ROOT, check_ok, run_mpi
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 CORE = REPO_ROOT / "fsdp_mpi"
@@ -97,7 +100,7 @@ def test_experiments_packages_import_one_way_and_never_an_entry_script():
 
 
 def test_fsdp_mpi_never_imports_experiments_or_models():
-    outside = {"experiments", "models"} | {name.split(".")[0] for name in experiments_graph()}
+    outside = {"experiments", "models", "fsdp_mpi_models"} | {name.split(".")[0] for name in experiments_graph()}
     offending = {}
     for path in CORE.rglob("*.py"):
         names = {name.split(".")[0] for name in imported_names(path, REPO_ROOT)}
@@ -105,6 +108,18 @@ def test_fsdp_mpi_never_imports_experiments_or_models():
             offending[str(path.relative_to(REPO_ROOT))] = sorted(names & outside)
     assert list(CORE.rglob("*.py")), CORE
     assert not offending, f"fsdp_mpi/ must stand alone: {offending}"
+
+
+def test_setup_cfg_installs_every_package_and_the_models_under_the_projects_name():
+    setup = configparser.ConfigParser()
+    setup.read(REPO_ROOT / "setup.cfg")
+    listed = set(setup["options"]["packages"].split())
+    mappings = [line.replace(" ", "").split("=") for line in setup["options"]["package_dir"].splitlines()]
+    package_dir = dict(mapping for mapping in mappings if mapping != [""])
+    folders = {".".join(path.parent.relative_to(REPO_ROOT).parts) for path in CORE.rglob("__init__.py")}
+    assert listed == folders | {"fsdp_mpi_models"}, f"setup.cfg's packages {sorted(listed)}, the folders {sorted(folders)}"
+    assert package_dir == {"fsdp_mpi_models": "models"}, package_dir
+    assert (REPO_ROOT / "models" / "__init__.py").is_file()
 
 
 def test_every_entry_script_says_what_it_is_for_and_is_listed():
@@ -155,3 +170,19 @@ def test_the_layer_check_catches_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
     with pytest.raises(AssertionError, match="fsdp_mpi.communication.comm imports fsdp_mpi.sharding.lifecycle"):
         test_fsdp_mpi_layers_import_downwards_in_their_reading_order()
+
+
+def readme_program() -> str:
+    """The first Python block of README.md's "Use" section."""
+    use = (REPO_ROOT / "README.md").read_text().split("\n## Use\n", 1)[1]
+    return use.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.one_mpi  # README's program, not the MPI library: CI's first MPI runs it
+def test_readmes_use_program_runs_as_written_on_two_ranks(tmp_path):
+    program = tmp_path / "use.py"
+    program.write_text(readme_program())
+    result = run_mpi(program, 2, cwd=tmp_path, timeout=180)
+    check_ok(result)
+    assert result.stdout.startswith("loss ") and "tensors in the full state dict" in result.stdout, result.stdout
+    assert (tmp_path / "ckpt").is_dir()

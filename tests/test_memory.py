@@ -10,7 +10,7 @@ import pytest
 import torch
 from mpi_launch import REPO_ROOT, check_ok, mpiexec, run_mpi
 
-from models.gpt2 import GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2LMHeadModel, gpt2_config
 
 
 _reports: dict[int, dict] = {}  # one run of the worker per rank count serves every test below

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from models.bert import BertForPreTraining, BertForSequenceClassification, bert_config
-from models.checkpoint import CheckpointError
-from models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, generate, gpt2_config
+from fsdp_mpi_models.bert import BertForPreTraining, BertForSequenceClassification, bert_config
+from fsdp_mpi_models.checkpoint import CheckpointError
+from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, generate, gpt2_config
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-5

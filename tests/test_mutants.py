@@ -277,6 +277,9 @@ MUTANTS = {
 def copy_of_repository(destination: Path) -> Path:
     ignored = shutil.ignore_patterns(".git", ".venv*", "results", "runs", "__pycache__", "*.egg-info", ".pytest_cache")
     shutil.copytree(REPO, destination, ignore=ignored)
+    # The installed project maps fsdp_mpi_models to the checkout's models/ (setup.cfg): in the copy that name
+    # must reach the copy's models/, or a mutant there would go untested. The copy's root comes first on sys.path.
+    (destination / "fsdp_mpi_models").symlink_to("models", target_is_directory=True)
     return destination
 
 

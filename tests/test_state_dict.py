@@ -8,7 +8,7 @@ import torch
 from mpi_launch import check_ok, run_mpi
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy, summon_full_params
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def plain_and_wrapped():

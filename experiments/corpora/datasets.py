@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corpora.files import DataError, data_file, read_cornell, read_text
+from corpora.files import DataError, corpus_file, read_cornell, read_text
 
 IGNORE_INDEX = -100
 IS_NEXT, NOT_NEXT = 0, 1  # Hugging Face's next-sentence label convention
@@ -44,8 +44,9 @@ class TokenWindows:
 
 
 def shakespeare_windows(data_dir, tokenizer_factory, seq_len: int, download: bool = True):
-    """(tokenizer, train windows, validation windows) for Tiny Shakespeare."""
-    text = read_text(data_file(data_dir, "tinyshakespeare/input.txt", download))
+    """(tokenizer, train windows, validation windows) for Tiny Shakespeare (the data directory's copy where it has
+    one, else the embedded copy)."""
+    text = read_text(corpus_file(data_dir, "tinyshakespeare/input.txt", download))
     tokenizer = tokenizer_factory(text)
     split = int(len(text) * 0.9)
     parts = []

@@ -1,18 +1,23 @@
 """Where the corpora and vocabularies come from, and how they are read.
 
+Tiny Shakespeare ships with the repository (``data/tinyshakespeare.txt.gz`` beside
+this file), so that the default GPT-2 run needs no data directory and no network;
+a data directory's own ``tinyshakespeare/input.txt`` is read instead where it has one.
+
 Lookup order for the data directory: ``--data-dir``, then ``$FSDP_MPI_DATA_DIR``,
 then ``~/.cache/fsdp_mpi/data`` (``$XDG_CACHE_HOME`` respected). A file missing
 there is downloaded from its public source when the machine is online;
 otherwise the error names the file and where to put it. The layout is the one
 of the repository's ``shared/data``::
 
-    tinyshakespeare/input.txt
+    tinyshakespeare/input.txt                         (optional: the embedded copy otherwise)
     cornell_movie_dialogs/movie_lines.txt             (or movie_lines.PARTIAL_first_1885_lines.txt)
     cornell_movie_dialogs/movie_conversations.txt
     tokenizers/gpt2/vocab.json, tokenizers/gpt2/merges.txt
     tokenizers/bert-base-uncased/vocab.txt
 """
 
+import gzip
 import io
 import os
 import urllib.request
@@ -22,10 +27,11 @@ from pathlib import Path
 
 DATA_DIR_ENV = "FSDP_MPI_DATA_DIR"
 
+# Corpora that ship with the repository (data/README.md says where from): used when the data directory lacks them.
+EMBEDDED = {"tinyshakespeare/input.txt": Path(__file__).parent / "data" / "tinyshakespeare.txt.gz"}
+
 _CORNELL_ZIP = "https://www.cs.cornell.edu/~cristian/data/cornell_movie_dialogs_corpus.zip"
 SOURCES = {
-    "tinyshakespeare/input.txt":
-        "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
     "tokenizers/gpt2/vocab.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
     "tokenizers/gpt2/merges.txt": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
     "tokenizers/bert-base-uncased/vocab.txt": "https://huggingface.co/bert-base-uncased/resolve/main/vocab.txt",
@@ -81,10 +87,22 @@ def data_file(data_dir: Path, relative: str, download: bool = True) -> Path:
                     f"or point --data-dir or ${DATA_DIR_ENV} at a directory that has {relative}")
 
 
+def corpus_file(data_dir: Path, relative: str, download: bool = True) -> Path:
+    """The data directory's `relative` where it has one, else the embedded copy, else ``data_file``'s."""
+    if relative in EMBEDDED and not (data_dir / relative).is_file():
+        return EMBEDDED[relative]
+    return data_file(data_dir, relative, download)
+
+
 def read_text(path: Path) -> str:
-    """A UTF-8 text file's contents; a clear error if it is empty or not UTF-8."""
+    """A UTF-8 text file's contents (gzip-compressed where its name ends in .gz); a clear error if it is empty
+    or not UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                text = f.read()
+        else:
+            text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise DataError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from error
     if not text.strip():

@@ -27,7 +27,7 @@ from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
 from training.strategies import PRECISIONS, Prepared, compression_from_option, node_placement, prepare, torch_amp
 
 from fsdp_mpi import Communicator, ShardingStrategy
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def arguments():

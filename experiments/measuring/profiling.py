@@ -12,7 +12,7 @@ from pathlib import Path
 
 from measuring.costmodel import MeasuredNetwork, Profile, Unit
 
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 class PredictError(Exception):

@@ -25,7 +25,7 @@ from training.strategies import TORCH_DISTRIBUTED, node_placement
 
 from fsdp_mpi import CheckpointError as ShardedCheckpointError
 from fsdp_mpi import Communicator, abort_job_on_uncaught_exception
-from models.checkpoint import CheckpointError
+from fsdp_mpi_models.checkpoint import CheckpointError
 
 
 def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParser, experiment: str) -> int:

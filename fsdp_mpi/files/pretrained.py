@@ -40,7 +40,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, key_map=None, may
         model: a FullyShardedDataParallel model (possibly initialised on meta).
         path: a ``.safetensors`` file or a directory holding ``model.safetensors`` or ``model.safetensors.index.json``.
         key_map: maps a checkpoint key to the model's name for it, or to None to skip it
-            (e.g. ``models.gpt2.checkpoint_key_to_name``); identity by default.
+            (e.g. ``fsdp_mpi_models.gpt2.checkpoint_key_to_name``); identity by default.
         may_be_missing: name prefixes that may be absent (a fresh task head keeps its initial values).
 
     Every rank must call it. Raises PretrainedError naming every missing,

@@ -5,7 +5,7 @@ import sys
 from torch import nn
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
-from models.gpt2 import GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2LMHeadModel, gpt2_config
 
 if __name__ == "__main__":
     comm = Communicator()

@@ -23,8 +23,8 @@ from common import gpt_batch, local_part, write_json
 from fsdp_mpi import (CheckpointError, Communicator, FullyShardedDataParallel, ModuleWrapPolicy, export_pretrained,
                       full_state_dict, load_checkpoint, load_pretrained, save_checkpoint)
 from fsdp_mpi.files.safetensors_file import SafetensorsWriter
-from models.bert import BertForPreTraining, BertLayer, bert_config
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, checkpoint_key_to_name, config_to_hf, gpt2_config
+from fsdp_mpi_models.bert import BertForPreTraining, BertLayer, bert_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, checkpoint_key_to_name, config_to_hf, gpt2_config
 
 GPT2 = gpt2_config("gpt2-tiny", dropout=0.1)
 

@@ -37,7 +37,7 @@ from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, Modul
                       full_state_dict)
 from fsdp_mpi.communication.compression import codec, compressed_all_reduce_sum_
 from fsdp_mpi.sharding.lifecycle import units_with_names
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 from measuring.costmodel import Layout, Profile, collectives  # noqa: E402

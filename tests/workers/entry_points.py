@@ -81,7 +81,7 @@ def call(comm, sharded, plain, name: str, ours_call, plain_call, backward: bool,
 
 
 def gpt2_cases(comm: Communicator) -> dict:
-    from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+    from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
     torch.manual_seed(0)
     plain = GPT2LMHeadModel(gpt2_config("gpt2-tiny", dropout=0.0)).double()

@@ -49,13 +49,13 @@ U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
 # ----------------------------------------------------------------- models, batches and losses
 
 def our_gpt2():
-    from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+    from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
     model = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
     return model, {GPT2Block}, lambda step: gpt_batch(step, model.config.vocab_size), lambda m, *b: m(*b)[1]
 
 
 def our_bert():
-    from models.bert import BertForPreTraining, BertLayer, bert_config
+    from fsdp_mpi_models.bert import BertForPreTraining, BertLayer, bert_config
     config = bert_config("bert-tiny", vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return (BertForPreTraining(config), {BertLayer}, lambda step: bert_batch(step, config.vocab_size),
             lambda m, *b: m(*b)[-1])

@@ -6,7 +6,7 @@ import torch
 from common import gpt_batch
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 if __name__ == "__main__":
     comm = Communicator()

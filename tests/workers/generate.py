@@ -1,6 +1,6 @@
 """Sampling from wrapped models, and what a wrapped model looks like from outside (run under mpiexec).
 
-Our GPT-2 goes through models.gpt2.generate (which calls the wrapper); Hugging Face's
+Our GPT-2 goes through fsdp_mpi_models.gpt2.generate (which calls the wrapper); Hugging Face's
 GPT2LMHeadModel through its own generate(), which calls the inner model directly,
 reads its embeddings and its device: the hooks on the wrapped module must gather.
 """
@@ -11,7 +11,7 @@ import torch
 from common import output_path, write_json
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, generate, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, generate, gpt2_config
 
 
 def views_report(plain, sharded, comm: Communicator) -> dict:

@@ -22,7 +22,7 @@ from common import output_path, write_json
 
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, clip_grad_norm_, even_batches,
                       full_state_dict)
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def gpt2(comm: Communicator, **options) -> FullyShardedDataParallel:

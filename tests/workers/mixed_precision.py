@@ -9,7 +9,7 @@ from common import gpt_batch, local_part, output_path, write_json
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, ShardedGradScaler,
                       full_state_dict, summon_full_params)
 from fsdp_mpi.sharding.lifecycle import units_with_names
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def build(comm, mixed_precision=None):

@@ -20,7 +20,7 @@ from equivalence import run
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
 from fsdp_mpi.sharding.strategy import ShardGroups
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 from measuring.bench_worker import bytes_each_node_sends  # noqa: E402

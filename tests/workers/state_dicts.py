@@ -14,7 +14,7 @@ from gradients import compare_gradients, full_gradients, reference_gradients
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy,
                       full_state_dict, summon_full_params)
 from fsdp_mpi.sharding.lifecycle import units_with_names
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def gpt2(seed: int) -> GPT2LMHeadModel:

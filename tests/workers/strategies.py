@@ -16,7 +16,7 @@ from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, Modul
                       full_state_dict, load_checkpoint, save_checkpoint)
 from fsdp_mpi.sharding.lifecycle import units_with_names
 from fsdp_mpi.sharding.strategy import HYBRID_GROUP_SIZE_ENV, ShardGroups
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 GROUP = 2
 STRATEGIES = {

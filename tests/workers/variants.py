@@ -14,7 +14,7 @@ import torch
 from common import gpt_batch, local_part, output_path, write_json
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
-from models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def train(model, comm: Communicator, strategy=ShardingStrategy.FULL_SHARD, **overlap) -> dict:

