@@ -212,7 +212,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         self.comm.barrier()
 
     def broadcast(self, obj, src: int = 0):
-        return self.comm.allgather_object(obj)[src]  # small objects (paths, flags): one collective, as elsewhere
+        return self.comm.broadcast_object(obj, root=src)
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
         """Sums (or averages, Lightning's default) a tensor over the ranks, e.g. a metric logged with sync_dist."""

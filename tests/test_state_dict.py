@@ -20,6 +20,21 @@ def plain_and_wrapped():
 
 
 @pytest.mark.one_rank
+def test_state_dict_arguments_are_torchs_or_refused_with_the_reason():
+    plain, wrapped = plain_and_wrapped()
+    names = list(wrapped.state_dict())
+    into = {}
+    assert wrapped.state_dict(into, "model.") is into and list(into) == [f"model.{name}" for name in names]
+    assert list(wrapped.state_dict(prefix="p.")) == [f"p.{name}" for name in names]
+    with pytest.raises(ValueError, match="keep_vars=True.*gathered copies"):
+        wrapped.state_dict(keep_vars=True)
+    with pytest.raises(TypeError, match="at most 2 positional"):
+        wrapped.state_dict({}, "", True)
+    with pytest.raises(ValueError, match="assign=True.*views of its flat shards"):
+        wrapped.load_state_dict(plain.state_dict(), assign=True)
+
+
+@pytest.mark.one_rank
 def test_state_dict_has_original_names_and_values():
     plain, wrapped = plain_and_wrapped()
     expected = plain.state_dict()

@@ -19,7 +19,7 @@ from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.sharding.deferred_init import is_deferred, materialize_into_shards
 from fsdp_mpi.communication.gpu_support import report_device_path_once
 from fsdp_mpi.communication.host_memory import keep_freed_host_memory_for_reuse
-from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, TrainingState, modules_outside_units,
+from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, modules_outside_units,
                                 original_name, units_with_names)
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
 from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict
@@ -166,10 +166,6 @@ class FullyShardedDataParallel(nn.Module):
         return self._unit.handles
 
     @property
-    def training_state(self) -> TrainingState:
-        return self._unit.state
-
-    @property
     def comm(self) -> Communicator:
         return self._unit.comm
 
@@ -197,15 +193,31 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The full, unsharded state dict with the original parameter names, on rank 0 only.
 
-        Other ranks get an empty dict. Every rank must call it (it gathers).
+        Other ranks get an empty dict. Every rank must call it (it gathers). Arguments as torch's
+        ``Module.state_dict``, positional ones (destination, prefix) included; ``keep_vars=True`` is refused:
+        the values are gathered copies, never the parameters themselves.
         """
+        if len(args) > 2:
+            raise TypeError(f"state_dict() takes at most 2 positional arguments (destination, prefix), got {len(args)}")
+        positional = dict(zip(("destination", "prefix"), args))
+        destination, prefix = positional.get("destination", destination), positional.get("prefix", prefix)
+        if keep_vars:
+            raise ValueError("state_dict(keep_vars=True): a sharded model's full state dict holds gathered copies, "
+                             "not its parameters; use summon_full_params(model) to reach those")
         state = full_state_dict(self, rank0_only=True)
         destination = {} if destination is None else destination
         destination.update({prefix + name: tensor for name, tensor in state.items()})
         return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a full state dict (original names) given on every rank; each rank keeps its shard."""
+        """Loads a full state dict (original names) given on every rank; each rank copies its part into its shard.
+
+        ``assign=True`` (make the given tensors the parameters) is refused: the parameters are views of the
+        rank's flat shard, which must stay one buffer.
+        """
+        if assign:
+            raise ValueError("load_state_dict(assign=True): a sharded model's parameters are views of its flat "
+                             "shards and cannot be replaced by the given tensors; load with assign=False (copies)")
         return load_full_state_dict(self, state_dict, strict=strict)
 
 

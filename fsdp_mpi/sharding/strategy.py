@@ -70,10 +70,6 @@ class ShardGroups:
             if self.shard.world_size < comm.world_size:  # the same position in every group: one replica group
                 self.replicas = comm.split(self.shard.rank)
 
-    @property
-    def replica_count(self) -> int:
-        return 1 if self.replicas is None else self.replicas.world_size
-
 
 def _hybrid_group_size(requested: int | None) -> int | None:
     """hybrid_group_size, else FSDP_MPI_HYBRID_GROUP_SIZE, else None (group by node)."""
