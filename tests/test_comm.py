@@ -9,7 +9,8 @@ import torch
 from mpi_launch import check_ok, run_mpi
 
 from fsdp_mpi import Communicator
-from fsdp_mpi.communication.gpu_support import HostStagingBuffers, env_flag, mpi_is_cuda_aware
+from fsdp_mpi.communication.gpu_support import HostStagingBuffers, mpi_is_cuda_aware
+from fsdp_mpi.communication.settings import CUDA_AWARE, read_flag
 
 
 def test_cuda_awareness_can_be_overridden(monkeypatch):
@@ -19,7 +20,7 @@ def test_cuda_awareness_can_be_overridden(monkeypatch):
     assert mpi_is_cuda_aware() is False
     monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "maybe")
     with pytest.raises(ValueError, match="FSDP_MPI_CUDA_AWARE='maybe'"):
-        env_flag("FSDP_MPI_CUDA_AWARE")
+        read_flag(CUDA_AWARE)
 
 
 @pytest.mark.one_rank

@@ -18,7 +18,8 @@ import pytest
 from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec, run_mpi
 
 from fsdp_mpi.communication import collective_log
-from fsdp_mpi.communication.collective_log import TIMEOUT_ENV, CollectiveLog, timeout_from_environment
+from fsdp_mpi.communication.collective_log import CollectiveLog, timeout_from_environment
+from fsdp_mpi.communication.settings import TIMEOUT
 
 # MPI start-up, importing torch and building the model take a few seconds per rank on a loaded 2-core machine.
 START_UP_SECONDS = 30
@@ -35,7 +36,7 @@ def run_timed(mode: str, nprocs: int, out: Path, limit: float = 60,
 def test_uneven_steps_end_with_the_watchdog_report_after_the_timeout(tmp_path):
     timeout = 5
     result, elapsed = run_timed("uneven", 2, tmp_path / "out.json", limit=timeout + START_UP_SECONDS,
-                                **{TIMEOUT_ENV: str(timeout)})
+                                **{TIMEOUT.name: str(timeout)})
     assert result.returncode != 0
     assert "rank 1 left the training loop" in result.stdout
     report = result.stderr
@@ -52,7 +53,7 @@ def test_uneven_steps_end_with_the_watchdog_report_after_the_timeout(tmp_path):
 def test_a_rank_stalled_outside_mpi_is_reported_alive(tmp_path):
     timeout = 4
     result, elapsed = run_timed("stalled", 2, tmp_path / "out.json", limit=timeout + START_UP_SECONDS,
-                                **{TIMEOUT_ENV: str(timeout)})
+                                **{TIMEOUT.name: str(timeout)})
     assert result.returncode != 0
     assert f"Every other rank answered within {timeout / 4:g} s: they are alive and reachable" in result.stderr, \
         result.stderr
@@ -77,7 +78,7 @@ def test_verify_mode_passes_every_switch_and_changes_no_result(tmp_path):
 
 def test_even_batches_stops_every_rank_when_the_first_runs_out(tmp_path):
     out = tmp_path / "out.json"
-    check_ok(run_timed("even_batches", 3, out, **{TIMEOUT_ENV: "10"})[0])
+    check_ok(run_timed("even_batches", 3, out, **{TIMEOUT.name: "10"})[0])
     report = json.loads(out.read_text())
     assert report["taken"] == [[0, 1, 2]] * 3  # ranks held 5, 3 and 4 batches
     assert report["warnings"] == ["fsdp_mpi.loop.even_batches: a rank ran out of batches after 3; ranks [0, 2] had more, "
@@ -86,7 +87,7 @@ def test_even_batches_stops_every_rank_when_the_first_runs_out(tmp_path):
 
 def test_a_killed_rank_ends_the_job(tmp_path):
     out = tmp_path / "out.json"
-    result, elapsed = run_timed("kill", 3, out, **{TIMEOUT_ENV: "0"})  # the launcher ends it, not the watchdog
+    result, elapsed = run_timed("kill", 3, out, **{TIMEOUT.name: "0"})  # the launcher ends it, not the watchdog
     assert result.returncode != 0
     assert elapsed < START_UP_SECONDS, f"took {elapsed:.0f} s"
     # It ended because of the kill: every rank had started, the launcher names rank 1's signal, no rank is left.
@@ -132,14 +133,14 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("value, seconds", [("", 600.0), ("0", 0.0), ("2.5", 2.5)])
 def test_timeout_variable(monkeypatch, value, seconds):
-    monkeypatch.setenv(TIMEOUT_ENV, value)
+    monkeypatch.setenv(TIMEOUT.name, value)
     assert timeout_from_environment() == seconds
 
 
 @pytest.mark.parametrize("value", ["-1", "ten", "nan"])
 def test_a_bad_timeout_is_refused_with_the_variable_named(monkeypatch, value):
-    monkeypatch.setenv(TIMEOUT_ENV, value)
-    with pytest.raises(ValueError, match=f"{TIMEOUT_ENV}='{value}'"):
+    monkeypatch.setenv(TIMEOUT.name, value)
+    with pytest.raises(ValueError, match=f"{TIMEOUT.name}='{value}'"):
         timeout_from_environment()
 
 

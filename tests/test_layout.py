@@ -186,3 +186,15 @@ def test_readmes_use_program_runs_as_written_on_two_ranks(tmp_path):
     check_ok(result)
     assert result.stdout.startswith("loss ") and "tensors in the full state dict" in result.stdout, result.stdout
     assert (tmp_path / "ckpt").is_dir()
+
+
+def test_docs_list_every_environment_variable_that_settings_defines():
+    """docs/api.md's table and fsdp_mpi/communication/settings.py name the same variables, and no module reads
+    an FSDP_MPI_ variable of its own (each is read through settings)."""
+    from fsdp_mpi.communication.settings import SETTINGS
+    rows = [line for line in (REPO_ROOT / "docs" / "api.md").read_text().splitlines() if line.startswith("| `FSDP_MPI_")]
+    documented = {row.split("`")[1].split("=")[0] for row in rows}
+    assert documented == {setting.name for setting in SETTINGS}
+    for path in (REPO_ROOT / "fsdp_mpi").rglob("*.py"):
+        if path.name != "settings.py":
+            assert '"FSDP_MPI_' not in path.read_text(), f"{path} names a variable: define it in settings.py"

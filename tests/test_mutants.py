@@ -34,7 +34,7 @@ UNUSED = "tests/test_equivalence.py::test_parameters_that_no_rank_used_get_no_gr
 ENTRY_POINTS = "tests/test_equivalence.py::test_any_entry_point_gathers_what_it_needs_and_matches_one_process"
 FAMILIES = "tests/test_equivalence.py::test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
-REUSE_CHECK = 'if env_flag(REUSE_HOST_MEMORY_ENV) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):'
+REUSE_CHECK = 'if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):'
 DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
 RESUME = "tests/test_checkpoint.py::test_resume_on_the_same_ranks_continues_bit_for_bit"
@@ -158,7 +158,7 @@ MUTANTS = {
         "fsdp_mpi/communication/comm.py", "self._background = CommunicationThread() if threads_may_call_mpi_at_once() else None",
         "self._background = None", [COLLECTIVES]),
     "FSDP_MPI_FORCE_STAGING is ignored": (
-        "fsdp_mpi/communication/comm.py", "bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None", "False if force_staging is None",
+        "fsdp_mpi/communication/comm.py", "bool(read_flag(FORCE_STAGING)) if force_staging is None", "False if force_staging is None",
         [STAGING_VARIABLE]),
     "the loss scaler decides on each rank alone": (
         "fsdp_mpi/loop/grad_scaler.py", "self.comm.allreduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
@@ -173,7 +173,7 @@ MUTANTS = {
         "fsdp_mpi/communication/host_memory.py", REUSE_CHECK,
         "if \"glibc.malloc.\" in os.environ.get(\"GLIBC_TUNABLES\", \"\"):", [HOST_MEMORY]),
     "the user's malloc tunables are overridden": (
-        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if env_flag(REUSE_HOST_MEMORY_ENV) is False:",
+        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if read_flag(REUSE_HOST_MEMORY) is False:",
         [HOST_MEMORY]),
     "the watchdog never fires": (
         "fsdp_mpi/communication/collective_log.py", "if waited >= timeout - asking:", "if False:", [WATCHDOG]),

@@ -15,7 +15,6 @@ ranks' "are you there?" and, shortly before its own timeout, asks them
 """
 
 import atexit
-import os
 import socket
 import threading
 import time
@@ -25,9 +24,8 @@ from dataclasses import dataclass
 
 from fsdp_mpi.communication.abort import abort_job
 from fsdp_mpi.communication.liveness import Liveness
+from fsdp_mpi.communication.settings import TIMEOUT, VERIFY, read_text
 
-TIMEOUT_ENV = "FSDP_MPI_TIMEOUT"
-VERIFY_ENV = "FSDP_MPI_VERIFY"
 DEFAULT_TIMEOUT_SECONDS = 600.0
 RECORDS_KEPT = 32  # per process; the watchdog prints the last RECORDS_PRINTED of them
 RECORDS_PRINTED = 12
@@ -36,7 +34,7 @@ ASKING_SECONDS = 2.0  # before the timeout, at most a quarter of it: the time ot
 
 def timeout_from_environment() -> float:
     """``FSDP_MPI_TIMEOUT`` in seconds (0 turns the watchdog off), else the default of 600."""
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    value = read_text(TIMEOUT)
     if not value:
         return DEFAULT_TIMEOUT_SECONDS
     try:
@@ -44,7 +42,7 @@ def timeout_from_environment() -> float:
     except ValueError:
         seconds = -1.0
     if not seconds >= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: expected a number of seconds >= 0 (0 turns the watchdog off)")
+        raise ValueError(f"{TIMEOUT.name}={value!r}: expected a number of seconds >= 0 (0 turns the watchdog off)")
     return seconds
 
 
@@ -168,9 +166,9 @@ class CollectiveLog:
             f"{record.describe()}; its partners never arrived.\n{answers}"
             f"Another rank has left the training loop (uneven data: give every rank the same number of steps, "
             f"e.g. with fsdp_mpi.loop.even_batches), is stuck outside MPI, or is waiting in a different collective "
-            f"(run with {VERIFY_ENV}=1 to find where ranks diverge).\n"
+            f"(run with {VERIFY.name}=1 to find where ranks diverge).\n"
             f"Last collectives on rank {rank}, oldest first:\n{self.recent()}\n"
-            f"The limit is {timeout:g} s: {TIMEOUT_ENV} or Communicator(timeout=...) sets it (0 turns it off).")
+            f"The limit is {timeout:g} s: {TIMEOUT.name} or Communicator(timeout=...) sets it (0 turns it off).")
 
 
 # One log per process: every communicator of this rank records into it, so that the

@@ -36,11 +36,12 @@ import torch
 from mpi4py import MPI
 
 from fsdp_mpi.communication.background import CommunicationThread, Started, threads_may_call_mpi_at_once
-from fsdp_mpi.communication.collective_log import PROCESS_LOG, VERIFY_ENV, CollectiveRecord, timeout_from_environment
-from fsdp_mpi.communication.gpu_support import FORCE_STAGING_ENV, describe_device_path, env_flag, mpi_is_cuda_aware
+from fsdp_mpi.communication.collective_log import PROCESS_LOG, CollectiveRecord, timeout_from_environment
+from fsdp_mpi.communication.gpu_support import describe_device_path, mpi_is_cuda_aware
 from fsdp_mpi.communication.launcher import check_launcher_agrees
 from fsdp_mpi.communication.liveness import Liveness
 from fsdp_mpi.communication.node_transport import NodeTransport, open_node_transport
+from fsdp_mpi.communication.settings import FORCE_STAGING, NODE_TRANSPORT, VERIFY, read_flag
 from fsdp_mpi.communication.staging import StagedCollectives
 
 # MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
@@ -48,7 +49,6 @@ MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1
 # Staged messages move in chunks of this many bytes per rank, so that copies and MPI overlap.
 STAGING_CHUNK_BYTES = 4 * 2**20
 
-NODE_TRANSPORT_ENV = "FSDP_MPI_NODE_TRANSPORT"
 
 
 class Route(Enum):
@@ -166,12 +166,12 @@ class Communicator:
         if self.mpi_comm == MPI.COMM_WORLD:
             check_launcher_agrees(self.world_size)
         self.cuda_aware = mpi_is_cuda_aware() if cuda_aware is None else cuda_aware
-        self.force_staging = bool(env_flag(FORCE_STAGING_ENV)) if force_staging is None else force_staging
+        self.force_staging = bool(read_flag(FORCE_STAGING)) if force_staging is None else force_staging
         if node_transport is None:
-            node_transport = env_flag(NODE_TRANSPORT_ENV) is not False
+            node_transport = read_flag(NODE_TRANSPORT) is not False
         self.node_transport = node_transport and not self.force_staging
         self.timeout = timeout_from_environment() if timeout is None else float(timeout)
-        self.verify = bool(env_flag(VERIFY_ENV)) if verify is None else verify
+        self.verify = bool(read_flag(VERIFY)) if verify is None else verify
         # Open MPI's nonblocking reductions crash on device buffers: there they run blocking.
         self.device_reductions_in_background = "Open MPI" not in MPI.Get_library_version()
         self.collectives_started = 0  # the next collective's sequence number, the same on every rank
@@ -197,7 +197,7 @@ class Communicator:
                     "they are)")
         route, why = self._route(device), self._route_reasons[device.type]
         if route is Route.NODE:
-            return f"{why} ({NODE_TRANSPORT_ENV}=0: through MPI instead)"
+            return f"{why} ({NODE_TRANSPORT.name}=0: through MPI instead)"
         through_mpi = (describe_device_path(self.cuda_aware, self.force_staging) if device.type == "cuda"
                        else "host buffers go to MPI")
         return f"{through_mpi}; not through shared memory: {why}"
@@ -526,9 +526,9 @@ class Communicator:
                 self._routes[kind], self._route_reasons[kind] = Route.NODE, why
                 return Route.NODE
         elif self.force_staging:
-            why = f"{FORCE_STAGING_ENV}=1"
+            why = f"{FORCE_STAGING.name}=1"
         elif not self.node_transport:
-            why = f"{NODE_TRANSPORT_ENV}=0"
+            why = f"{NODE_TRANSPORT.name}=0"
         else:
             why = "one rank" if self.world_size == 1 else f"no shared memory for {kind} tensors"
         staged = self.force_staging or (kind != "cpu" and not self.cuda_aware)
@@ -601,9 +601,9 @@ class Communicator:
         lines = [f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {description}"
                  for description, ranks in ranks_by_collective.items()]
         if self.rank != 0:  # every rank stops; one of them explains
-            raise CollectiveMismatchError(f"ranks are entering different collectives ({VERIFY_ENV}): see rank 0")
+            raise CollectiveMismatchError(f"ranks are entering different collectives ({VERIFY.name}): see rank 0")
         raise CollectiveMismatchError(
-            f"ranks are entering different collectives ({VERIFY_ENV}):\n" + "\n".join(lines) + "\n"
+            f"ranks are entering different collectives ({VERIFY.name}):\n" + "\n".join(lines) + "\n"
             "Every rank must run the same units in the same order with the same shapes: look for control flow "
             "that depends on the rank or its data, a unit skipped on some ranks, or different model code.\n"
             f"Last collectives on rank {self.rank}, oldest first:\n{PROCESS_LOG.recent()}")

@@ -8,28 +8,15 @@ on every collective.
 """
 
 import ctypes
-import os
 import sys
 
 import torch
 from mpi4py import MPI
 
-CUDA_AWARE_ENV = "FSDP_MPI_CUDA_AWARE"
-FORCE_STAGING_ENV = "FSDP_MPI_FORCE_STAGING"
+from fsdp_mpi.communication.settings import CUDA_AWARE, FORCE_STAGING, read_flag
+
 
 _MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi.h: MPIX_GPU_SUPPORT_CUDA
-
-
-def env_flag(name: str) -> bool | None:
-    """Reads a yes/no environment variable; None when it is unset or empty."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
 
 
 def library_cuda_support() -> tuple[bool, str]:
@@ -58,7 +45,7 @@ def mpi_is_cuda_aware() -> bool:
     The override helps when a library reports support that the job's environment
     disables (Cray MPICH without ``MPICH_GPU_SUPPORT_ENABLED=1``), or has no query.
     """
-    override = env_flag(CUDA_AWARE_ENV)
+    override = read_flag(CUDA_AWARE)
     return override if override is not None else library_cuda_support()[0]
 
 
@@ -66,13 +53,13 @@ def describe_device_path(cuda_aware: bool, force_staging: bool) -> str:
     """One line for a log: how device buffers reach this MPI, and why."""
     library = MPI.Get_library_version().splitlines()[0].strip()
     supported, answer = library_cuda_support()
-    override = env_flag(CUDA_AWARE_ENV)
-    why = f"{library}: {answer}" + (f"; {CUDA_AWARE_ENV}={int(override)}" if override is not None else "")
+    override = read_flag(CUDA_AWARE)
+    why = f"{library}: {answer}" + (f"; {CUDA_AWARE.name}={int(override)}" if override is not None else "")
     if force_staging:
-        return f"device buffers are staged through pinned host memory ({FORCE_STAGING_ENV}=1; {why})"
+        return f"device buffers are staged through pinned host memory ({FORCE_STAGING.name}=1; {why})"
     if cuda_aware:
         return f"device buffers go straight to the CUDA-aware MPI ({why})"
-    hint = "" if supported or override is not None else f"; set {CUDA_AWARE_ENV}=1 if your MPI is built with CUDA"
+    hint = "" if supported or override is not None else f"; set {CUDA_AWARE.name}=1 if your MPI is built with CUDA"
     return f"device buffers are staged through pinned host memory: MPI is not CUDA-aware ({why}{hint})"
 
 

@@ -23,9 +23,8 @@ import ctypes
 import ctypes.util
 import os
 
-from fsdp_mpi.communication.gpu_support import env_flag
+from fsdp_mpi.communication.settings import REUSE_HOST_MEMORY, read_flag
 
-REUSE_HOST_MEMORY_ENV = "FSDP_MPI_REUSE_HOST_MEMORY"
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_MMAP_MAX = -4
 _applied = False
@@ -40,7 +39,7 @@ def keep_freed_host_memory_for_reuse() -> bool:
     global _applied
     if _applied:
         return True
-    if env_flag(REUSE_HOST_MEMORY_ENV) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     library = ctypes.util.find_library("c")
     libc = ctypes.CDLL(library) if library else None

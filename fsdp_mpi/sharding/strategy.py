@@ -10,12 +10,11 @@ gradients are averaged with one all-reduce). With 4 ranks as 2 nodes of 2::
     NO_SHARD:                  shard groups {0} {1} {2} {3}    replica group {0 1 2 3}
 """
 
-import os
 from enum import Enum
 
 from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.settings import HYBRID_GROUP_SIZE, read_text
 
-HYBRID_GROUP_SIZE_ENV = "FSDP_MPI_HYBRID_GROUP_SIZE"
 
 
 class ShardingStrategy(Enum):
@@ -62,7 +61,7 @@ class ShardGroups:
                 if len(set(sizes)) > 1:
                     raise ValueError(f"HYBRID_SHARD groups ranks by node, but the nodes run different numbers of "
                                      f"ranks ({sorted(set(sizes))}): run as many on each, or set "
-                                     f"{HYBRID_GROUP_SIZE_ENV} or hybrid_group_size")
+                                     f"{HYBRID_GROUP_SIZE.name} or hybrid_group_size")
             elif comm.world_size % size:
                 raise ValueError(f"HYBRID_SHARD groups of {size} ranks do not divide the {comm.world_size} ranks")
             else:  # consecutive ranks
@@ -74,11 +73,11 @@ class ShardGroups:
 def _hybrid_group_size(requested: int | None) -> int | None:
     """hybrid_group_size, else FSDP_MPI_HYBRID_GROUP_SIZE, else None (group by node)."""
     if requested is None:
-        text = os.environ.get(HYBRID_GROUP_SIZE_ENV, "").strip()
+        text = read_text(HYBRID_GROUP_SIZE)
         if not text:
             return None
         if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"{HYBRID_GROUP_SIZE_ENV}={text!r}: expected a positive number of ranks per group")
+            raise ValueError(f"{HYBRID_GROUP_SIZE.name}={text!r}: expected a positive number of ranks per group")
         return int(text)
     if not isinstance(requested, int) or requested < 1:
         raise ValueError(f"hybrid_group_size={requested!r}: expected a positive number of ranks per group")

@@ -15,7 +15,8 @@ from equivalence import run
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy,
                       full_state_dict, load_checkpoint, save_checkpoint)
 from fsdp_mpi.sharding.lifecycle import units_with_names
-from fsdp_mpi.sharding.strategy import HYBRID_GROUP_SIZE_ENV, ShardGroups
+from fsdp_mpi.communication.settings import HYBRID_GROUP_SIZE
+from fsdp_mpi.sharding.strategy import ShardGroups
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 GROUP = 2
@@ -108,9 +109,9 @@ def compressed_hybrid(comm: Communicator, block_size: int = 256) -> dict:
 def group_sizes_and_refusals(comm: Communicator) -> dict:
     """Shard group sizes by default (the node: this machine), from the environment, and what is refused."""
     by_node = ShardGroups(comm, ShardingStrategy.HYBRID_SHARD).shard.world_size
-    os.environ[HYBRID_GROUP_SIZE_ENV] = "2"
+    os.environ[HYBRID_GROUP_SIZE.name] = "2"
     from_environment = ShardGroups(comm, ShardingStrategy.HYBRID_SHARD).shard.world_size
-    del os.environ[HYBRID_GROUP_SIZE_ENV]
+    del os.environ[HYBRID_GROUP_SIZE.name]
     refused = {}
     for name, arguments in {"not_dividing": (ShardingStrategy.HYBRID_SHARD, 3),
                             "not_hybrid": (ShardingStrategy.FULL_SHARD, 2)}.items():
