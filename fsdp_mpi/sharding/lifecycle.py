@@ -132,17 +132,15 @@ class ShardedUnit:
     @torch.compiler.disable  # gathering talks to MPI: compiled code calls it, never traces it
     def _pre_forward(self, _module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state is TrainingState.BACKWARD:
-            # Activation checkpointing re-runs a forward during backward: show the forward's views again.
-            self._unshard()
-            for handle in self.handles:
-                handle.use_full_views(fresh=False)
+            self._to_backward()  # activation checkpointing re-runs a forward during backward: the same views
         else:
-            self._gather_for_forward()
+            self._to_forward()
         if self.mixed_precision.param_dtype is not None:
             return cast_floating_tensors((args, kwargs), self.mixed_precision.param_dtype)
         return None
 
-    def _gather_for_forward(self) -> None:
+    def _to_forward(self) -> None:
+        """Gathered for forward, showing fresh full views (recording the order on the first step)."""
         if self.is_root:
             self._root_pre_forward()
         order = self.root._execution_order
@@ -168,7 +166,6 @@ class ShardedUnit:
 
     @torch.compiler.disable
     def _post_forward(self, _module, _args, output) -> None:
-        self.state = TrainingState.IDLE
         if self.is_root and self._called_alone is None:  # the order of a whole forward, not of a part's
             self._execution_order.stop_recording()
         backward_follows = torch.is_grad_enabled()
@@ -178,16 +175,14 @@ class ShardedUnit:
             _register_on_output_tensors(output, self._pre_backward)
         # The root's parameters are needed first thing in backward, so it keeps them gathered then.
         keep_for_backward = self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root
-        if not (backward_follows and keep_for_backward):
-            self._reshard()
+        self._to_idle(reshard=not (backward_follows and keep_for_backward))
 
     def _root_pre_forward(self) -> None:
         """Clears what an abandoned step (a forward with no backward) may have left."""
         self._finish_reduction_in_flight()
         for unit in self.units:
             if unit.state is not TrainingState.IDLE:
-                unit._reshard()
-                unit.state = TrainingState.IDLE
+                unit._to_idle()
             for handle in unit.handles:
                 handle.awaiting_gradient = False
                 handle.release_gradient_cleared_by_user()
@@ -198,10 +193,7 @@ class ShardedUnit:
         """Runs when the gradient of one of this unit's outputs is ready: gather for backward."""
         self.root._queue_end_of_backward()
         if self.state is not TrainingState.BACKWARD:
-            self._unshard()
-            for handle in self.handles:
-                handle.use_full_views(fresh=False)
-            self.state = TrainingState.BACKWARD
+            self._to_backward()
             if self.overlap["backward_prefetch"] and (upcoming := self.root._execution_order.before(self)):
                 upcoming._start_unshard()
 
@@ -216,8 +208,7 @@ class ShardedUnit:
             if asynchronous:
                 self.root._reduction_in_flight = handle
         if not any(h.awaiting_gradient for h in self.handles):
-            self._reshard()
-            self.state = TrainingState.IDLE
+            self._to_idle()
 
     def _queue_end_of_backward(self) -> None:
         if not self._end_of_backward_queued:
@@ -238,8 +229,7 @@ class ShardedUnit:
                 if unit.requires_gradient_sync and (handle.awaiting_gradient or handle.full_flat.grad is not None):
                     handle.reduce_gradient()
                 handle.awaiting_gradient = False
-            unit._reshard()
-            unit.state = TrainingState.IDLE
+            unit._to_idle()
         if self.requires_gradient_sync:
             self._drop_gradients_no_rank_used()
         self._end_of_backward_queued = False
@@ -263,6 +253,21 @@ class ShardedUnit:
         if self._reduction_in_flight is not None:
             self._reduction_in_flight.finish_gradient_reduction()
             self._reduction_in_flight = None
+
+    # ----------------------------------------------------------------- transitions: each sets the state
+
+    def _to_backward(self) -> None:
+        """Gathered for backward, showing the full views that autograd saved in forward."""
+        self._unshard()
+        for handle in self.handles:
+            handle.use_full_views(fresh=False)
+        self.state = TrainingState.BACKWARD
+
+    def _to_idle(self, reshard: bool = True) -> None:
+        """Not computing; freed unless `reshard` is False (the root, or SHARD_GRAD_OP, keep theirs for backward)."""
+        if reshard:
+            self._reshard()
+        self.state = TrainingState.IDLE
 
     # ----------------------------------------------------------------- gather / free
 
