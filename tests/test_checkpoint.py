@@ -57,6 +57,7 @@ def test_resume_on_the_same_ranks_continues_bit_for_bit(uninterrupted, tmp_path)
                       consolidate_checkpoint(tmp_path / "resumed" / "final"))
 
 
+@pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 def test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run(tmp_path):
     """Without dropout, a resharded run differs from the uninterrupted one only by the order of sums."""
     losses = train(tmp_path, "two", 2, 6, "--save-at", 3, "--dropout", 0)
@@ -81,6 +82,7 @@ def test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run(tmp_path):
         assert abs(one.get(step, three[step]) - losses[step]) < one_step / 10
 
 
+@pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 def test_reshard_3_to_2_with_dropout_loads_every_bit_and_trains_on(tmp_path):
     """Fewer ranks than saved, and not a divisor of them, with dropout on: the parameters and the optimizer
     state load bit for bit (saved again at once), and the run goes on from the saved step."""
@@ -125,6 +127,7 @@ def test_a_damaged_file_is_named(uninterrupted, tmp_path, damage):
         assert "rank-00001.safetensors: contents differ from the index's sha256" in result.stderr
 
 
+@pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 def test_a_checkpoint_of_another_model_names_the_keys_and_changes_nothing(uninterrupted, tmp_path):
     out = tmp_path / "out.json"
     check_ok(run_mpi("checkpoint.py", 2, out, "mismatch", uninterrupted[0] / "run" / "ckpt"))
@@ -141,6 +144,7 @@ def test_an_incomplete_directory_is_not_taken_for_a_checkpoint(tmp_path):
         consolidate_checkpoint(tmp_path / "ckpt")
 
 
+@pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_deferred_initialisation_equals_eager_construction_bit_for_bit(tmp_path, nprocs):
     out = tmp_path / "out.json"
@@ -155,6 +159,7 @@ def test_deferred_initialisation_equals_eager_construction_bit_for_bit(tmp_path,
     assert "(cpu, meta)" in errors["mixed"]
 
 
+@pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 def test_export_streams_hugging_face_files_that_load_anywhere(tmp_path):
     out = tmp_path / "out.json"
     check_ok(run_mpi("checkpoint.py", 2, out, "export", tmp_path))

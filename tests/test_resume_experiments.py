@@ -161,6 +161,7 @@ def test_a_signal_without_a_checkpoint_dir_stops_between_steps_with_the_rows_so_
     (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
     (["--checkpoint-dir", "{tmp}/full"], "{tmp}/full already holds checkpoints: pass --resume"),
 ])
+@pytest.mark.one_mpi  # options refused before any training
 def test_checkpoint_options_that_cannot_work_fail_cleanly(tmp_path, args, message):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "latest").write_text("step-00000003\n")
