@@ -84,7 +84,7 @@ def measure_profile(args) -> Profile:
     activations = saved_activation_bytes(model, inputs, targets)
     blocks = [m for m in model.modules() if isinstance(m, GPT2Block)]
     block_numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    parameters = model.num_parameters()
+    parameters = sum(p.numel() for p in model.parameters())  # as stored and moved: the vocabulary's padding too
     root_numel = parameters - sum(block_numels)
     block_tensors = len(list(blocks[0].parameters()))
     root_tensors = len(list(model.parameters())) - len(blocks) * block_tensors
@@ -153,7 +153,8 @@ def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flop
     activations = saved_activation_bytes(model, tokens, tokens)
     tokens_per_step = batch_size * seq_len
     block_numel = sum(p.numel() for p in model.transformer.h[0].parameters())
-    root_numel = model.num_parameters() - config.n_layer * block_numel
+    stored = sum(p.numel() for p in model.parameters())  # as stored and moved: the vocabulary's padding too
+    root_numel = stored - config.n_layer * block_numel
     block_tensors = len(list(model.transformer.h[0].parameters()))
     root_tensors = len(list(model.parameters())) - config.n_layer * block_tensors
 
@@ -162,11 +163,11 @@ def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flop
         return forward, 2 * forward
 
     attention = 4 * seq_len * config.n_embd  # scores and weighted values, per token, forward
-    units = [Unit("<root>", root_numel, *seconds(2 * config.n_embd * config.vocab_size), is_root=True,
+    units = [Unit("<root>", root_numel, *seconds(2 * config.n_embd * config.padded_vocab_size), is_root=True,
                   tensors=root_tensors)]
     units += [Unit(f"block.{i}", block_numel, *seconds(2 * block_numel + attention), tensors=block_tensors)
               for i in range(config.n_layer)]
-    optimizer = 36 * model.num_parameters() / memory_bytes_per_s
+    optimizer = 36 * stored / memory_bytes_per_s
     return Profile(units, optimizer, activations, tokens_per_step, param_bytes=2, grad_bytes=4)
 
 
