@@ -67,7 +67,7 @@ def shard_on_one_rank(model: nn.Module, block_class: type) -> nn.Module:
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp-mpi"])
 def test_gpt2_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
     model = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))  # 2 blocks; lm_head.weight is transformer.wte.weight
-    count = model.num_parameters()
+    count = sum(p.numel() for p in model.parameters())  # each once, the vocabulary's padding rows included
     if sharded:
         model = shard_on_one_rank(model, GPT2Block)
     decay, no_decay = decay_groups_by_name(model)
@@ -86,7 +86,7 @@ def test_gpt2_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp-mpi"])
 def test_bert_decays_weights_and_embeddings_not_biases_or_layer_norms(sharded):
     model = BertForPreTraining(bert_config("bert-tiny"))  # 2 layers; the decoder is tied to the word embeddings
-    count = model.num_parameters()
+    count = sum(p.numel() for p in model.parameters())  # each once, the vocabulary's padding rows included
     if sharded:
         model = shard_on_one_rank(model, BertLayer)
     decay, no_decay = decay_groups_by_name(model)
@@ -104,6 +104,7 @@ def test_schedule_warms_up_linearly_then_follows_a_cosine_to_a_tenth(warmup_step
     # 101 steps: the default warm-up is int(101 / 10) = 10 steps too, and the cosine spans steps 10 to 100.
     optimizer, schedule = optimizer_and_schedule(nn.Linear(3, 2), total_steps=101, lr=2e-3, weight_decay=0.1,
                                                  warmup_steps=warmup_steps)
+    assert not optimizer.defaults["fused"]  # on the CPU torch's default (foreach); fused where parameters are on a GPU
     lrs = []
     for _ in range(101):
         assert optimizer.param_groups[0]["lr"] == optimizer.param_groups[1]["lr"]

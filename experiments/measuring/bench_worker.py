@@ -23,7 +23,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from measuring.breakdown import PARTS, StepBreakdown
+from training.recipe import adamw
 from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
+from training.startup import allow_tf32
 from training.strategies import PRECISIONS, Prepared, compression_from_option, node_placement, prepare, torch_amp
 
 from fsdp_mpi import Communicator, ShardingStrategy
@@ -145,7 +147,7 @@ def lightning_steps(model, batch, args, comm: Communicator):
             return self.model(*item)[1]
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            return adamw(self.parameters(), lr=1e-4)
 
         def train_dataloader(self):
             return DataLoader(RepeatedBatch(), batch_size=None)
@@ -226,6 +228,7 @@ def main() -> None:
     if args.device == "cuda":
         device = torch.device("cuda", node_placement(comm)[0] % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    allow_tf32(device)  # as training does: what stays fp32 runs on TF32 tensor cores
     comm.barrier()
     job_peak = job_peak_flops(comm, device, args.precision)  # every GPU in use once, or every rank's cores
     torch.manual_seed(0)
@@ -263,7 +266,7 @@ def main() -> None:
             for module in measured.modules():
                 if isinstance(module, GPT2Block):
                     module.compile()
-        optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
+        optimizer = adamw(measured.parameters(), lr=1e-4)  # fused on a GPU, for every strategy alike
         if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
             with counting_torch_collectives() as torch_bytes:
                 train_step(prepared, optimizer, batch)

@@ -67,6 +67,7 @@ def measure_profile(args) -> Profile:
     """
     import torch
     from mpi4py import MPI
+    from training.recipe import adamw
     from training.results import peak_resident_bytes, reset_peak_resident, resident_bytes
     from training.strategies import prepare
 
@@ -104,7 +105,7 @@ def measure_profile(args) -> Profile:
     for index, block in enumerate(blocks):
         time_forward(index, block)
     prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), comm)
-    optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=1e-4)
+    optimizer = adamw(prepared.model.parameters(), lr=1e-4)
     steps = []  # (forward, backward, optimizer, [block forwards])
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
