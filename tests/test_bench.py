@@ -202,7 +202,7 @@ def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(mo
     from training import results
 
     monkeypatch.setattr(results, "published_peak_flops",
-                        lambda device, dtype: {"bf16": 989e12, "fp32": 67e12}[dtype])
+                        lambda device, dtype: {"bf16": 989e12, "tf32": 494.7e12, "fp32": 67e12}[dtype])
     restarted = []
     monkeypatch.setattr(results.torch.cuda, "reset_peak_memory_stats", restarted.append)
 
@@ -218,4 +218,9 @@ def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(mo
     assert results.job_peak_flops(Ranks("cuda:0", "cuda:0"), gpu, "bf16-mixed") == 989e12
     assert results.job_peak_flops(Ranks("cuda:0", "cuda:1"), gpu, "bf16-mixed") == 2 * 989e12
     assert results.job_peak_flops(Ranks("cuda:0"), gpu, "32") == 67e12
-    assert restarted == [gpu] * 3
+    results.torch.set_float32_matmul_precision("high")  # what training.startup.allow_tf32 sets on a GPU
+    try:
+        assert results.job_peak_flops(Ranks("cuda:0"), gpu, "32") == 494.7e12
+    finally:
+        results.torch.set_float32_matmul_precision("highest")
+    assert restarted == [gpu] * 4
