@@ -43,8 +43,11 @@ which needs a GPU per rank: with fewer GPUs their rows say they were not run.
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
 ``plain+compile`` and ``fsdp-mpi+compile`` compile each GPT-2 block in place
-(``block.compile()``, inductor); give ``--warmup 2`` or more, so that compiling
-is not timed. ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients
+(``block.compile()``, inductor); ``plain+compile_whole`` and
+``fsdp-mpi+compile_whole`` compile the whole model (``torch.compile(model)``,
+inductor: the output layer and loss too, between fsdp-mpi's gathers), meant
+for one rank, where nothing is gathered. Give ``--warmup 2`` or more, so that
+compiling is not timed; the rows' MFU then sets compiled and eager side by side. ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients
 compressed (the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each
 none, bf16 or int8).
 ``fsdp-mpi+mpi`` moves the node's bytes through MPI instead of the memory its
@@ -97,7 +100,9 @@ def available_memory_bytes() -> int:
 OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")  # fsdp-mpi+NO_SHARD: that run's strategy
 COMPILE = "compile"  # plain+compile, fsdp-mpi+compile: each GPT-2 block compiled in place (inductor)
+COMPILE_WHOLE = "compile_whole"  # plain+compile_whole, fsdp-mpi+compile_whole: torch.compile(model) (inductor)
 COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/GRADIENTS]
+COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
 THROUGH_MPI = "mpi"  # fsdp-mpi+mpi: the node's ranks exchange through MPI, not shared memory (FSDP_MPI_NODE_TRANSPORT=0)
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
@@ -351,9 +356,10 @@ def main() -> int:
         compressed = [token for token in overlap if token.startswith(COMPRESSION)]
         overlap = [token for token in overlap if token not in compressed]
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
-                or not set(overlap) <= {*OVERLAP, *SHARDING, COMPILE, THROUGH_MPI} or (set(overlap) - {COMPILE} and base != "fsdp-mpi") \
-                or len(set(overlap) & set(SHARDING)) > 1 \
-                or (COMPILE in overlap and base not in ("plain", "fsdp-mpi")) or (compressed and base != "fsdp-mpi"):
+                or not set(overlap) <= {*OVERLAP, *SHARDING, *COMPILING, THROUGH_MPI} \
+                or (set(overlap) - set(COMPILING) and base != "fsdp-mpi") or len(set(overlap) & set(SHARDING)) > 1 \
+                or len(set(overlap) & set(COMPILING)) > 1 \
+                or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi")) or (compressed and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")
         for token in compressed:
             try:

@@ -97,6 +97,9 @@ def test_replicated_model_too_big_for_this_machine_is_reported_not_run(tmp_path)
 def test_bad_arguments():
     assert run_bench("--strategies", "horovod").returncode == 2
     assert "unknown strategy 'ddp+compile'" in run_bench("--strategies", "ddp+compile").stderr  # plain, fsdp-mpi only
+    assert "unknown strategy 'torch-fsdp+compile_whole'" in run_bench("--strategies", "torch-fsdp+compile_whole").stderr
+    assert "unknown strategy 'plain+compile+compile_whole'" in run_bench(  # blocks or the whole model, not both
+        "--strategies", "plain+compile+compile_whole").stderr
     assert "unknown strategy 'ddp+comm=int8'" in run_bench("--strategies", "ddp+comm=int8").stderr
     assert "each one of none, bf16, int8" in run_bench("--strategies", "fsdp-mpi+comm=int4").stderr
     assert "the rank count after @ must be a number" in run_bench("--strategies", "ddp@x").stderr

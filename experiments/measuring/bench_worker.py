@@ -251,7 +251,7 @@ def main() -> None:
                                 allreduce_max=float, autocast=autocast)  # one process: its own value
         else:
             options = {name: True for name in mechanisms  # +mpi: bench.py set FSDP_MPI_NODE_TRANSPORT=0
-                       if name not in ("compile", "mpi", sharding) and not name.startswith("comm=")}
+                       if name not in ("compile", "compile_whole", "mpi", sharding) and not name.startswith("comm=")}
             for name in mechanisms:
                 if name.startswith("comm="):  # fsdp-mpi+comm=int8/bf16
                     options["compression"] = compression_from_option(name.removeprefix("comm="))
@@ -266,6 +266,8 @@ def main() -> None:
             for module in measured.modules():
                 if isinstance(module, GPT2Block):
                     module.compile()
+        if "compile_whole" in mechanisms:  # the whole (wrapped) model: fsdp-mpi's gathers and frees stay eager
+            prepared.model = torch.compile(prepared.model)
         optimizer = adamw(measured.parameters(), lr=1e-4)  # fused on a GPU, for every strategy alike
         if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
             with counting_torch_collectives() as torch_bytes:
