@@ -48,9 +48,10 @@ fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+compile_whole`` compile the whole model (``torch.compile(model)``,
 inductor: the output layer and loss too, between fsdp-mpi's gathers), meant
 for one rank, where nothing is gathered. Give ``--warmup 2`` or more, so that
-compiling is not timed; the rows' MFU then sets compiled and eager side by side. ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients
-compressed (the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each
-none, bf16 or int8).
+compiling is not timed; the rows' MFU then sets compiled and eager side by side.
+``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients compressed
+(the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each none, bf16
+or int8).
 ``fsdp-mpi+mpi`` moves the node's bytes through MPI instead of the memory its
 ranks share (``FSDP_MPI_NODE_TRANSPORT=0``), as before the node transport.
 ``fsdp-mpi+SHARD_GRAD_OP`` (or any sharding strategy) runs fsdp-mpi with that
@@ -363,7 +364,8 @@ def main() -> int:
                 or not set(overlap) <= {*OVERLAP, *SHARDING, *COMPILING, THROUGH_MPI} \
                 or (set(overlap) - set(COMPILING) and base != "fsdp-mpi") or len(set(overlap) & set(SHARDING)) > 1 \
                 or len(set(overlap) & set(COMPILING)) > 1 \
-                or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi")) or (compressed and base != "fsdp-mpi"):
+                or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi")) \
+                or (compressed and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")
         for token in compressed:
             try:
@@ -393,7 +395,8 @@ def main() -> int:
     allocator = ("fsdp-mpi reuses freed memory, the others use glibc's defaults" if args.malloc_as_shipped
                  else "every strategy reuses freed memory")
     batch = "global batch" if args.same_global_batch else "batch"
-    print(f"\n{args.model}, vocabulary {args.vocab_size or 'its own'}, {batch} {args.batch_size} x {args.seq_len} tokens"
+    print(f"\n{args.model}, vocabulary {args.vocab_size or 'its own'}, {batch} {args.batch_size} x {args.seq_len}"
+          " tokens"
           f"{'' if args.same_global_batch else ' per rank'}, "
           f"{args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup} warm-up per run, "
           f"{args.rounds} rounds in rotated order; allocator: {allocator}\n")

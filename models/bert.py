@@ -244,9 +244,9 @@ class _BertPreTrainedModel(nn.Module):
     def init_module(self, module: nn.Module) -> None:
         """Initialises `module`'s own parameters (not its submodules') as BERT does.
 
-        Weights normal(0, 0.02), biases zero, LayerNorm weight one, the vocabulary's padding rows zero. The model builds on
-        meta and calls this per module (``models/initialization.py``); fsdp_mpi's deferred
-        initialisation takes it as ``param_init_fn``.
+        Weights normal(0, 0.02), biases zero, LayerNorm weight one, the vocabulary's padding rows zero.
+        The model builds on meta and calls this per module (``models/initialization.py``); fsdp_mpi's
+        deferred initialisation takes it as ``param_init_fn``.
         """
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)

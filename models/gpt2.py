@@ -265,7 +265,8 @@ class GPT2LMHeadModel(nn.Module):
         """Parameter count, each tied weight once, the vocabulary's padding left out (as published: gpt2 has
         124,439,808); so MFU counts the model's FLOPs, not the padding's."""
         config = self.config
-        count = sum(p.numel() for p in self.parameters()) - (config.padded_vocab_size - config.vocab_size) * config.n_embd
+        padding = (config.padded_vocab_size - config.vocab_size) * config.n_embd
+        count = sum(p.numel() for p in self.parameters()) - padding
         return count - self.transformer.wpe.weight.numel() if exclude_position_embeddings else count
 
     def training_flops_per_token(self, seq_len: int) -> float:
