@@ -53,6 +53,8 @@ RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
 NODE_FILES = "tests/test_node_transport.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
 CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows"
+VOCABULARY = "tests/test_models.py::test_the_padded_vocabulary_never_shows_in_logits_loss_samples_or_gradients"
+EXPORT = "tests/test_checkpoint.py::test_export_streams_hugging_face_files_that_load_anywhere"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
@@ -229,6 +231,10 @@ MUTANTS = {
     "compressed gradients summed in low precision": (
         "fsdp_mpi/communication/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
         [RANK_ORDER_SUM]),
+    "the vocabulary's padding takes part in the softmax": (
+        "models/vocabulary.py", '        mask[self.vocab_size:] = float("-inf")', "        pass", [VOCABULARY]),
+    "loading into shards leaves the padding rows as they were": (
+        "fsdp_mpi/files/pretrained.py", "            param.view[stored - start:].zero_()", "            pass", [EXPORT]),
 }
 
 
