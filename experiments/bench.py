@@ -2,7 +2,8 @@
 
     python experiments/bench.py --model gpt2-seed --ranks 2 --batch-size 8 --seq-len 256 --rounds 5
 
-Every strategy trains the same GPT-2 on the same synthetic tokens with the same
+Every strategy trains the same GPT-2 (or BERT: ``--model bert-base``, pre-training with
+its masked-LM head on the 15% masked tokens, ``measuring/bench_models.py``) on the same synthetic tokens with the same
 per-rank batch, threads and glibc allocator setting (fsdp-mpi's memory reuse,
 fsdp_mpi/communication/host_memory.py; ``--malloc-as-shipped`` gives it to fsdp-mpi alone, as
 a user would run them). A shared machine drifts by more than the differences
@@ -42,11 +43,15 @@ which needs a GPU per rank: with fewer GPUs their rows say they were not run.
 
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
-``plain+compile`` and ``fsdp-mpi+compile`` compile each GPT-2 block in place
-(``block.compile()``, inductor); give ``--warmup 2`` or more, so that compiling
-is not timed. ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients
-compressed (the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each
-none, bf16 or int8).
+``plain+compile`` and ``fsdp-mpi+compile`` compile each GPT-2 block (BERT layer) in place
+(``block.compile()``, inductor); ``plain+compile_whole`` and
+``fsdp-mpi+compile_whole`` compile the whole model (``torch.compile(model)``,
+inductor: the output layer and loss too, between fsdp-mpi's gathers), meant
+for one rank, where nothing is gathered. Give ``--warmup 2`` or more, so that
+compiling is not timed; the rows' MFU then sets compiled and eager side by side.
+``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients compressed
+(the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each none, bf16
+or int8).
 ``fsdp-mpi+mpi`` moves the node's bytes through MPI instead of the memory its
 ranks share (``FSDP_MPI_NODE_TRANSPORT=0``), as before the node transport.
 ``fsdp-mpi+SHARD_GRAD_OP`` (or any sharding strategy) runs fsdp-mpi with that
@@ -72,7 +77,7 @@ from measuring.bench_worker import median_of_known
 from measuring.breakdown import PARTS
 from training.strategies import compression_from_option
 
-from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, gpt2_config
+from measuring import bench_models
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precision
 
@@ -96,8 +101,10 @@ def available_memory_bytes() -> int:
 
 OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")  # fsdp-mpi+NO_SHARD: that run's strategy
-COMPILE = "compile"  # plain+compile, fsdp-mpi+compile: each GPT-2 block compiled in place (inductor)
+COMPILE = "compile"  # plain+compile, fsdp-mpi+compile: each block compiled in place (inductor)
+COMPILE_WHOLE = "compile_whole"  # plain+compile_whole, fsdp-mpi+compile_whole: torch.compile(model) (inductor)
 COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/GRADIENTS]
+COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
 THROUGH_MPI = "mpi"  # fsdp-mpi+mpi: the node's ranks exchange through MPI, not shared memory (FSDP_MPI_NODE_TRANSPORT=0)
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
@@ -119,10 +126,12 @@ def run_one(spec: str, ranks: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "result.json"
         command = [*launch.bench_worker(ranks), "--strategy", strategy, "--json", str(output),
-                   "--model", args.model, "--vocab-size", str(args.vocab_size), "--batch-size", str(per_rank_batch(args, ranks)),
+                   "--model", args.model, "--batch-size", str(per_rank_batch(args, ranks)),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision,
                    "--sharding-strategy", args.sharding_strategy, "--device", args.device]
+        if args.vocab_size is not None:
+            command += ["--vocab-size", str(args.vocab_size)]
         env = launch.environment(OMP_NUM_THREADS=str(args.threads))
         if THROUGH_MPI in overlap:
             env["FSDP_MPI_NODE_TRANSPORT"] = "0"
@@ -152,7 +161,7 @@ def parameter_count(args) -> int:
     import torch
 
     with torch.device("meta"):
-        return GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size)).num_parameters()
+        return bench_models.build(args.model, args.vocab_size).num_parameters()
 
 
 def rotated(plan: list, round_index: int) -> list:
@@ -314,8 +323,9 @@ def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2-seed", choices=list(GPT2_CONFIGS))
-    parser.add_argument("--vocab-size", type=int, default=50257, help="default: GPT-2's BPE")
+    parser.add_argument("--model", default="gpt2-seed", choices=bench_models.NAMES)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="default: the model's own (GPT-2's BPE, 50,257; BERT's WordPiece, 30,522)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -344,8 +354,8 @@ def main() -> int:
     args = parser.parse_args()
     if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads, args.rounds) < 1 or args.warmup < 0:
         parser.error("--ranks, --batch-size, --seq-len, --steps, --threads and --rounds must be positive")
-    if args.seq_len > gpt2_config(args.model).n_positions:
-        parser.error(f"--seq-len exceeds {args.model}'s context of {gpt2_config(args.model).n_positions}")
+    if args.seq_len > bench_models.context_length(args.model):
+        parser.error(f"--seq-len exceeds {args.model}'s context of {bench_models.context_length(args.model)}")
     plan = []
     for item in args.strategies.split(","):
         name, _, ranks = item.strip().partition("@")
@@ -353,9 +363,11 @@ def main() -> int:
         compressed = [token for token in overlap if token.startswith(COMPRESSION)]
         overlap = [token for token in overlap if token not in compressed]
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
-                or not set(overlap) <= {*OVERLAP, *SHARDING, COMPILE, THROUGH_MPI} or (set(overlap) - {COMPILE} and base != "fsdp-mpi") \
-                or len(set(overlap) & set(SHARDING)) > 1 \
-                or (COMPILE in overlap and base not in ("plain", "fsdp-mpi")) or (compressed and base != "fsdp-mpi"):
+                or not set(overlap) <= {*OVERLAP, *SHARDING, *COMPILING, THROUGH_MPI} \
+                or (set(overlap) - set(COMPILING) and base != "fsdp-mpi") or len(set(overlap) & set(SHARDING)) > 1 \
+                or len(set(overlap) & set(COMPILING)) > 1 \
+                or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi")) \
+                or (compressed and base != "fsdp-mpi"):
             parser.error(f"unknown strategy {name!r}")
         for token in compressed:
             try:
@@ -385,7 +397,8 @@ def main() -> int:
     allocator = ("fsdp-mpi reuses freed memory, the others use glibc's defaults" if args.malloc_as_shipped
                  else "every strategy reuses freed memory")
     batch = "global batch" if args.same_global_batch else "batch"
-    print(f"\n{args.model}, vocabulary {args.vocab_size}, {batch} {args.batch_size} x {args.seq_len} tokens"
+    print(f"\n{args.model}, vocabulary {args.vocab_size or 'its own'}, {batch} {args.batch_size} x {args.seq_len}"
+          " tokens"
           f"{'' if args.same_global_batch else ' per rank'}, "
           f"{args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup} warm-up per run, "
           f"{args.rounds} rounds in rotated order; allocator: {allocator}\n")

@@ -110,7 +110,8 @@ class SavedRun:
         skeleton = self.skeleton(dtype)
         model = FullyShardedDataParallel(skeleton, comm=comm, auto_wrap_policy=ModuleWrapPolicy({self.task.block_class}),
                                          param_init_fn=skeleton.init_module, device=device)
-        load_pretrained(model, self.directory)  # PretrainedError, on every rank alike, if it does not fit
+        # PretrainedError, on every rank alike, if it does not fit; the file holds the vocabulary's real rows only
+        load_pretrained(model, self.directory, rows=skeleton.checkpoint_rows())
         return model.eval()
 
 

@@ -56,7 +56,8 @@ def predicted_link_mb(strategy: str, model: str, vocab_size: int) -> float | Non
     blocks = gpt2.transformer.h
     block = [Unit(f"block.{i}", sum(p.numel() for p in b.parameters()), 0.0, 0.0, tensors=len(list(b.parameters())))
              for i, b in enumerate(blocks)]
-    root = Unit("<root>", gpt2.num_parameters() - sum(u.numel for u in block), 0.0, 0.0, is_root=True,
+    stored = sum(p.numel() for p in gpt2.parameters())  # as moved: the vocabulary's padding too
+    root = Unit("<root>", stored - sum(u.numel for u in block), 0.0, 0.0, is_root=True,
                 tensors=len(list(gpt2.parameters())) - sum(u.tensors for u in block))
     profile = Profile([root, *block], optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0)
     return step_link_bytes(profile, Layout(sharding or "FULL_SHARD", NODES, RANKS_PER_NODE)) / 2**20

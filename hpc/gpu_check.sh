@@ -8,9 +8,10 @@
 #
 #   bash hpc/gpu_check.sh                     # online: pip fetches what is missing, into .venv-gpu
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh
-#       # the quick form, at most 6 minutes on one GPU: the GPU lane, a 256 MiB collective table, and GPT-2
-#       # (gpt2, bf16, 16 x 1024 tokens a step) as plain torch, fsdp-mpi on 1 rank, on 2 ranks sharing the GPU
-#       # through the node transport and through MPI (staged), and FSDP2 on 1 rank
+#       # the quick form, about 6 minutes on one GPU: the GPU lane, a 256 MiB collective table, and the MFU
+#       # table of issue 45 on one rank, bf16: gpt2 (16 x 1024 tokens a step) and gpt2-medium (8 x 1024) as
+#       # plain torch eager, plain torch with the whole model compiled and fsdp-mpi compiled the same way, and
+#       # BERT's step (bert-base, 32 x 128) as plain torch and fsdp-mpi; one round each (the full form: three)
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -73,24 +74,39 @@ run pytest-gpu 150 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gp
 run bench-comm-gpu 90 "$mpiexec" -n 2 $PY experiments/bench_comm.py --device cuda --sizes-mb 256 --rounds 3 \
     --repeats 5 --out "$out/bench-comm.csv"
 
-# The interleaved GPU benchmark: one process against 2 ranks sharing the GPU on the same global batch, through
-# the node transport and through MPI (fsdp-mpi+mpi), and FSDP2 (nccl) on one rank.
-bench="--device cuda --model gpt2 --seq-len 1024 --same-global-batch --ranks 2 --batch-size 16"
+# Issue 45's MFU table on one rank: eager beside the whole model compiled (inductor; the first of the warm-up
+# steps compiles), plain torch and fsdp-mpi compiled the same way; BERT's step time beside them.
+compiled=plain:bf16-mixed,plain+compile_whole:bf16-mixed,fsdp-mpi+compile_whole:bf16-mixed@1
+mfu="--device cuda --seq-len 1024 --ranks 1 --steps 5 --warmup 2 --rounds"
 if [ "$quick" = 1 ]; then
-    run bench-gpu 300 $PY experiments/bench.py $bench --rounds 2 --steps 8 --warmup 3 --out "$out/bench.csv" \
-        --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1,fsdp-mpi:bf16-mixed,fsdp-mpi+mpi:bf16-mixed,torch-fsdp:bf16-mixed@1
+    run bench-mfu-gpt2 110 $PY experiments/bench.py $mfu 1 --model gpt2 --batch-size 16 --out "$out/mfu-gpt2.csv" \
+        --strategies $compiled
+    run bench-mfu-gpt2-medium 130 $PY experiments/bench.py $mfu 1 --model gpt2-medium --batch-size 8 \
+        --out "$out/mfu-gpt2-medium.csv" --strategies $compiled
+    run bench-bert 45 $PY experiments/bench.py --device cuda --model bert-base --seq-len 128 --batch-size 32 \
+        --ranks 1 --steps 10 --warmup 2 --rounds 1 --out "$out/bert.csv" --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1
+    awk '/^\| strategy \| precision/ {table = 1} table && /^$/ {table = 0; print ""} table' \
+        "$out"/bench-mfu-gpt2.log "$out"/bench-mfu-gpt2-medium.log "$out"/bench-bert.log | tee "$out/mfu.md"
     echo "logs, CSVs and summary in $out"
     exit 0
 fi
+run bench-mfu-gpt2 400 $PY experiments/bench.py $mfu 3 --model gpt2 --batch-size 16 --out "$out/mfu-gpt2.csv" \
+    --strategies $compiled,fsdp-mpi:bf16-mixed@1,fsdp-mpi+compile:bf16-mixed@1,torch-fsdp:bf16-mixed@1
+run bench-mfu-gpt2-medium 450 $PY experiments/bench.py $mfu 3 --model gpt2-medium --batch-size 8 \
+    --out "$out/mfu-gpt2-medium.csv" \
+    --strategies $compiled,fsdp-mpi:bf16-mixed@1,fsdp-mpi+compile:bf16-mixed@1,torch-fsdp:bf16-mixed@1
+run bench-bert 150 $PY experiments/bench.py --device cuda --model bert-base --seq-len 128 --batch-size 32 \
+    --ranks 1 --steps 10 --warmup 3 --rounds 3 --out "$out/bert.csv" \
+    --strategies plain:bf16-mixed,plain+compile_whole:bf16-mixed,fsdp-mpi:bf16-mixed@1,torch-fsdp:bf16-mixed@1
+
+# The interleaved GPU benchmark: one process against 2 ranks sharing the GPU on the same global batch, through
+# the node transport and through MPI (fsdp-mpi+mpi), and FSDP2 (nccl) on one rank.
+bench="--device cuda --model gpt2 --seq-len 1024 --same-global-batch --ranks 2 --batch-size 16"
 run bench-gpu 600 $PY experiments/bench.py $bench --rounds 3 --steps 10 --warmup 3 --out "$out/bench.csv" \
     --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1,fsdp-mpi:bf16-mixed,fsdp-mpi+mpi:bf16-mixed,torch-fsdp:bf16-mixed@1
 overlapped=fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter
 run bench-gpu-prefetch 600 $PY experiments/bench.py $bench --rounds 3 --steps 10 --warmup 3 \
     --out "$out/bench-prefetch.csv" --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed,$overlapped:bf16-mixed
-# The stretch target: compiled blocks, gpt2-medium on one GPU (>= 35% bf16 MFU, faster than FSDP2).
-run bench-gpu-compiled 600 $PY experiments/bench.py --device cuda --model gpt2-medium --seq-len 1024 --rounds 3 \
-    --steps 10 --warmup 3 --ranks 1 --batch-size 8 --out "$out/bench-compiled.csv" \
-    --strategies plain+compile:bf16-mixed,fsdp-mpi+compile:bf16-mixed@1,fsdp-mpi:bf16-mixed@1,torch-fsdp:bf16-mixed@1
 
 # The experiments on the GPU.
 tiny="--device cuda --epochs 1 --steps-per-epoch 20 --val-steps 5 --no-progress --out-dir $out/csv"

@@ -3,7 +3,9 @@
 Bottom-up: embeddings, self-attention, the feed-forward part, ``BertLayer`` (the
 unit to name in ``fsdp_mpi.ModuleWrapPolicy``), the encoder, and two heads:
 pre-training (masked-LM and next-sentence prediction) and sequence classification.
-The masked-LM decoder shares its weight with the word embedding.
+The masked-LM decoder shares its weight with the word embedding. Both hold the
+vocabulary padded to a multiple of ``vocab_multiple`` rows (30,522 -> 30,528),
+which no output, loss or checkpoint shows (``models/vocabulary.py``).
 """
 
 from dataclasses import dataclass, replace
@@ -16,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .checkpoint import load_into, read_checkpoint, save
 from .initialization import finish_construction
+from .vocabulary import MULTIPLE, VocabularyOutput, padded_size, zero_padding
 
 IGNORE_INDEX = -100  # masked-LM labels of positions that are not predicted
 
@@ -34,6 +37,11 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     num_labels: int = 2  # for sequence classification
     gradient_checkpointing: bool = False
+    vocab_multiple: int = MULTIPLE  # the embedding and masked-LM decoder hold vocab_size rounded up to this
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_size(self.vocab_size, self.vocab_multiple)
 
 
 BERT_CONFIGS = {
@@ -56,7 +64,7 @@ def bert_config(name: str, **overrides) -> BertConfig:
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -203,16 +211,17 @@ class BertPredictionHeadTransform(nn.Module):
 
 
 class BertLMPredictionHead(nn.Module):
-    """Masked-LM logits; the decoder's weight is the word embedding, its bias is ``self.bias``."""
+    """Masked-LM logits over the padded vocabulary (the padding's -inf); the decoder's weight is the word
+    embedding, its bias is ``self.bias``."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
         self.transform = BertPredictionHeadTransform(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder = VocabularyOutput(config.hidden_size, config.vocab_size, config.padded_vocab_size, bias=True)
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
         self.decoder.bias = self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., padded)
         return self.decoder(self.transform(x))
 
 
@@ -235,12 +244,14 @@ class _BertPreTrainedModel(nn.Module):
     def init_module(self, module: nn.Module) -> None:
         """Initialises `module`'s own parameters (not its submodules') as BERT does.
 
-        Weights normal(0, 0.02), biases zero, LayerNorm weight one. The model builds on
-        meta and calls this per module (``models/initialization.py``); fsdp_mpi's deferred
-        initialisation takes it as ``param_init_fn``.
+        Weights normal(0, 0.02), biases zero, LayerNorm weight one, the vocabulary's padding rows zero.
+        The model builds on meta and calls this per module (``models/initialization.py``); fsdp_mpi's
+        deferred initialisation takes it as ``param_init_fn``.
         """
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module is self.bert.embeddings.word_embeddings or isinstance(module, VocabularyOutput):  # tied
+            zero_padding(module.weight, self.config.vocab_size)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
         if isinstance(module, nn.LayerNorm):
@@ -261,12 +272,23 @@ class _BertPreTrainedModel(nn.Module):
         tensors, hf_config = read_checkpoint(path)
         config = config_from_hf(hf_config) if hf_config else _config_from_tensors(tensors)
         model = cls(replace(config, **overrides))
-        load_into(model, tensors, model.checkpoint_key_to_name, may_be_missing=model._fresh_heads)
+        load_into(model, tensors, model.checkpoint_key_to_name, may_be_missing=model._fresh_heads,
+                  rows=model.checkpoint_rows())
         return model
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Writes model.safetensors and config.json that both this class and transformers can load."""
-        return save(self, directory, config_to_hf(self.config, type(self).__name__))
+        return save(self, directory, config_to_hf(self.config, type(self).__name__), rows=self.checkpoint_rows())
+
+    _vocabulary_tensors: tuple[str, ...] = ("bert.embeddings.word_embeddings.weight",)
+
+    def checkpoint_rows(self) -> dict[str, int]:
+        """The tensors a Hugging Face checkpoint holds only the first rows of: the padded vocabulary's
+        (name -> real rows; empty when nothing is padded)."""
+        config = self.config
+        if config.padded_vocab_size == config.vocab_size:
+            return {}
+        return dict.fromkeys(self._vocabulary_tensors, config.vocab_size)
 
     _fresh_heads: tuple[str, ...] = ()
 
@@ -279,8 +301,10 @@ class _BertPreTrainedModel(nn.Module):
         return key
 
     def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
-        """Parameter count, each tied weight once."""
-        count = sum(p.numel() for p in self.parameters())
+        """Parameter count, each tied weight once, the vocabulary's padding left out (as published)."""
+        padding = sum(p[self.config.vocab_size:].numel() for name, p in self.named_parameters()
+                      if name in self.checkpoint_rows())
+        count = sum(p.numel() for p in self.parameters()) - padding
         if exclude_position_embeddings:
             count -= self.bert.embeddings.position_embeddings.weight.numel()
         return count
@@ -294,6 +318,9 @@ class _BertPreTrainedModel(nn.Module):
 
 class BertForPreTraining(_BertPreTrainedModel):
     """BERT with the masked-LM and next-sentence-prediction heads."""
+
+    _vocabulary_tensors = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias",
+                           "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -312,7 +339,7 @@ class BertForPreTraining(_BertPreTrainedModel):
         """As the base class's, with the masked-LM head (transform and vocabulary projection) run on only
         `predicted_fraction` of the positions, as ``forward(predict_positions=...)`` does."""
         head = self.cls.predictions
-        head_weights = head.transform.dense.weight.numel() + head.decoder.weight.numel()
+        head_weights = head.transform.dense.weight.numel() + self.config.vocab_size * self.config.hidden_size
         return super().training_flops_per_token(seq_len) - 6 * (1 - predicted_fraction) * head_weights
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, mlm_labels=None, nsp_labels=None,
@@ -323,7 +350,8 @@ class BertForPreTraining(_BertPreTrainedModel):
         plus NSP cross-entropy, when both label tensors are given. With
         `predict_positions` (bool (B, T)), the masked-LM head runs only there and its
         logits are (positions, vocab) in row-major order: in pre-training the vocabulary
-        projection is most of a small BERT's work, and only the masked 15% need it.
+        projection is most of a small BERT's work, and only the masked 15% need it. The masked-LM logits
+        are a view of the padded vocabulary's without the padding (see ``GPT2LMHeadModel.forward``).
         """
         hidden, pooled = self.bert(input_ids, token_type_ids, attention_mask)
         if predict_positions is not None:
@@ -336,7 +364,7 @@ class BertForPreTraining(_BertPreTrainedModel):
             mlm_loss = F.cross_entropy(mlm_logits.view(-1, mlm_logits.shape[-1]).float(), mlm_labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX)
             loss = mlm_loss + F.cross_entropy(nsp_logits.float(), nsp_labels)  # fp32 under mixed precision
-        return mlm_logits, nsp_logits, loss
+        return mlm_logits[..., :self.config.vocab_size], nsp_logits, loss
 
 
 class BertForSequenceClassification(_BertPreTrainedModel):

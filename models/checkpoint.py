@@ -5,7 +5,9 @@ Published GPT-2 and BERT checkpoints differ in small ways from the current
 (``h.0.attn...`` instead of ``transformer.h.0.attn...``), TensorFlow-era
 ``gamma``/``beta`` names, saved attention-mask buffers, and tied weights stored
 once. Each model passes a ``normalize_key`` that maps a checkpoint key to one of
-its own (or ``None`` to ignore it); everything else is checked here.
+its own (or ``None`` to ignore it); everything else is checked here. A model
+whose vocabulary is padded in memory (``models/vocabulary.py``) also passes its
+``checkpoint_rows()``: the checkpoint holds only those first rows of the tensor.
 """
 
 import json
@@ -62,14 +64,18 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | N
     return _read_weight_file(path), config
 
 
-def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], normalize_key, may_be_missing=()) -> None:
+def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], normalize_key, may_be_missing=(),
+              rows: dict[str, int] | None = None) -> None:
     """Copies checkpoint `tensors` into `model`, or raises CheckpointError naming every mismatch.
 
     Keys that ``normalize_key`` maps to None are ignored. A tied weight needs to
     be present under only one of its names. Parameters whose names start with one
     of `may_be_missing` (a fresh task head) keep their initial values if absent.
+    `rows` names tensors whose checkpoint holds only their first rows (a padded
+    vocabulary's real ones); the rows after them are set to zero.
     """
-    expected = model.state_dict()
+    rows = rows or {}
+    expected = {name: tensor[:rows[name]] if name in rows else tensor for name, tensor in model.state_dict().items()}
     provided = {}
     for key, tensor in tensors.items():
         name = normalize_key(key)
@@ -102,10 +108,14 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], normalize_key,
     with torch.no_grad():
         for name, tensor in provided.items():
             expected[name].copy_(tensor)
+        state = model.state_dict()
+        for name, kept in rows.items():
+            state[name][kept:].zero_()
 
 
-def save(model: nn.Module, directory: str | Path, config: dict) -> Path:
-    """Writes ``model.safetensors`` (each tied weight once) and an HF-style ``config.json``."""
+def save(model: nn.Module, directory: str | Path, config: dict, rows: dict[str, int] | None = None) -> Path:
+    """Writes ``model.safetensors`` (each tied weight once; of a tensor named in `rows`, its first rows only)
+    and an HF-style ``config.json``."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -115,7 +125,7 @@ def save(model: nn.Module, directory: str | Path, config: dict) -> Path:
         if tensor.data_ptr() in seen:  # safetensors stores no aliases; loading re-ties
             continue
         seen.add(tensor.data_ptr())
-        state[name] = tensor.detach().contiguous().cpu()
+        state[name] = tensor[:(rows or {}).get(name)].detach().contiguous().cpu()
     save_file(state, str(directory / WEIGHT_FILES[0]), metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory

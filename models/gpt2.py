@@ -3,7 +3,9 @@
 A ladder of small classes, bottom-up: Conv1D, CausalSelfAttention, MLP, GPT2Block,
 GPT2Model, GPT2LMHeadModel. ``GPT2Block`` is the unit to name in
 ``fsdp_mpi.ModuleWrapPolicy``. The output head shares its weight with the token
-embedding (weight tying), as in the published model.
+embedding (weight tying), as in the published model. Both hold the vocabulary
+padded to a multiple of ``vocab_multiple`` rows (50,257 -> 50,304), which no
+output, loss or checkpoint shows (``models/vocabulary.py``).
 """
 
 import math
@@ -18,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .checkpoint import load_into, read_checkpoint, save
 from .initialization import finish_construction
+from .vocabulary import MULTIPLE, VocabularyOutput, padded_size, zero_padding
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class GPT2Config:
     dropout: float = 0.1  # embedding, attention and residual dropout alike
     layer_norm_epsilon: float = 1e-5
     gradient_checkpointing: bool = False  # recompute each block's activations in backward
+    vocab_multiple: int = MULTIPLE  # the embedding and output layer hold vocab_size rounded up to this (1: unpadded)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_size(self.vocab_size, self.vocab_multiple)
 
 
 GPT2_CONFIGS = {
@@ -179,7 +187,7 @@ class GPT2Model(nn.Module):
 
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
@@ -205,7 +213,7 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         with torch.device("meta"):
             self.transformer = GPT2Model(config)
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            self.lm_head = VocabularyOutput(config.n_embd, config.vocab_size, config.padded_vocab_size, bias=False)
         finish_construction(self, self._tie_weights)
 
     def _tie_weights(self) -> None:
@@ -215,12 +223,14 @@ class GPT2LMHeadModel(nn.Module):
         """Initialises `module`'s own parameters (not its submodules') as GPT-2 does.
 
         Weights normal(0, 0.02), the residual projections' scaled by 1/sqrt(2 n_layer);
-        biases zero; LayerNorm weight one.
+        biases zero; LayerNorm weight one; the vocabulary's padding rows zero.
         """
         if isinstance(module, (nn.Linear, nn.Embedding, Conv1D)):
             residual = getattr(module, "is_residual_projection", False)
             std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module in (self.transformer.wte, self.lm_head):  # one weight, initialised as each
+            zero_padding(module.weight, self.config.vocab_size)
         if isinstance(module, (nn.Linear, Conv1D)) and module.bias is not None:
             nn.init.zeros_(module.bias)
         if isinstance(module, nn.LayerNorm):
@@ -236,16 +246,27 @@ class GPT2LMHeadModel(nn.Module):
         tensors, hf_config = read_checkpoint(path)
         config = config_from_hf(hf_config) if hf_config else _config_from_tensors(tensors)
         model = cls(replace(config, **overrides))
-        load_into(model, tensors, checkpoint_key_to_name)
+        load_into(model, tensors, checkpoint_key_to_name, rows=model.checkpoint_rows())
         return model
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Writes model.safetensors and config.json that both this class and transformers can load."""
-        return save(self, directory, config_to_hf(self.config))
+        return save(self, directory, config_to_hf(self.config), rows=self.checkpoint_rows())
+
+    def checkpoint_rows(self) -> dict[str, int]:
+        """The tensors a Hugging Face checkpoint holds only the first rows of: the padded vocabulary's
+        (name -> real rows; empty when nothing is padded)."""
+        config = self.config
+        if config.padded_vocab_size == config.vocab_size:
+            return {}
+        return {"transformer.wte.weight": config.vocab_size, "lm_head.weight": config.vocab_size}
 
     def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
-        """Parameter count, each tied weight once (as published: gpt2 has 124,439,808)."""
-        count = sum(p.numel() for p in self.parameters())
+        """Parameter count, each tied weight once, the vocabulary's padding left out (as published: gpt2 has
+        124,439,808); so MFU counts the model's FLOPs, not the padding's."""
+        config = self.config
+        padding = (config.padded_vocab_size - config.vocab_size) * config.n_embd
+        count = sum(p.numel() for p in self.parameters()) - padding
         return count - self.transformer.wpe.weight.numel() if exclude_position_embeddings else count
 
     def training_flops_per_token(self, seq_len: int) -> float:
@@ -258,14 +279,18 @@ class GPT2LMHeadModel(nn.Module):
         return generate(self, input_ids, max_new_tokens, temperature, top_k, generator)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
-        """Returns (logits (B, T, vocab), mean cross-entropy against `targets` (B, T) or None)."""
+        """Returns (logits (B, T, vocab), mean cross-entropy against `targets` (B, T) or None).
+
+        The logits are a view of the padded vocabulary's (B, T, padded) without the padding; the loss is
+        taken over all of them, where the padding's are -inf and so count for nothing.
+        """
         if input_ids.shape[1] > self.config.n_positions:
             raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds context {self.config.n_positions}")
-        logits = self.lm_head(self.transformer(input_ids))
+        padded_logits = self.lm_head(self.transformer(input_ids))  # (B, T, padded)
         loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1))  # fp32 under mixed precision
-        return logits, loss
+        if targets is not None:  # fp32 under mixed precision
+            loss = F.cross_entropy(padded_logits.view(-1, padded_logits.shape[-1]).float(), targets.reshape(-1))
+        return padded_logits[..., :self.config.vocab_size], loss
 
 
 @torch.no_grad()

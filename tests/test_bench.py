@@ -88,6 +88,29 @@ def rounds_of(strategy: str, ranks: str, runs: list[dict]) -> list[dict]:
     return [row for row in runs if (row["strategy"], row["ranks"]) == (strategy, ranks)]
 
 
+def test_bert_is_benchmarked_with_its_masked_lm_head_on_the_masked_tokens_only(tmp_path):
+    out = tmp_path / "bench.csv"
+    result = run_bench("--model", "bert-tiny", "--vocab-size", "100", "--batch-size", "2", "--seq-len", "16",
+                       "--steps", "1", "--warmup", "1", "--rounds", "1", "--out", str(out),
+                       "--strategies", "plain,fsdp-mpi@1")
+    assert result.returncode == 0, result.stderr
+    with open(out) as f:
+        rows = {row["strategy"]: row for row in csv.DictReader(f)}
+    assert set(rows) == {"plain", "fsdp-mpi"} and all(row["note"] == "" for row in rows.values())
+    # FLOPs per token: 6 per weight, attention's 12 L H T, less the masked-LM head (transform and vocabulary)
+    # on the 85% of tokens that are not masked (bert-tiny: 2 layers of width 128)
+    import torch
+    from measuring.bench_models import build
+
+    with torch.device("meta"):
+        model = build("bert-tiny", 100)
+    width, layers, positions = 128, 2, 512
+    head = 6 * 0.85 * (width + 100) * width
+    flops = 6 * (model.num_parameters() - positions * width) + 12 * layers * width * 16 - head
+    for row in rows.values():
+        assert float(row["tflops"]) == pytest.approx(float(row["tokens_per_s"]) * flops / 1e12, rel=1e-3)
+
+
 def test_replicated_model_too_big_for_this_machine_is_reported_not_run(tmp_path):
     result = run_bench("--model", "gpt2-xl", "--ranks", "64", "--strategies", "ddp", "--out", str(tmp_path / "b.csv"))
     check_ok(result)
@@ -97,6 +120,8 @@ def test_replicated_model_too_big_for_this_machine_is_reported_not_run(tmp_path)
 def test_bad_arguments():
     assert run_bench("--strategies", "horovod").returncode == 2
     assert "unknown strategy 'ddp+compile'" in run_bench("--strategies", "ddp+compile").stderr  # plain, fsdp-mpi only
+    assert "unknown strategy 'plain+compile+compile_whole'" in run_bench(  # blocks or the whole model, not both
+        "--strategies", "plain+compile+compile_whole").stderr
     assert "unknown strategy 'ddp+comm=int8'" in run_bench("--strategies", "ddp+comm=int8").stderr
     assert "each one of none, bf16, int8" in run_bench("--strategies", "fsdp-mpi+comm=int4").stderr
     assert "the rank count after @ must be a number" in run_bench("--strategies", "ddp@x").stderr
@@ -202,7 +227,7 @@ def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(mo
     from training import results
 
     monkeypatch.setattr(results, "published_peak_flops",
-                        lambda device, dtype: {"bf16": 989e12, "fp32": 67e12}[dtype])
+                        lambda device, dtype: {"bf16": 989e12, "tf32": 494.7e12, "fp32": 67e12}[dtype])
     restarted = []
     monkeypatch.setattr(results.torch.cuda, "reset_peak_memory_stats", restarted.append)
 
@@ -218,7 +243,12 @@ def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(mo
     assert results.job_peak_flops(Ranks("cuda:0", "cuda:0"), gpu, "bf16-mixed") == 989e12
     assert results.job_peak_flops(Ranks("cuda:0", "cuda:1"), gpu, "bf16-mixed") == 2 * 989e12
     assert results.job_peak_flops(Ranks("cuda:0"), gpu, "32") == 67e12
-    assert restarted == [gpu] * 3
+    results.torch.set_float32_matmul_precision("high")  # what training.startup.allow_tf32 sets on a GPU
+    try:
+        assert results.job_peak_flops(Ranks("cuda:0"), gpu, "32") == 494.7e12
+    finally:
+        results.torch.set_float32_matmul_precision("highest")
+    assert restarted == [gpu] * 4
 
 
 def test_the_breakdown_figure_keeps_the_longest_strategy_name_and_everything_else_inside(tmp_path, monkeypatch):

@@ -59,13 +59,14 @@ def test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process(tmp_
 
 @pytest.mark.one_mpi  # compiled code around the same collectives as eager
 def test_compiled_units_and_a_compiled_model_train_as_one_eager_process(tmp_path):
-    """torch.compile (inductor) on each wrapped unit's module, and on the whole wrapped model, on 2 ranks: the
-    same step checks as eager sharding, against one eager process (compiled kernels round differently,
-    within the bounds' float32 rounding)."""
+    """torch.compile (inductor) on each wrapped unit's module, and on the whole wrapped model, on 2 ranks; and
+    inductor on the whole model where one rank holds it (each rank alone): the same step checks as eager
+    sharding, against one eager process (compiled kernels round differently, within the bounds' float32
+    rounding)."""
     out = tmp_path / "compiled.json"
     check_ok(run_mpi("equivalence.py", 2, out, "compiled", timeout=600))
     results = json.loads(out.read_text())
-    assert set(results) == {"gpt2/adamw/none/units", "gpt2/sgd/no_sync/whole"}
+    assert set(results) == {"gpt2/adamw/none/units", "gpt2/sgd/no_sync/whole", "gpt2/adamw/none/one_rank_whole"}
     check_equivalence(results)
 
 

@@ -1,4 +1,8 @@
-"""Our GPT-2 and BERT against Hugging Face's: same weights in, same outputs out, both directions."""
+"""Our GPT-2 and BERT against Hugging Face's: same weights in, same outputs out, both directions.
+
+The vocabularies here (100 words) are padded to 128 rows in our models: logits, losses, samples and
+saved files must not show it.
+"""
 
 import pytest
 import torch
@@ -39,22 +43,53 @@ def max_difference(a, b) -> float:
     return (a - b).abs().max().item()
 
 
-def test_gpt2_loads_hf_weights_and_matches_logits(tmp_path):
+def saved_shapes(directory) -> dict[str, tuple]:
+    from safetensors import safe_open
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as file:
+        return {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}
+
+
+def test_gpt2_loads_hf_weights_and_matches_logits_and_loss(tmp_path):
     hf = hf_gpt2()
     hf.save_pretrained(tmp_path)
     ours = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, 100, (2, 20))
-    assert max_difference(ours(tokens)[0], hf(tokens).logits) <= TOLERANCE
+    logits, loss = ours(tokens[:, :-1], tokens[:, 1:])
+    reference = hf(tokens, labels=tokens)  # HF shifts the labels itself
+    assert logits.shape == (2, 19, 100)
+    assert max_difference(logits, reference.logits[:, :-1]) <= TOLERANCE
+    assert abs(loss.item() - reference.loss.item()) <= TOLERANCE
     assert ours.lm_head.weight is ours.transformer.wte.weight
+    assert ours.transformer.wte.weight.shape == (128, 64) and not ours.transformer.wte.weight[100:].any()
 
 
-def test_hf_loads_our_gpt2_and_matches_logits(tmp_path):
+def test_the_padded_vocabulary_never_shows_in_logits_loss_samples_or_gradients():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", vocab_size=100)).eval()
+    tokens = torch.randint(0, 100, (2, 17))
+    logits, loss = model(tokens[:, :-1], tokens[:, 1:])
+    with torch.no_grad():  # padding rows that would win every softmax if they took part
+        model.lm_head.weight[100:] = 10 * model.transformer.ln_f(model.transformer(tokens)).mean((0, 1))
+    padded_logits, padded_loss = model(tokens[:, :-1], tokens[:, 1:])
+    assert torch.equal(padded_logits, logits) and torch.equal(padded_loss, loss)
+    padded_loss.backward()
+    assert not model.lm_head.weight.grad[100:].any()
+    # Near-uniform sampling (temperature 1000) over 128 columns would draw a padding id about once in 5 tokens.
+    sampled = model.generate(tokens[:, :3], 60, temperature=1000.0, generator=torch.Generator().manual_seed(0))
+    assert int(sampled.max()) < 100 and len(set(sampled.flatten().tolist())) > 50
+
+
+def test_hf_loads_our_gpt2_and_matches_logits_and_it_reloads(tmp_path):
     torch.manual_seed(0)
     ours = GPT2LMHeadModel(gpt2_config("gpt2-tiny", vocab_size=100, n_head=4)).eval()
     ours.save_pretrained(tmp_path)
+    assert saved_shapes(tmp_path)["transformer.wte.weight"] == (100, 64)  # Hugging Face's shapes
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, 100, (2, 20))
     assert max_difference(ours(tokens)[0], hf(tokens).logits) <= TOLERANCE
+    again = GPT2LMHeadModel.from_pretrained(tmp_path)
+    for (name, tensor), reloaded in zip(ours.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(tensor, reloaded), name
 
 
 def test_gpt2_loads_original_style_checkpoint_file(tmp_path):
@@ -73,17 +108,26 @@ def test_bert_pretraining_matches_hf_both_ways(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     ours = BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
     inputs = bert_inputs()
-    mlm, nsp, _ = ours(*inputs)
-    reference = hf(input_ids=inputs[0], token_type_ids=inputs[1], attention_mask=inputs[2])
     real = inputs[2].bool()  # HF and we differ only in what padded positions see
+    mlm_labels = torch.where(real & (torch.arange(12) % 3 == 0), inputs[0], -100)
+    nsp_labels = torch.tensor([0, 1, 1])
+    mlm, nsp, loss = ours(*inputs, mlm_labels=mlm_labels, nsp_labels=nsp_labels)
+    reference = hf(input_ids=inputs[0], token_type_ids=inputs[1], attention_mask=inputs[2], labels=mlm_labels,
+                   next_sentence_label=nsp_labels)
+    assert mlm.shape == (3, 12, 100) and ours.bert.embeddings.word_embeddings.weight.shape == (128, 64)
     assert max_difference(mlm[real], reference.prediction_logits[real]) <= TOLERANCE
     assert max_difference(nsp, reference.seq_relationship_logits) <= TOLERANCE
+    assert abs(loss.item() - reference.loss.item()) <= TOLERANCE
     assert ours.cls.predictions.decoder.weight is ours.bert.embeddings.word_embeddings.weight
 
     ours.save_pretrained(tmp_path / "ours")
+    shapes = saved_shapes(tmp_path / "ours")
+    assert shapes["bert.embeddings.word_embeddings.weight"] == (100, 64) and shapes["cls.predictions.bias"] == (100,)
     back = transformers.BertForPreTraining.from_pretrained(tmp_path / "ours").eval()
     again = back(input_ids=inputs[0], token_type_ids=inputs[1], attention_mask=inputs[2])
     assert max_difference(again.prediction_logits[real], mlm[real]) <= TOLERANCE
+    reloaded = BertForPreTraining.from_pretrained(tmp_path / "ours").state_dict()
+    assert all(torch.equal(tensor, reloaded[name]) for name, tensor in ours.state_dict().items())
 
 
 def test_bert_classifier_matches_hf_and_starts_from_a_pretraining_checkpoint(tmp_path):
@@ -123,6 +167,7 @@ def test_tying_survives_optimizer_steps():
         model(tokens[:, :-1], tokens[:, 1:])[1].backward()
         optimizer.step()
     assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.transformer.wte.weight.shape == (128, 64)  # a multiple of 64 already: no padding
     bert = BertForPreTraining(bert_config("bert-tiny", vocab_size=50))
     assert bert.cls.predictions.decoder.bias is bert.cls.predictions.bias
 

@@ -1,4 +1,4 @@
-"""One strategy's share of ``bench.py``: time training steps of GPT-2 on synthetic tokens, on the CPU or a GPU.
+"""One strategy's share of ``bench.py``: time training steps of GPT-2 or BERT on synthetic tokens, on the CPU or a GPU.
 
 Launched by bench.py and predict.py (``launch.bench_worker``) as ``mpiexec -n N python -m
 measuring.bench_worker --strategy S ...``; rank 0 writes the measurements as JSON. Per step: the
@@ -22,19 +22,21 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from measuring import bench_models
 from measuring.breakdown import PARTS, StepBreakdown
+from training.recipe import adamw
 from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
+from training.startup import allow_tf32
 from training.strategies import PRECISIONS, Prepared, compression_from_option, node_placement, prepare, torch_amp
 
 from fsdp_mpi import Communicator, ShardingStrategy
-from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
 def arguments():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", required=True, choices=("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp"))
     parser.add_argument("--model", default="gpt2-seed")
-    parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: the model's own")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
@@ -50,16 +52,9 @@ def arguments():
     return parser.parse_args()
 
 
-def synthetic_batch(args, rank: int, device: torch.device):
-    generator = torch.Generator().manual_seed(1234 + rank)
-    tokens = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator).to(device)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def train_step(prepared: Prepared, optimizer, batch) -> None:
-    inputs, targets = batch
     with prepared.autocast():
-        _, loss = prepared.model(inputs, targets)
+        loss = prepared.model(*batch)[-1]  # GPT-2's (logits, loss), BERT's (masked-LM, NSP logits, loss)
     prepared.scaler.scale(loss).backward()
     prepared.scaler.step(optimizer)
     prepared.scaler.update()
@@ -142,10 +137,10 @@ def lightning_steps(model, batch, args, comm: Communicator):
             self.model = model
 
         def training_step(self, item, _index):
-            return self.model(*item)[1]
+            return self.model(*item)[-1]
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            return adamw(self.parameters(), lr=1e-4)
 
         def train_dataloader(self):
             return DataLoader(RepeatedBatch(), batch_size=None)
@@ -226,13 +221,15 @@ def main() -> None:
     if args.device == "cuda":
         device = torch.device("cuda", node_placement(comm)[0] % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    allow_tf32(device)  # as training does: what stays fp32 runs on TF32 tensor cores
     comm.barrier()
     job_peak = job_peak_flops(comm, device, args.precision)  # every GPU in use once, or every rank's cores
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(gpt2_config(args.model, vocab_size=args.vocab_size, dropout=0.0))
-    flops_per_token = model.training_flops_per_token(args.seq_len)
+    model = bench_models.build(args.model, args.vocab_size)
+    block_class = bench_models.unit_class(model)
+    flops_per_token = bench_models.flops_per_token(model, args.seq_len)
     parameters = model.num_parameters()
-    batch = synthetic_batch(args, comm.rank, device)
+    batch = bench_models.synthetic_batch(model, args.batch_size, args.seq_len, comm.rank, device)
     mechanisms = [name for name in args.overlap.split("+") if name]
     # fsdp-mpi+NO_SHARD: a sharding strategy for this run, in place of --sharding-strategy
     sharding = ([name for name in mechanisms if name in ShardingStrategy.__members__] or [args.sharding_strategy])[0]
@@ -248,7 +245,7 @@ def main() -> None:
                                 allreduce_max=float, autocast=autocast)  # one process: its own value
         else:
             options = {name: True for name in mechanisms  # +mpi: bench.py set FSDP_MPI_NODE_TRANSPORT=0
-                       if name not in ("compile", "mpi", sharding) and not name.startswith("comm=")}
+                       if name not in ("compile", "compile_whole", "mpi", sharding) and not name.startswith("comm=")}
             for name in mechanisms:
                 if name.startswith("comm="):  # fsdp-mpi+comm=int8/bf16
                     options["compression"] = compression_from_option(name.removeprefix("comm="))
@@ -257,13 +254,15 @@ def main() -> None:
                                hybrid_group_size=args.hybrid_group_size)
                 breakdown = StepBreakdown()  # installed before wrapping: the hooks bind their methods then
                 breakdown.install()
-            prepared = prepare(args.strategy, model, GPT2Block, device, comm, args.precision, **options)
+            prepared = prepare(args.strategy, model, block_class, device, comm, args.precision, **options)
         measured = prepared.model
         if "compile" in mechanisms:  # each block in place, after wrapping: its gather and free stay eager
             for module in measured.modules():
-                if isinstance(module, GPT2Block):
+                if isinstance(module, block_class):
                     module.compile()
-        optimizer = torch.optim.AdamW(measured.parameters(), lr=1e-4)
+        if "compile_whole" in mechanisms:  # the whole (wrapped) model: fsdp-mpi's gathers and frees stay eager
+            prepared.model = torch.compile(prepared.model)
+        optimizer = adamw(measured.parameters(), lr=1e-4)  # fused on a GPU, for every strategy alike
         if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
             with counting_torch_collectives() as torch_bytes:
                 train_step(prepared, optimizer, batch)

@@ -67,6 +67,7 @@ def measure_profile(args) -> Profile:
     """
     import torch
     from mpi4py import MPI
+    from training.recipe import adamw
     from training.results import peak_resident_bytes, reset_peak_resident, resident_bytes
     from training.strategies import prepare
 
@@ -84,7 +85,7 @@ def measure_profile(args) -> Profile:
     activations = saved_activation_bytes(model, inputs, targets)
     blocks = [m for m in model.modules() if isinstance(m, GPT2Block)]
     block_numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    parameters = model.num_parameters()
+    parameters = sum(p.numel() for p in model.parameters())  # as stored and moved: the vocabulary's padding too
     root_numel = parameters - sum(block_numels)
     block_tensors = len(list(blocks[0].parameters()))
     root_tensors = len(list(model.parameters())) - len(blocks) * block_tensors
@@ -104,7 +105,7 @@ def measure_profile(args) -> Profile:
     for index, block in enumerate(blocks):
         time_forward(index, block)
     prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), comm)
-    optimizer = torch.optim.AdamW(prepared.model.parameters(), lr=1e-4)
+    optimizer = adamw(prepared.model.parameters(), lr=1e-4)
     steps = []  # (forward, backward, optimizer, [block forwards])
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -153,7 +154,8 @@ def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flop
     activations = saved_activation_bytes(model, tokens, tokens)
     tokens_per_step = batch_size * seq_len
     block_numel = sum(p.numel() for p in model.transformer.h[0].parameters())
-    root_numel = model.num_parameters() - config.n_layer * block_numel
+    stored = sum(p.numel() for p in model.parameters())  # as stored and moved: the vocabulary's padding too
+    root_numel = stored - config.n_layer * block_numel
     block_tensors = len(list(model.transformer.h[0].parameters()))
     root_tensors = len(list(model.parameters())) - config.n_layer * block_tensors
 
@@ -162,11 +164,11 @@ def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flop
         return forward, 2 * forward
 
     attention = 4 * seq_len * config.n_embd  # scores and weighted values, per token, forward
-    units = [Unit("<root>", root_numel, *seconds(2 * config.n_embd * config.vocab_size), is_root=True,
+    units = [Unit("<root>", root_numel, *seconds(2 * config.n_embd * config.padded_vocab_size), is_root=True,
                   tensors=root_tensors)]
     units += [Unit(f"block.{i}", block_numel, *seconds(2 * block_numel + attention), tensors=block_tensors)
               for i in range(config.n_layer)]
-    optimizer = 36 * model.num_parameters() / memory_bytes_per_s
+    optimizer = 36 * stored / memory_bytes_per_s
     return Profile(units, optimizer, activations, tokens_per_step, param_bytes=2, grad_bytes=4)
 
 

@@ -93,14 +93,14 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 # Published dense peaks (no sparsity) of the GPUs a GPU benchmark is likely to meet, in FLOP/s, by the name
 # torch reports and the dtype the matrix multiplications run in (fp32 means TF32 off).
 PUBLISHED_DENSE_PEAK_FLOPS = {
-    ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "fp32"): 67e12,  # SXM
-    ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "fp32"): 67e12,
-    ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "fp32"): 19.5e12,
+    ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "tf32"): 494.7e12, ("H100", "fp32"): 67e12,  # SXM
+    ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "tf32"): 494.7e12, ("H200", "fp32"): 67e12,
+    ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "tf32"): 156e12, ("A100", "fp32"): 19.5e12,
 }
 
 
 def published_peak_flops(device: torch.device, compute_dtype: str) -> float | None:
-    """The GPU's published dense peak for `compute_dtype` ("bf16", "fp16", "fp32"), None if not in the table."""
+    """The GPU's published dense peak for `compute_dtype` ("bf16", "fp16", "tf32", "fp32"), None if not in the table."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_properties(device).name
@@ -111,6 +111,12 @@ def published_peak_flops(device: torch.device, compute_dtype: str) -> float | No
 COMPUTE_DTYPES = {"32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}  # --precision -> the matrix products' dtype
 
 
+def compute_dtype(precision: str) -> str:
+    """The matrix products' dtype under `precision`: fp32 ones run as tf32 where ``startup.allow_tf32`` let them."""
+    dtype = COMPUTE_DTYPES[precision]
+    return "tf32" if dtype == "fp32" and torch.get_float32_matmul_precision() != "highest" else dtype
+
+
 def job_peak_flops(comm, device: torch.device, precision: str) -> float:
     """MFU's denominator for the whole job (collective over `comm`, a ``Communicator``): every GPU in use once
     (ranks may share one) at its published dense peak for the compute dtype of `precision`, measured where the
@@ -118,7 +124,7 @@ def job_peak_flops(comm, device: torch.device, precision: str) -> float:
 
     The measurement's matrices are not training's memory: the GPU's peak-memory counter starts again after it.
     """
-    peak = published_peak_flops(device, COMPUTE_DTYPES[precision]) or measured_peak_flops(device)
+    peak = published_peak_flops(device, compute_dtype(precision)) or measured_peak_flops(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     places = comm.allgather_object((socket.gethostname(), str(device), peak))

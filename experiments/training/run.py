@@ -20,7 +20,8 @@ from corpora.files import DataError
 from training.loop import train
 from training.options import RunConfig, UsageError, check_checkpoint_options, check_config
 from training.resume import ResumeError, StopSignals
-from training.startup import announce_devices, communicator_for_the_run, pick_device, set_up_rank_0_first
+from training.startup import (allow_tf32, announce_devices, communicator_for_the_run, pick_device,
+                              set_up_rank_0_first)
 from training.strategies import TORCH_DISTRIBUTED, node_placement
 
 from fsdp_mpi import CheckpointError as ShardedCheckpointError
@@ -84,6 +85,7 @@ def _set_up(task_type, config: RunConfig, comm: Communicator, node: tuple[int, i
         torch.set_num_threads(config.threads)
         local_rank, ranks_on_node = node
         device = pick_device(config.device, local_rank)
+        allow_tf32(device)
         gpus = torch.cuda.device_count() if device.type == "cuda" else 0
         if config.strategy in TORCH_DISTRIBUTED and device.type == "cuda" and ranks_on_node > gpus:
             raise UsageError(f"{config.strategy} communicates through nccl, which cannot share a GPU between ranks: "

@@ -53,6 +53,15 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def allow_tf32(device: torch.device) -> None:
+    """On a GPU, lets the matrix products that stay fp32 (all of a ``--precision 32`` run's; the fp32 parts of a
+    mixed one) run on TF32 tensor cores: inputs rounded to 10 mantissa bits, sums in fp32, as nanoGPT and
+    Lightning's advice do. The one place the experiments (training and ``bench.py``) choose it; ``eval.py``
+    keeps true fp32, its baseline for bf16 and int8, and the tests never call this (torch's default is off)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+
 def announce_devices(device: torch.device, comm: Communicator) -> None:
     """Rank 0 prints every rank's device in one line when some rank is not on the CPU (every rank calls this):
     the first sign that a GPU job got past set-up, and of which rank took which GPU."""

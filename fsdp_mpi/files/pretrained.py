@@ -10,6 +10,12 @@ holds the whole model (a model built on the meta device never exists in full).
 planned from the parameters' shapes, so each can be written while its tensors
 are gathered, one handle at a time; rank 0 holds one unit's parameters at a
 time, never the model. Tied weights are written once (loaders re-tie them).
+
+Both take ``rows``: parameters whose file holds only their first rows, such as
+a vocabulary padded in memory to a multiple of 64 (``models/vocabulary.py``,
+whose models give it as ``model.checkpoint_rows()``). The rows after them are
+zero when loaded and left out when exported. A tensor's first rows are the
+first elements of its flat layout, so this changes only where a range ends.
 """
 
 import itertools
@@ -33,7 +39,8 @@ class PretrainedError(ValueError):
 
 # ----------------------------------------------------------------- loading into shards
 
-def load_pretrained(model: nn.Module, path: str | os.PathLike, key_map=None, may_be_missing: tuple[str, ...] = ()):
+def load_pretrained(model: nn.Module, path: str | os.PathLike, key_map=None, may_be_missing: tuple[str, ...] = (),
+                    rows: dict[str, int] | None = None):
     """Copies a safetensors checkpoint into `model`'s shards, each rank reading only what it keeps.
 
     Args:
@@ -42,6 +49,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, key_map=None, may
         key_map: maps a checkpoint key to the model's name for it, or to None to skip it
             (e.g. ``fsdp_mpi_models.gpt2.checkpoint_key_to_name``); identity by default.
         may_be_missing: name prefixes that may be absent (a fresh task head keeps its initial values).
+        rows: parameter name -> how many of its first rows the checkpoint holds (the rest are set to zero).
 
     Every rank must call it. Raises PretrainedError naming every missing,
     unexpected or mis-shaped tensor before changing anything.
@@ -57,8 +65,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, key_map=None, may
                 problems.append("missing: " + " or ".join(param.names))
             continue
         shape = sources[found[0]][2]
-        if tuple(shape) != tuple(param.slot.shape):
-            problems.append(f"mis-shaped: {found[0]}: checkpoint {tuple(shape)}, model {tuple(param.slot.shape)}")
+        if tuple(shape) != _stored_shape(param, rows):
+            problems.append(f"mis-shaped: {found[0]}: checkpoint {tuple(shape)}, model {_stored_shape(param, rows)}")
         chosen.append((param, sources[found[0]]))
     known = {name for param in params for name in param.names} | set(buffers)
     if unexpected := sorted(set(sources) - known):
@@ -68,11 +76,20 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, key_map=None, may
     with torch.no_grad():
         for param, (file, key, shape) in chosen:
             start, stop = param.handle.part_held(param.slot)
-            param.view.copy_(_read_range(file, key, shape, start, stop))
+            stored = min(stop, max(start, torch.Size(shape).numel()))  # (elements past the stored rows: zero)
+            param.view[:stored - start].copy_(_read_range(file, key, shape, start, stored))
+            param.view[stored - start:].zero_()
         for name, buffer in buffers.items():
             if name in sources:
                 file, key, _ = sources[name]
                 buffer.copy_(file.get_tensor(key))
+
+
+def _stored_shape(param, rows: dict[str, int] | None) -> tuple[int, ...]:
+    """The shape `param` has in a checkpoint: its own, or its first rows only if `rows` names it."""
+    shape = tuple(param.slot.shape)
+    kept = next((rows[name] for name in param.names if rows and name in rows), None)
+    return shape if kept is None else (kept, *shape[1:])
 
 
 def _checkpoint_tensors(path: Path, key_map) -> dict:
@@ -119,12 +136,13 @@ def _read_range(file, key: str, shape: list[int], start: int, stop: int) -> torc
 # ----------------------------------------------------------------- exporting, streamed
 
 def export_pretrained(model: nn.Module, directory: str | os.PathLike, config: dict | None = None,
-                      max_file_bytes: int = 2 * 1024**3) -> Path:
+                      max_file_bytes: int = 2 * 1024**3, rows: dict[str, int] | None = None) -> Path:
     """Writes `model` in Hugging Face's layout: safetensors files of at most `max_file_bytes` of tensors, and their index.
 
     One file is named ``model.safetensors``; several are ``model-00001-of-0000K.safetensors``
     with ``model.safetensors.index.json``. `config` (a Hugging Face ``config.json``
-    as a dict) is written too. Every rank must call it; rank 0 writes.
+    as a dict) is written too. `rows` (parameter name -> rows) writes only those first rows of a
+    parameter. Every rank must call it; rank 0 writes.
     """
     directory = Path(directory)
     params = sharded_parameters(model)
@@ -132,7 +150,7 @@ def export_pretrained(model: nn.Module, directory: str | os.PathLike, config: di
     writing = comm.rank == 0
     buffers = list(persistent_buffers(model))
     # Plan the files from shapes: tensors in gathering order, each tied weight once under its first name.
-    layout = [(p.names[0], p.view.dtype, tuple(p.slot.shape)) for p in params]
+    layout = [(p.names[0], p.view.dtype, _stored_shape(p, rows)) for p in params]
     layout += [(name, buffer.dtype, tuple(buffer.shape)) for name, buffer in buffers]
     file_of = _plan_files(layout, max_file_bytes)
     if writing:
@@ -151,7 +169,7 @@ def export_pretrained(model: nn.Module, directory: str | os.PathLike, config: di
         full = handle.gather_shard_dtype()  # (padded_numel,): every rank takes part, one handle at a time
         if writing:
             for param, tensor in zip(group, handle.split_full(full)):
-                write(param.names[0], tensor)
+                write(param.names[0], tensor[:_stored_shape(param, rows)[0]] if tensor.dim() else tensor)
         del full
     if writing:
         for name, buffer in buffers:

@@ -27,12 +27,13 @@ from fsdp_mpi_models.bert import BertForPreTraining, BertLayer, bert_config
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, checkpoint_key_to_name, config_to_hf, gpt2_config
 
 GPT2 = gpt2_config("gpt2-tiny", dropout=0.1)
+PADDED_GPT2 = replace(GPT2, vocab_size=100)  # 128 rows in memory, 100 in Hugging Face's files
 
 
-def wrapped_gpt2(seed: int = 0, meta: bool = False, dropout: float = GPT2.dropout):
+def wrapped_gpt2(seed: int = 0, meta: bool = False, dropout: float = GPT2.dropout, config=GPT2):
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
-        model = GPT2LMHeadModel(replace(GPT2, dropout=dropout))
+        model = GPT2LMHeadModel(replace(config, dropout=dropout))
     return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
                                     param_init_fn=model.init_module if meta else None)
 
@@ -47,7 +48,8 @@ def recipe(model):
 
 
 def train_step(model, optimizer, scheduler, comm, step: int) -> float:
-    inputs, targets = (local_part(t, comm.rank, comm.world_size) for t in gpt_batch(step, GPT2.vocab_size))
+    vocab_size = model.module.config.vocab_size
+    inputs, targets = (local_part(t, comm.rank, comm.world_size) for t in gpt_batch(step, vocab_size))
     loss = model(inputs, targets)[1]
     loss.backward()
     optimizer.step()
@@ -182,19 +184,24 @@ def _on_meta(cls):
 
 
 def export(args, comm) -> dict:
-    """Export a trained model in pieces of at most 100 kB; load it back into a meta-built model."""
-    model = wrapped_gpt2()
+    """Export a trained model (its vocabulary padded in memory) in pieces of at most 100 kB; load it back into
+    a meta-built model."""
+    model = wrapped_gpt2(config=PADDED_GPT2)
     optimizer, scheduler = recipe(model)
     train_step(model, optimizer, scheduler, comm, 0)
     expected = full_state_dict(model, rank0_only=False)
     if comm.rank == 0:
         torch.save(expected, os.path.join(args.dir, "expected.pt"))
     hf_dir = os.path.join(args.dir, "hf")
-    export_pretrained(model, hf_dir, config=config_to_hf(GPT2), max_file_bytes=100_000)
-    fresh = wrapped_gpt2(meta=True)
-    load_pretrained(fresh, hf_dir, key_map=checkpoint_key_to_name)
+    rows = model.module.checkpoint_rows()
+    export_pretrained(model, hf_dir, config=config_to_hf(PADDED_GPT2), max_file_bytes=100_000, rows=rows)
+    fresh = wrapped_gpt2(meta=True, config=PADDED_GPT2)
+    with torch.no_grad():  # what loading must overwrite: the padding rows too
+        for param in fresh.parameters():
+            param.fill_(1.0)
+    load_pretrained(fresh, hf_dir, key_map=checkpoint_key_to_name, rows=rows)
     loaded = full_state_dict(fresh, rank0_only=False)
-    inputs = gpt_batch(0, GPT2.vocab_size)[0]
+    inputs = gpt_batch(0, PADDED_GPT2.vocab_size)[0]
     model.eval(), fresh.eval()
     with torch.no_grad():
         logit_difference = float((model(inputs)[0] - fresh(inputs)[0]).abs().max())

@@ -191,7 +191,11 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
     """Steps of one training run, each checked against one process at the same parameters (eager, whatever
     `compiled` says); `compiled`: "units" compiles each wrapped unit's module in place (``module.compile()``),
     "whole" runs ``torch.compile(model)`` (with AOT autograd but no inductor: tracing around the hooks is
-    what it checks, and inductor's kernels are the units' test); `wrap`: more FullyShardedDataParallel arguments (a sharding strategy)."""
+    what it checks, and inductor's kernels are the units' test); "one_rank_whole" compiles the whole model with
+    inductor where one rank holds it (each rank alone, as bench.py's ``+compile_whole@1``); `wrap`: more
+    FullyShardedDataParallel arguments (a sharding strategy)."""
+    if compiled == "one_rank_whole":
+        comm = comm.split(comm.rank)
     torch.manual_seed(0)
     initial, wrap_classes, batch_fn, loss_fn = {**MODELS, **FAMILY_MODELS}[model_kind]()
     reference, reference64 = copy.deepcopy(initial), copy.deepcopy(initial).double()
@@ -264,6 +268,8 @@ def compile_model(sharded: FullyShardedDataParallel, wrap_classes: set, compiled
     """What the training loop calls: `sharded`, or a compiled form of it (see ``run``)."""
     if compiled == "whole":  # the graph breaks at each unit's hooks are the point here, not inductor's kernels
         return torch.compile(sharded, backend="aot_eager")
+    if compiled == "one_rank_whole":  # inductor's kernels for everything between the (one-rank) gathers
+        return torch.compile(sharded)
     if compiled == "units":
         for module in sharded.modules():
             if isinstance(module, tuple(wrap_classes)):
@@ -313,7 +319,8 @@ MAIN_RUNS += [("mlp", "sgd", "none", "bf16"), ("gpt2", "adamw", "sharded", "bf16
               ("torch_encoder", "adamw", "none", "bf16"), ("hf_gpt2", "adamw", "none", "bf16")]
 FAMILY_RUNS = [("hf_albert", "adamw", "none", None), ("hf_albert", "sgd", "no_sync", None),
                ("hf_bert_frozen", "adamw", "none", None), ("hf_bert_frozen", "sgd", "none", "bf16")]
-COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("gpt2", "sgd", "no_sync", None, "whole")]
+COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("gpt2", "sgd", "no_sync", None, "whole"),
+                 ("gpt2", "adamw", "none", None, "one_rank_whole")]
 
 if __name__ == "__main__":
     # argv: output path, then optionally "families" or "compiled" (those runs), or model names (their main runs).
