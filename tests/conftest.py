@@ -86,6 +86,7 @@ def pytest_make_collect_report(collector):
 
 
 ONE_RANK_TIMEOUT_SECONDS = 300
+FAILED_CHECK_STATUS = 3  # the one-rank child's exit status when an assertion failed in it
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -108,8 +109,8 @@ def pytest_pyfunc_call(pyfuncitem):
                 from mpi4py import MPI
                 MPI.Init_thread(MPI.THREAD_MULTIPLE)
                 pyfuncitem.obj(**{name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames})
-            except BaseException:
-                status = 1
+            except BaseException as error:
+                status = FAILED_CHECK_STATUS if isinstance(error, AssertionError) else 1
                 with open(report.name, "w") as out:
                     out.write(traceback.format_exc())
             os._exit(status)
@@ -122,7 +123,7 @@ def pytest_pyfunc_call(pyfuncitem):
             time.sleep(0.05)
         if ended[1] != 0:
             failure = report.read() or f"it ended with wait status {ended[1]}"
-            if failure.rstrip().splitlines()[-1].startswith("AssertionError"):
+            if os.WIFEXITED(ended[1]) and os.WEXITSTATUS(ended[1]) == FAILED_CHECK_STATUS:
                 raise AssertionError(f"in the test's child process:\n{failure}")  # a check failed, as in-process
             raise RunFailed(f"in the test's child process:\n{failure}")
     return True

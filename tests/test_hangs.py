@@ -167,6 +167,7 @@ def test_the_watchdog_reports_a_collective_that_outlasts_its_timeout(monkeypatch
         assert reports == []
         while not reports and time.monotonic() < started + 5:
             time.sleep(0.05)
+    assert len(reports) == 1, "no report within 5 s of a 0.4 s timeout"
     at, message = reports[0]
     assert at - started >= 0.4
     assert message.startswith(f"fsdp_mpi watchdog: rank 3 (on {socket.gethostname()}) has waited 0.")
