@@ -12,6 +12,8 @@ from fsdp_mpi_models.checkpoint import CheckpointError
 from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, generate, gpt2_config
 
 transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
 TOLERANCE = 1e-5
 
 
