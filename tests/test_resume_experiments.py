@@ -86,6 +86,7 @@ def assert_same_training_state(ours: dict, reference: dict) -> None:
 
 
 @needs_data
+@pytest.mark.one_mpi  # the signal goes to a rank's own process, not through the launcher; the rest is ours
 def test_a_run_stopped_by_a_signal_on_one_rank_and_resumed_ends_as_if_never_stopped(tmp_path):
     # Never stopped; --resume with an empty --checkpoint-dir starts fresh and says so.
     whole = launch("run_bert.py", 2, *BERT, "--out-dir", tmp_path / "whole-csv", "--checkpoint-dir",
