@@ -8,10 +8,12 @@
 #
 #   bash hpc/gpu_check.sh                     # online: pip fetches what is missing, into .venv-gpu
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh
-#       # the quick form, about 6 minutes on one GPU: the GPU lane, a 256 MiB collective table, and the MFU
-#       # table of issue 45 on one rank, bf16: gpt2 (16 x 1024 tokens a step) and gpt2-medium (8 x 1024) as
-#       # plain torch eager, plain torch with the whole model compiled and fsdp-mpi compiled the same way, and
-#       # BERT's step (bert-base, 32 x 128) as plain torch and fsdp-mpi; one round each (the full form: three)
+#       # the quick form, about 6 minutes on one GPU: the GPU lane, the MFU table of issue 45 on one rank,
+#       # bf16: gpt2 (16 x 1024 tokens a step) and gpt2-medium (8 x 1024) as plain torch eager, plain torch
+#       # with the whole model compiled and fsdp-mpi compiled the same way, and BERT's step (bert-base,
+#       # 32 x 128) as plain torch and fsdp-mpi, one round each (the full form: three); a 256 MiB collective table
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh pytest-gpu bench-bert
+#       # only the steps named (as the summary names them): a machine lent for minutes runs the check in parts
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -26,6 +28,7 @@ mkdir -p "$out"
 summary="$out/summary.txt"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" FSDP_MPI_TIMEOUT="${FSDP_MPI_TIMEOUT:-120}" PYTHONUNBUFFERED=1
 quick="${FSDP_MPI_GPU_CHECK_QUICK:-0}"
+only=" $* "  # the steps to run; all of the form's when none is named
 
 if [ -n "${FSDP_MPI_WHEELS:-}" ]; then
     prefix="${FSDP_MPI_PREFIX:-$PWD/.gpu-prefix}"
@@ -54,6 +57,7 @@ mpiexec="${FSDP_MPI_MPIEXEC:-mpiexec}"
 
 run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time limit; its exit code in the summary
     local name="$1" seconds="$2"; shift 2
+    [ "$only" = "  " ] || [[ "$only" == *" $name "* ]] || return 0
     local start=$SECONDS
     timeout -s KILL "$seconds" "$@" > "$out/$name.log" 2>&1 < /dev/null
     local code=$?
@@ -67,12 +71,9 @@ run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time lim
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
-# The GPU lane of the tests: device code for real on 2 ranks (node transport, staged path, the worker thread).
-run pytest-gpu 150 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
-
-# The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.
-run bench-comm-gpu 90 "$mpiexec" -n 2 $PY experiments/bench_comm.py --device cuda --sizes-mb 256 --rounds 3 \
-    --repeats 5 --out "$out/bench-comm.csv"
+# The GPU lane of the tests: device code for real on 2 ranks (node transport, staged path, the worker thread,
+# the variants bit for bit, GPT-2 against one process in fp32 and bf16, a bit-exact resume, run_gpt2.py).
+run pytest-gpu 240 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
 
 # Issue 45's MFU table on one rank: eager beside the whole model compiled (inductor; the first of the warm-up
 # steps compiles), plain torch and fsdp-mpi compiled the same way; BERT's step time beside them.
@@ -86,7 +87,13 @@ if [ "$quick" = 1 ]; then
     run bench-bert 45 $PY experiments/bench.py --device cuda --model bert-base --seq-len 128 --batch-size 32 \
         --ranks 1 --steps 10 --warmup 2 --rounds 1 --out "$out/bert.csv" --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1
     awk '/^\| strategy \| precision/ {table = 1} table && /^$/ {table = 0; print ""} table' \
-        "$out"/bench-mfu-gpt2.log "$out"/bench-mfu-gpt2-medium.log "$out"/bench-bert.log | tee "$out/mfu.md"
+        "$out"/bench-mfu-gpt2*.log "$out"/bench-bert.log 2> /dev/null | tee "$out/mfu.md"
+fi
+# The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.
+run bench-comm-gpu 90 "$mpiexec" -n 2 $PY experiments/bench_comm.py --device cuda --sizes-mb 256 --rounds 3 \
+    --repeats 5 --out "$out/bench-comm.csv"
+
+if [ "$quick" = 1 ]; then
     echo "logs, CSVs and summary in $out"
     exit 0
 fi

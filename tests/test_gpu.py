@@ -5,11 +5,14 @@ process: pytest's own process must not initialise CUDA, since one-rank tests for
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 from mpi_launch import check_ok, run_mpi
+
+from fsdp_mpi import consolidate_checkpoint
 
 
 def _cuda_devices() -> int:
@@ -19,6 +22,14 @@ def _cuda_devices() -> int:
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_devices() == 0, reason="needs a CUDA device")]
+
+FIRST_GPU = {"CUDA_VISIBLE_DEVICES": "0"}  # the ranks share the first GPU
+
+
+def on_the_gpu(args: list) -> list:
+    """An experiment's test arguments (which say ``--device cpu``) with ``--device cuda`` instead."""
+    at = args.index("--device")
+    return [*args[:at], "--device", "cuda", *args[at + 2:]]
 
 
 def test_collectives_on_the_gpu_through_the_node_and_staged(tmp_path):
@@ -31,14 +42,57 @@ def test_collectives_on_the_gpu_through_the_node_and_staged(tmp_path):
     assert [name for name, ok in report.items() if not ok] == []
 
 
+def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing_on_the_gpu(tmp_path):
+    """workers/variants.py on the GPU: staged, chunked, in small exchanges, SHARD_GRAD_OP, checkpointed and
+    overlapped (on the communication thread's side streams when staged), each bit for bit the node transport's."""
+    out = tmp_path / "variants.json"
+    check_ok(run_mpi("variants.py", 2, out, "--device", "cuda", env=FIRST_GPU, timeout=300))
+    differing_tensors = json.loads(out.read_text())
+    assert set(differing_tensors) == {"through_mpi", "staged", "chunked", "small_exchanges", "shard_grad_op",
+                                      "checkpointed", "overlapped", "staged_overlapped"}
+    assert differing_tensors == {variant: [] for variant in differing_tensors}
+
+
+def test_gpt2_trains_on_the_gpu_as_one_process_on_it_in_fp32_and_bf16(tmp_path):
+    """workers/equivalence.py's checks for GPT-2 on the GPU: fp32 (TF32 off) and bf16 mixed precision, each
+    against one process on the same GPU under the same policy, within the same derived bounds as on the CPU."""
+    from test_equivalence import check_equivalence
+
+    out = tmp_path / "equivalence.json"
+    check_ok(run_mpi("equivalence.py", 2, out, "gpu", "--device", "cuda", env=FIRST_GPU, timeout=300))
+    results = json.loads(out.read_text())
+    assert set(results) == {"gpt2/adamw/none", "gpt2/adamw/sharded/bf16"}
+    check_equivalence(results)
+
+
+def test_a_run_resumed_on_the_gpu_continues_bit_for_bit(tmp_path):
+    """BERT, with dropout, on 2 ranks sharing the GPU and checkpointed every step. Resumed from the checkpoint one
+    step before the end, its last step draws the masks the run never stopped drew (the CUDA generators come back
+    with the checkpoint) and ends in the same parameters, AdamW state and schedule, bit for bit."""
+    from test_experiments import launch
+    from test_resume_experiments import BERT, BERT_TOTAL_STEPS, assert_same_training_state, step_directories
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    check_ok(launch("run_bert.py", 2, *on_the_gpu(BERT), "--out-dir", tmp_path / "whole-csv", "--checkpoint-dir",
+                    whole, "--checkpoint-every", 1, env=FIRST_GPU))
+    before, last = (f"step-{step:08d}" for step in (BERT_TOTAL_STEPS - 1, BERT_TOTAL_STEPS))
+    assert step_directories(whole) == [before, last]
+    shutil.copytree(whole / before, parts / before)
+    (parts / "latest").write_text(f"{before}\n")
+    resumed = launch("run_bert.py", 2, *on_the_gpu(BERT), "--out-dir", tmp_path / "resumed-csv", "--checkpoint-dir",
+                     parts, "--resume", env=FIRST_GPU)
+    check_ok(resumed)
+    assert f"after optimizer step {BERT_TOTAL_STEPS - 1} of {BERT_TOTAL_STEPS}" in resumed.stdout
+    assert_same_training_state(consolidate_checkpoint(parts / last), consolidate_checkpoint(whole / last))
+
+
 def test_run_gpt2_trains_on_the_gpu_on_two_ranks_sharing_it(tmp_path):
     """The main experiment as a GPU user runs it, with 2 ranks on the first GPU (bf16 mixed precision): it
     finishes, its CSV says cuda, and the loss falls from about ln 65 (a uniform guess over the characters)."""
     from test_experiments import QUICK, launch, read_rows
 
-    on_the_gpu = [arg for arg in QUICK if arg not in ("--device", "cpu")] + ["--device", "cuda", "--precision",
-                                                                              "bf16-mixed"]
-    check_ok(launch("run_gpt2.py", 2, *on_the_gpu, "--out-dir", tmp_path, env={"CUDA_VISIBLE_DEVICES": "0"}))
+    check_ok(launch("run_gpt2.py", 2, *on_the_gpu(QUICK), "--precision", "bf16-mixed", "--out-dir", tmp_path,
+                    env=FIRST_GPU))
     rows = read_rows(tmp_path)
     assert [row["device"] for row in rows] == ["cuda", "cuda"] and rows[0]["world_size"] == "2"
     steps = read_rows(tmp_path, per="step")

@@ -10,8 +10,7 @@ import sys
 import time
 
 import torch
-from common import output_path, write_json
-from mpi4py import MPI
+from common import output_path, take_device_argument, write_json
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.comm import _BIT_TYPES, DeviceBuffer
@@ -118,13 +117,10 @@ def started_while_the_partner_is_away(comm: Communicator, dtype: torch.dtype) ->
     return results
 
 
-def on_the_gpu() -> dict:
+def on_the_gpu(device: torch.device) -> dict:
     """Device tensors through the node transport (CUDA IPC) and the staged path, on the GPU of each rank's place
     on its node (ranks may share one): the closed forms, whole and in exchanges of 16 bytes, collectives
     started on the communication thread, and 64 MiB of random values, bit for bit the same both ways."""
-    local_rank = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
     report, results = {}, {}
     for route in ("node", "staged"):
         for chunk in (None, 16):
@@ -149,8 +145,8 @@ def on_the_gpu() -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[2:] == ["--device", "cuda"]:
-        write_json(output_path(), on_the_gpu())
+    if (device := take_device_argument()).type == "cuda":
+        write_json(output_path(), on_the_gpu(device))
         sys.exit(0)
     report = {}
     for route in ("direct", "staged", "node"):

@@ -1,14 +1,38 @@
 """Small models and helpers shared by the test workers (run under mpiexec)."""
 
 import json
+import os
 import sys
 
-import torch
-from mpi4py import MPI
-from torch import nn
+# cuBLAS is deterministic only with a fixed workspace, set before its first handle (a no-op on the CPU).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
 
 torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
+
+
+def take_device_argument() -> torch.device:
+    """Removes ``--device cpu|cuda`` from the arguments and returns that device (cpu without one). For cuda, the
+    GPU of this rank's place on its node (ranks may share one), selected before anything else touches CUDA; TF32
+    off (an fp32 run must compute in fp32 to be held to fp32's bounds); and a warning, not an error, from a CUDA
+    kernel that has no deterministic form (the suite's checks say whether any result changed)."""
+    if "--device" not in sys.argv:
+        return torch.device("cpu")
+    at = sys.argv.index("--device")
+    kind = sys.argv[at + 1]
+    del sys.argv[at:at + 2]
+    if kind == "cpu":
+        return torch.device("cpu")
+    local_rank = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return device
 
 
 class ResidualBlock(nn.Module):

@@ -35,7 +35,7 @@ import sys
 
 import torch
 from common import (NestedMLP, ResidualBlock, bert_batch, gpt_batch, local_part, mlp_batch, output_path,
-                    write_json)
+                    take_device_argument, write_json)
 from gradients import compare_gradients, full_gradients, reference_gradients
 from torch import nn
 
@@ -187,23 +187,26 @@ def max_update_size(optimizer) -> float:
 # ----------------------------------------------------------------- one run
 
 def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communicator,
-        param_dtype: torch.dtype | None = None, compiled: str | None = None, **wrap) -> dict:
+        param_dtype: torch.dtype | None = None, compiled: str | None = None,
+        device: torch.device = torch.device("cpu"), **wrap) -> dict:
     """Steps of one training run, each checked against one process at the same parameters (eager, whatever
     `compiled` says); `compiled`: "units" compiles each wrapped unit's module in place (``module.compile()``),
     "whole" runs ``torch.compile(model)`` (with AOT autograd but no inductor: tracing around the hooks is
     what it checks, and inductor's kernels are the units' test); "one_rank_whole" compiles the whole model with
     inductor where one rank holds it (each rank alone, as bench.py's ``+compile_whole@1``); `wrap`: more
-    FullyShardedDataParallel arguments (a sharding strategy)."""
+    FullyShardedDataParallel arguments (a sharding strategy). Ours and the one-process references compute on
+    `device`; the comparisons are made on the CPU."""
     if compiled == "one_rank_whole":
         comm = comm.split(comm.rank)
     torch.manual_seed(0)
     initial, wrap_classes, batch_fn, loss_fn = {**MODELS, **FAMILY_MODELS}[model_kind]()
-    reference, reference64 = copy.deepcopy(initial), copy.deepcopy(initial).double()
+    reference, reference64 = copy.deepcopy(initial).to(device), copy.deepcopy(initial).to(device, torch.float64)
     # One process with the same policy: computes in param_dtype from the same masters (fp32: `reference` itself).
-    same_policy = copy.deepcopy(initial).to(param_dtype) if param_dtype else reference
+    same_policy = copy.deepcopy(initial).to(device, param_dtype) if param_dtype else reference
     policy_dtype = param_dtype or torch.float32
     u = torch.finfo(policy_dtype).eps / 2
-    sharded = FullyShardedDataParallel(copy.deepcopy(initial), comm=comm, auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
+    sharded = FullyShardedDataParallel(copy.deepcopy(initial).to(device), comm=comm,
+                                       auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
                                        mixed_precision=MixedPrecision(param_dtype=param_dtype), **wrap)
     calls = compile_model(sharded, wrap_classes, compiled)
     optimizer = make_optimizer(optimizer_kind, sharded.named_parameters())
@@ -213,7 +216,7 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
     for step in range(STEPS):
         start = full_state_dict(sharded, rank0_only=False)
         parts = micro_batches * comm.world_size  # the global batch: micro_batches x world_size equal parts
-        batch = [t[:t.shape[0] // parts * parts] for t in batch_fn(step)]
+        batch = [t[:t.shape[0] // parts * parts].to(device) for t in batch_fn(step)]
         our_loss = 0.0
         for micro in range(micro_batches):
             local = [local_part(t, micro * comm.world_size + comm.rank, parts) for t in batch]
@@ -249,12 +252,12 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
             reference.load_state_dict(start)
         for name, param in reference.named_parameters(remove_duplicate=False):
             if param.requires_grad:
-                param.grad = None if name in ours_without_gradient else ours[name].clone()
+                param.grad = None if name in ours_without_gradient else ours[name].to(device, copy=True)
         if optimizer_kind == "adamw":
             check.update(compare_clipping(sharded, reference, ours))
             for name, clipped in full_gradients(sharded).items():  # step from exactly our clipped gradients
                 if name not in ours_without_gradient:
-                    dict(reference.named_parameters(remove_duplicate=False))[name].grad = clipped
+                    dict(reference.named_parameters(remove_duplicate=False))[name].grad = clipped.to(device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reference_optimizer.step()
@@ -287,7 +290,7 @@ def compare_clipping(sharded, reference, ours: dict) -> dict:
     our_norm = float(clip_grad_norm_(sharded, max_norm))
     torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
     clipped = full_gradients(sharded)
-    scale_error = max(float((clipped[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-30))
+    scale_error = max(float((clipped[n] - p.grad.cpu()).abs().max() / p.grad.abs().max().clamp(min=1e-30))
                       for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None)
     return {"clip_norm_error": abs(our_norm - torch_norm) / torch_norm, "clip_norm_bound": numel * U,
             "clip_scale_error": scale_error, "clip_scale_bound": (numel + 4) * U,
@@ -300,7 +303,7 @@ def compare_parameters(our_state: dict, reference, start: dict, reference_optimi
     bound_per_lr = max_update_size(reference_optimizer)
     lr_of = {id(p): g["lr"] for g in reference_optimizer.param_groups for p in g["params"]}
     for name, param in reference.named_parameters(remove_duplicate=False):
-        expected = param.detach()
+        expected = param.detach().cpu()
         update = (expected - start[name]).abs()
         if math.isfinite(bound_per_lr):
             update = torch.maximum(update, torch.full_like(update, lr_of.get(id(param), 0.0) * bound_per_lr))
@@ -321,17 +324,22 @@ FAMILY_RUNS = [("hf_albert", "adamw", "none", None), ("hf_albert", "sgd", "no_sy
                ("hf_bert_frozen", "adamw", "none", None), ("hf_bert_frozen", "sgd", "none", "bf16")]
 COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("gpt2", "sgd", "no_sync", None, "whole"),
                  ("gpt2", "adamw", "none", None, "one_rank_whole")]
+# On a GPU (``--device cuda``): one model in fp32 (TF32 off) and in bf16, against one process on the same GPU.
+GPU_RUNS = [("gpt2", "adamw", "none", None), ("gpt2", "adamw", "sharded", "bf16")]
 
 if __name__ == "__main__":
-    # argv: output path, then optionally "families" or "compiled" (those runs), or model names (their main runs).
+    # argv: output path, then optionally "families", "compiled" or "gpu" (those runs), or model names (their
+    # main runs); --device cuda anywhere: on the GPU.
+    device = take_device_argument()
     comm = Communicator()
     selected = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    named = {"families": FAMILY_RUNS, "compiled": COMPILED_RUNS, "gpu": GPU_RUNS}
     if selected is None:
         runs = MAIN_RUNS
-    elif selected in (["families"], ["compiled"]):
-        runs = FAMILY_RUNS if selected == ["families"] else COMPILED_RUNS
+    elif len(selected) == 1 and selected[0] in named:
+        runs = named[selected[0]]
     else:
         runs = [run_ for run_ in MAIN_RUNS if run_[0] in selected]
-    results = {"/".join(filter(None, (m, o, a, p, *c))): run(m, o, a, comm, p and torch.bfloat16, *c)
+    results = {"/".join(filter(None, (m, o, a, p, *c))): run(m, o, a, comm, p and torch.bfloat16, *c, device=device)
                for m, o, a, p, *c in runs}
     write_json(output_path(), results)

@@ -12,8 +12,8 @@ from torch import nn
 
 
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A wrapped model's reduced gradients, gathered into full tensors under the original names (zeros where
-    none)."""
+    """A wrapped model's reduced gradients, gathered into full tensors on the CPU under the original names (zeros
+    where none)."""
     from fsdp_mpi.sharding.lifecycle import units_with_names
     grads = {}
     for prefix, unit in units_with_names(model):
@@ -21,17 +21,17 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
             if not handle.requires_grad:
                 continue
             shard_grad = handle.shard_grad if handle.shard_grad is not None else torch.zeros_like(handle.shard)
-            full = torch.empty(handle.padded_numel, dtype=shard_grad.dtype)
+            full = torch.empty(handle.padded_numel, dtype=shard_grad.dtype, device=shard_grad.device)
             handle.comm.all_gather_into(full, shard_grad)
             for slot in handle.slots:
                 for use in slot.uses:
-                    grads[f"{prefix}.{use.name}" if prefix else use.name] = full[slot.offset:slot.offset + slot.numel
-                                                                                  ].view(slot.shape).clone()
+                    value = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                    grads[f"{prefix}.{use.name}" if prefix else use.name] = value.to("cpu", copy=True)
     return grads
 
 
 def reference_gradients(model: nn.Module, dtype) -> dict[str, torch.Tensor]:
-    return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).to(dtype)
+    return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).to("cpu", dtype)
             for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
