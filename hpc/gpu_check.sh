@@ -80,7 +80,7 @@ run pytest-gpu 240 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gp
 compiled=plain:bf16-mixed,plain+compile_whole:bf16-mixed,fsdp-mpi+compile_whole:bf16-mixed@1
 mfu="--device cuda --seq-len 1024 --ranks 1 --steps 5 --warmup 2 --rounds"
 if [ "$quick" = 1 ]; then
-    run bench-mfu-gpt2 110 $PY experiments/bench.py $mfu 1 --model gpt2 --batch-size 16 --out "$out/mfu-gpt2.csv" \
+    run bench-mfu-gpt2 150 $PY experiments/bench.py $mfu 1 --model gpt2 --batch-size 16 --out "$out/mfu-gpt2.csv" \
         --strategies $compiled
     run bench-mfu-gpt2-medium 130 $PY experiments/bench.py $mfu 1 --model gpt2-medium --batch-size 8 \
         --out "$out/mfu-gpt2-medium.csv" --strategies $compiled
