@@ -99,18 +99,17 @@ class FullViews(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor | None):
         padded_numel, dtype, device = ctx.like
-        full_grad = torch.empty(padded_numel, dtype=dtype, device=device)
-        for index, (piece, grad) in enumerate(zip(split_into_views(full_grad, ctx.shapes), grads)):
-            if grad is None:
-                piece.zero_()
-                continue
-            ctx.got_gradient[index] = True
-            if ctx.scale == 1.0:
-                piece.copy_(grad)
-            else:
-                torch.mul(grad, ctx.scale, out=piece)
-        full_grad[sum(shape.numel() for shape in ctx.shapes):].zero_()  # the padding
-        return full_grad, None, None, None
+        pieces = []
+        for index, (shape, grad) in enumerate(zip(ctx.shapes, grads)):
+            ctx.got_gradient[index] = ctx.got_gradient[index] or grad is not None
+            pieces.append(grad.reshape(-1) if grad is not None else torch.zeros(shape.numel(), dtype=dtype,
+                                                                                device=device))
+        pieces.append(torch.zeros(padded_numel - sum(shape.numel() for shape in ctx.shapes), dtype=dtype,
+                                  device=device))  # the padding
+        # One concatenation, not a copy per parameter: on a GPU, a kernel or two per unit instead of one per
+        # parameter, which a step of many small units would wait for the host to launch.
+        full_grad = torch.cat(pieces, out=torch.empty(padded_numel, dtype=dtype, device=device))
+        return (full_grad if ctx.scale == 1.0 else full_grad.mul_(ctx.scale)), None, None, None
 
 
 def split_into_views(full: torch.Tensor, shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:
