@@ -66,6 +66,15 @@ def test_forward_prefetch_gathers_the_next_unit_while_one_computes(tmp_path):
     assert second_step == [[0, 1, 2], [0, 2]]
 
 
+def test_a_forward_recomputed_in_backward_gathers_nothing_more(tmp_path):
+    """Activation checkpointing through each block's own call runs the block's forward again inside backward;
+    it computes with the parameters that backward gathered: each block is gathered once in backward, also
+    with forward prefetch on (the root keeps its parameters from forward)."""
+    report = run_memory(2, tmp_path)
+    once_each = ["transformer.h.1.block", "transformer.h.0.block"]
+    assert report["gathered_in_backward_under_checkpointing"] == [once_each, once_each]
+
+
 def test_no_sync_holds_full_gradients_until_the_synced_backward(tmp_path):
     report = run_memory(2, tmp_path)
     padded_bytes = sum(h["padded_numel"] * 4 for h in report["persistent"])

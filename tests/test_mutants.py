@@ -60,6 +60,7 @@ KILLED_SAVE = "tests/test_checkpoint.py::test_a_rank_killed_while_saving_leaves_
 TRUNCATED = "tests/test_checkpoint.py::test_a_damaged_file_is_named[truncate]"
 PERSISTENT = "tests/test_memory.py::test_persistent_parameters_are_one_shard_per_rank[2]"
 PREFETCH = "tests/test_memory.py::test_forward_prefetch_gathers_the_next_unit_while_one_computes"
+RECOMPUTED = "tests/test_memory.py::test_a_forward_recomputed_in_backward_gathers_nothing_more"
 CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows"
 VOCABULARY = "tests/test_models.py::test_the_padded_vocabulary_never_shows_in_logits_loss_samples_or_gradients"
 EXPORT = "tests/test_checkpoint.py::test_export_streams_hugging_face_files_that_load_anywhere"
@@ -263,6 +264,9 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py",
         'if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:',
         "if False:", [PREFETCH]),
+    "a forward recomputed in backward is taken for a new forward": (
+        "fsdp_mpi/sharding/lifecycle.py", "        if self.state is TrainingState.BACKWARD:\n            self._to_backward()",
+        "        if False:\n            self._to_backward()", [RECOMPUTED]),
     "the vocabulary's padding takes part in the softmax": (
         "models/vocabulary.py", '        mask[self.vocab_size:] = float("-inf")', "        pass", [VOCABULARY]),
     "loading into shards leaves the padding rows as they were": (

@@ -5,8 +5,10 @@ import weakref
 
 import torch
 from common import gpt_batch, local_part, output_path, write_json
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
+from fsdp_mpi.sharding.flat_param import FlatParamHandle
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
@@ -27,6 +29,44 @@ def live_tensor_bytes() -> int:
 
 def gathered_units(units) -> list[int]:
     return [index for index, unit in enumerate(units) if any(h.gathered_bytes for h in unit.handles)]
+
+
+class Recomputed(torch.nn.Module):
+    """Calls `block` through activation checkpointing: its own call, hooks and all, runs again in backward."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def gathers_in_backward_under_checkpointing(comm: Communicator, inputs, targets) -> list[list[str]]:
+    """Per step, the handles gathered during backward (by unit name, in order) when each block is called through
+    ``torch.utils.checkpoint`` (as Hugging Face's gradient checkpointing calls its layers), with forward
+    prefetch on: the block's forward runs again inside backward, through the unit's hooks, and must compute
+    with what the backward gathered, prefetching and recording nothing."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
+    model.transformer.h = torch.nn.ModuleList(Recomputed(block) for block in model.transformer.h)
+    sharded = FullyShardedDataParallel(model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+                                       forward_prefetch=True)
+    gathered, allocate = [], FlatParamHandle._allocate_full_storage
+
+    def counted(handle):
+        if torch._C._current_graph_task_id() != -1:  # inside backward
+            gathered.append(handle.unit_name)
+        return allocate(handle)
+    FlatParamHandle._allocate_full_storage = counted
+    steps = []
+    for _ in range(2):
+        _, loss = sharded(inputs, targets)
+        loss.backward()
+        steps.append(list(gathered))
+        gathered.clear()
+    FlatParamHandle._allocate_full_storage = allocate
+    return steps
 
 
 if __name__ == "__main__":
@@ -75,6 +115,9 @@ if __name__ == "__main__":
         with torch.no_grad():
             prefetching(inputs[:2])
 
+    under_checkpointing = gathers_in_backward_under_checkpointing(
+        comm, local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))
+
     # Gradient accumulation: under no_sync every unit keeps its full-size gradient and nothing is reduced;
     # the next backward with sync reduces the sum, and the full-size gradients are gone.
     def gradient_bytes() -> dict:
@@ -108,6 +151,7 @@ if __name__ == "__main__":
         "during_no_sync": during_no_sync,
         "after_sync": after_sync,
         "seen_with_prefetch": seen_with_prefetch,
+        "gathered_in_backward_under_checkpointing": under_checkpointing,
         "world_size": comm.world_size,
         "unwrapped_bytes": unwrapped_bytes,
         "parameter_bytes": parameter_bytes,
