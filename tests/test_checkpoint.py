@@ -99,6 +99,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_whole(tmp_pat
     assert result.returncode != 0
     assert json.loads((tmp_path / "out.json").read_text()) == {"saved": True}  # the first save completed
     assert (tmp_path / "ckpt.tmp").exists()  # the second never reached the rename
+    assert (tmp_path / "ckpt" / "index.json").exists(), "the previous checkpoint is gone"
     assert consolidate_checkpoint(tmp_path / "ckpt")["extra"]["step"] == 1  # every checksum still matches
     # The next save replaces the leftovers: resuming from it works and saves again.
     train(tmp_path, "after", 2, 2, "--resume", tmp_path / "ckpt", "--save-after-load", tmp_path / "ckpt")

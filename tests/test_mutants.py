@@ -252,6 +252,10 @@ MUTANTS = {
         "broadcast = partial(self._mpi_broadcast, root=0)", [COLLECTIVES]),
     "after a failed collective the communication thread's later ones are not waited for": (
         "fsdp_mpi/communication/background.py", "        wait(queued)\n", "", [QUEUE_WAIT]),
+    "a save removes the previous checkpoint before the new one is complete": (
+        "fsdp_mpi/files/checkpoint.py", 'temporary = directory.with_name(directory.name + ".tmp")',
+        'temporary = directory.with_name(directory.name + ".tmp"); shutil.rmtree(directory, ignore_errors=True)',
+        [KILLED_SAVE]),
     "a truncated file is not told from a corrupted one": (
         "fsdp_mpi/files/checkpoint.py", 'if path.stat().st_size != expected["bytes"]:', "if False:", [TRUNCATED]),
     "rank0_only state dicts are full on every rank": (
