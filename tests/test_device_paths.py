@@ -1,5 +1,6 @@
 """The GPU paths' host-side logic on its own, without MPI or a GPU (torch's CUDA calls faked where needed): the
-communication thread (background.py: what waiting for its queue waits for after an error, how many CUDA streams
+communication thread (background.py: the order it runs collectives in, what waiting for its queue waits for after an
+error, how many CUDA streams
 it makes) and the staging pipeline's wait for the last collective's copies back (staging.py)."""
 
 import threading
@@ -11,6 +12,25 @@ import torch
 from fsdp_mpi.communication.background import CommunicationThread
 
 pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
+
+
+def test_the_worker_runs_collectives_one_at_a_time_in_the_order_started():
+    """Ranks must enter a communicator's collectives in the same order: the worker runs what it is handed first
+    come, first served, one at a time (the first sleeps longest, so any overlap or reordering shows), and
+    ``wait_for_all()`` returns only when all have run."""
+    thread, log = CommunicationThread(), []
+
+    def collective(index: int):
+        def run():
+            log.append(f"enter {index}")
+            time.sleep(0.05 * (3 - index))
+            log.append(f"leave {index}")
+        return run
+
+    for index in range(3):
+        thread.start(collective(index), torch.device("cpu"))
+    thread.wait_for_all()
+    assert log == ["enter 0", "leave 0", "enter 1", "leave 1", "enter 2", "leave 2"]
 
 
 def test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error():

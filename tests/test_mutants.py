@@ -56,6 +56,7 @@ RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
 NODE_FILES = "tests/test_node_transport.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
 QUEUE_WAIT = "tests/test_device_paths.py::test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error"
+WORKER_ORDER = "tests/test_device_paths.py::test_the_worker_runs_collectives_one_at_a_time_in_the_order_started"
 KILLED_SAVE = "tests/test_checkpoint.py::test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_whole"
 TRUNCATED = "tests/test_checkpoint.py::test_a_damaged_file_is_named[truncate]"
 PERSISTENT = "tests/test_memory.py::test_persistent_parameters_are_one_shard_per_rank[2]"
@@ -256,6 +257,12 @@ MUTANTS = {
         "fsdp_mpi/files/checkpoint.py", 'temporary = directory.with_name(directory.name + ".tmp")',
         'temporary = directory.with_name(directory.name + ".tmp"); shutil.rmtree(directory, ignore_errors=True)',
         [KILLED_SAVE]),
+    "the communication thread runs several collectives at once": (
+        "fsdp_mpi/communication/background.py", "ThreadPoolExecutor(max_workers=1,", "ThreadPoolExecutor(max_workers=3,",
+        [WORKER_ORDER]),
+    "a collective on the main thread does not wait for those handed to the worker": (
+        "fsdp_mpi/communication/background.py", "if not self._queued or threading.current_thread() is self._worker:",
+        "if True:", [WORKER_ORDER]),
     "a truncated file is not told from a corrupted one": (
         "fsdp_mpi/files/checkpoint.py", 'if path.stat().st_size != expected["bytes"]:', "if False:", [TRUNCATED]),
     "rank0_only state dicts are full on every rank": (
