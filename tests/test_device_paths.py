@@ -1,7 +1,7 @@
 """The GPU paths' host-side logic on its own, without MPI or a GPU (torch's CUDA calls faked where needed): the
-communication thread (background.py: the order it runs collectives in, what waiting for its queue waits for after an
-error, how many CUDA streams
-it makes) and the staging pipeline's wait for the last collective's copies back (staging.py)."""
+communication thread (background.py: the order it runs collectives in, what waiting for its queue waits for after
+an error, how many CUDA streams it makes) and the staging pipeline's wait for the last collective's copies back
+(staging.py)."""
 
 import threading
 import time
