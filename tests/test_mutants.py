@@ -263,6 +263,9 @@ MUTANTS = {
     "a collective on the main thread does not wait for those handed to the worker": (
         "fsdp_mpi/communication/background.py", "if not self._queued or threading.current_thread() is self._worker:",
         "if True:", [WORKER_ORDER]),
+    "a started 16-bit reduce-scatter is cast to fp32 by the worker": (
+        "fsdp_mpi/communication/comm.py", "if route is Route.STAGED and shard.dtype in _SUM_IN_FP32:", "if False:",
+        [COLLECTIVES]),
     "a truncated file is not told from a corrupted one": (
         "fsdp_mpi/files/checkpoint.py", 'if path.stat().st_size != expected["bytes"]:', "if False:", [TRUNCATED]),
     "rank0_only state dicts are full on every rank": (

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
+from typing import Callable
 
 import numpy
 import torch
@@ -75,9 +76,10 @@ class Pending:
     """
 
     def __init__(self, comm: "Communicator", request=None, record: CollectiveRecord | None = None, buffers=(),
-                 started: Started | None = None):
+                 started: Started | None = None, then: Callable[[], None] | None = None):
         self._comm, self._request, self._record, self._buffers = comm, request, record, buffers
         self._started = started  # a staged collective on the communication thread (``background.py``)
+        self._then = then  # what completes it once the transfer has: a copy back into the caller's tensor
 
     def wait(self) -> None:
         if self._request is not None:
@@ -85,7 +87,9 @@ class Pending:
                 self._request.Wait()
         if self._started is not None:
             self._started.wait()  # the worker's own collective is watched and timed where it runs
-        self._request, self._started, self._buffers = None, None, ()
+        if self._then is not None:
+            self._then()
+        self._request, self._started, self._buffers, self._then = None, None, (), None
 
 
 class DeviceBuffer:
@@ -398,6 +402,8 @@ class Communicator:
         self._check_pair(full, shard, "start_reduce_scatter_sum")
         route = self._route(full.device) if self.world_size > 1 else None
         if self._on_the_communication_thread(route, full):
+            if route is Route.STAGED and shard.dtype in _SUM_IN_FP32:
+                return self._start_reduce_scatter_in_fp32(shard, full, unit)
             started = self._background.start(partial(self.reduce_scatter_sum, shard, full, unit), full.device)
             return Pending(self, buffers=(full, shard), started=started)
         direct = route is Route.DIRECT and shard.numel() <= self.max_elements_per_message
@@ -409,6 +415,16 @@ class Communicator:
             self._wait_for_producer(full)
             request = self.mpi_comm.Ireduce_scatter_block(_numbers(full), _numbers(shard), op=MPI.SUM)
         return Pending(self, request, record, buffers=(full, shard))
+
+    def _start_reduce_scatter_in_fp32(self, shard: torch.Tensor, full: torch.Tensor, unit: str) -> Pending:
+        """A 16-bit reduce-scatter for the worker, summed in fp32 as every 16-bit sum through MPI is. The fp32
+        copies are made here, on the caller's stream: made by the worker, on its side stream, they would come
+        from that stream's share of the caching allocator, which the compute stream cannot reuse (a
+        gradient-sized block held apart per unit). ``wait()`` rounds the sum into `shard`."""
+        full_fp32 = full.float()  # (world_size * shard_numel,)
+        shard_fp32 = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
+        started = self._background.start(partial(self.reduce_scatter_sum, shard_fp32, full_fp32, unit), full.device)
+        return Pending(self, buffers=(full_fp32, shard_fp32), started=started, then=lambda: shard.copy_(shard_fp32))
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Overwrites `tensor` on every rank with root's."""

@@ -53,9 +53,12 @@ def check(comm: Communicator, dtype: torch.dtype, device: torch.device = torch.d
         summed, shard = parts.clone(), torch.empty(S, dtype=dtype, device=device)
         comm.all_reduce_sum_(summed)
         comm.reduce_scatter_sum(shard, parts)
+        started = torch.empty(S, dtype=dtype, device=device)
+        comm.start_reduce_scatter_sum(started, parts).wait()
         # in fp32, rounded once: 256 + (n - 1); summed in 16 bits, each 1 would be rounded away
         expected = torch.full((n * S,), spacing_of_one_at + n - 1, dtype=torch.float32, device=device).to(dtype)
-        results["16-bit sums in fp32"] = torch.equal(summed, expected) and torch.equal(shard, expected[mine])
+        results["16-bit sums in fp32"] = (torch.equal(summed, expected) and torch.equal(shard, expected[mine])
+                                          and torch.equal(started, expected[mine]))
 
     received = torch.empty(n * S, dtype=dtype, device=device)
     comm.all_to_all(received, everything + r)  # chunk j of rank i's is everything[j-th] + i
@@ -117,6 +120,21 @@ def started_while_the_partner_is_away(comm: Communicator, dtype: torch.dtype) ->
     return results
 
 
+def dtypes_handed_to_the_worker(comm: Communicator, dtype: torch.dtype) -> list:
+    """The dtypes of the tensors that a started staged reduce-scatter of `dtype` hands the communication thread:
+    16-bit ones must arrive in fp32, cast by the caller (on a GPU, on its stream and from its memory pool)."""
+    handed, start = [], comm._background.start
+
+    def recorded(collective, device):
+        handed.extend(arg.dtype for arg in collective.args if isinstance(arg, torch.Tensor))
+        return start(collective, device)
+    comm._background.start = recorded
+    shard = torch.empty(S, dtype=dtype)
+    comm.start_reduce_scatter_sum(shard, torch.ones(comm.world_size * S, dtype=dtype)).wait()
+    comm._background.start = start
+    return handed if torch.equal(shard, torch.full((S,), float(comm.world_size), dtype=dtype)) else []
+
+
 def on_the_gpu(device: torch.device) -> dict:
     """Device tensors through the node transport (CUDA IPC) and the staged path, on the GPU of each rank's place
     on its node (ranks may share one): the closed forms, whole and in exchanges of 16 bytes, collectives
@@ -166,6 +184,8 @@ if __name__ == "__main__":
     staged = Communicator(force_staging=True)
     for what, ok in started_while_the_partner_is_away(staged, torch.float32).items():
         report[f"{what}/staged"] = all(staged.allgather_object(ok))
+    report["a started 16-bit reduce-scatter reaches the worker in fp32"] = all(staged.allgather_object(
+        dtypes_handed_to_the_worker(staged, torch.bfloat16) == [torch.float32, torch.float32]))
     report["sum_and_max_of_floats"] = [comm.allreduce_sum_float(comm.rank + 0.5),
                                        comm.allreduce_max_float(-comm.rank)]
     write_json(output_path(), report)
