@@ -1,15 +1,18 @@
-"""The GPU paths' host-side logic on its own, without MPI or a GPU (torch's CUDA calls faked where needed): the
+"""The GPU paths' host-side logic on its own, without a GPU (torch's CUDA calls faked where needed): the
 communication thread (background.py: the order it runs collectives in, what waiting for its queue waits for after
-an error, how many CUDA streams it makes) and the staging pipeline's wait for the last collective's copies back
-(staging.py)."""
+an error, how many CUDA streams it makes, which started collectives it runs) and the staging pipeline's wait for the
+last collective's copies back (staging.py)."""
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from fsdp_mpi import Communicator
 from fsdp_mpi.communication.background import CommunicationThread
+from fsdp_mpi.communication.comm import Route
 
 pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
 
@@ -50,6 +53,21 @@ def test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_
         thread.wait_for_all()
     # the worker is no longer inside a collective when the caller goes on to its own
     assert finished.is_set()
+
+
+@pytest.mark.one_rank
+def test_started_collectives_of_device_memory_run_on_the_communication_thread_on_every_route():
+    """Staged, through the node, and direct (a CUDA-aware MPI, before which the host waits for the stream that
+    produced the tensor): on the worker, so the main thread's host runs on ahead; host memory is staged there
+    only, other routes start (or complete) on the caller."""
+    comm = Communicator()  # one rank here: only the choice is asked, no collective runs
+    if comm._background is None:
+        pytest.skip("this MPI gives less than MPI_THREAD_MULTIPLE: nothing runs on a communication thread")
+    on_the_worker = {(device, route): comm._on_the_communication_thread(route,
+                                                                        SimpleNamespace(is_cuda=device == "cuda"))
+                     for device in ("cpu", "cuda") for route in Route}
+    assert on_the_worker == {(device, route): device == "cuda" or route is Route.STAGED
+                             for device in ("cpu", "cuda") for route in Route}
 
 
 class _FakeEvent:

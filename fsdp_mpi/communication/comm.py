@@ -377,8 +377,8 @@ class Communicator:
     def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> Pending:
         """Like ``all_gather_into``, returning before the data has arrived: ``wait()`` before reading `full`.
 
-        A staged transfer, or a node transfer of device memory, runs on the communication
-        thread (``background.py``). A direct (unchunked) one is a nonblocking MPI call: MPI
+        A staged transfer, or one of device memory, runs on the communication thread
+        (``background.py``). A direct (unchunked) one of host memory is a nonblocking MPI call: MPI
         moves the data when its progress engine runs, inside later MPI calls, or in the
         background where the library has a progress thread or offloads to hardware. Others
         (a node transfer of host memory: copies the CPU would make anyway) complete here.
@@ -552,10 +552,12 @@ class Communicator:
         return self._routes[kind]
 
     def _on_the_communication_thread(self, route: Route | None, tensor: torch.Tensor) -> bool:
-        """Whether a started collective runs on the worker: host work (staging, or queueing a node transfer's
-        device copies behind a barrier) that would otherwise hold the main thread until every rank joined."""
+        """Whether a started collective runs on the worker: host work that would otherwise hold the main thread.
+        That is staging; queueing a node transfer's device copies behind a barrier; and handing device memory
+        to a CUDA-aware MPI, before which the host waits for the stream that produced it: on the worker, the
+        main thread goes on queueing the next units' kernels meanwhile."""
         return self._background is not None and (
-            route is Route.STAGED or (route is Route.NODE and tensor.is_cuda))
+            route is Route.STAGED or (tensor.is_cuda and route in (Route.NODE, Route.DIRECT)))
 
     def _needs_staging(self, tensor: torch.Tensor) -> bool:
         return self._route(tensor.device) is Route.STAGED
