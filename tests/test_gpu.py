@@ -21,7 +21,8 @@ def _cuda_devices() -> int:
     return int(asked.stdout.strip() or 0) if asked.returncode == 0 else 0
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_devices() == 0, reason="needs a CUDA device")]
+CUDA_DEVICES = _cuda_devices()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(CUDA_DEVICES == 0, reason="needs a CUDA device")]
 
 FIRST_GPU = {"CUDA_VISIBLE_DEVICES": "0"}  # the ranks share the first GPU
 
@@ -37,9 +38,19 @@ def test_collectives_on_the_gpu_through_the_node_and_staged(tmp_path):
     check_ok(run_mpi("collectives.py", 2, out, "--device", "cuda", timeout=300))
     report = json.loads(out.read_text())
     # (7 collectives x 4 dtypes + 16-bit sums in fp32 x 2 + the route taken) x (node, staged) x (whole, 16-byte
-    # chunks), + 64 MiB both ways
-    assert len(report) == (7 * 4 + 2 + 1) * 2 * 2 + 1
+    # chunks), + 64 MiB both ways, + no CUDA context on another GPU
+    assert len(report) == (7 * 4 + 2 + 1) * 2 * 2 + 2
     assert [name for name, ok in report.items() if not ok] == []
+
+
+@pytest.mark.skipif(CUDA_DEVICES < 2, reason="needs a CUDA device for each of 2 ranks")
+def test_each_rank_makes_a_cuda_context_on_its_own_gpu_only(tmp_path):
+    """On a node with a GPU per rank, rank 1 must not make a context on GPU 0 (about 0.5 GiB of it each, so
+    that GPU 0 ran out of memory first on an 8-GPU node): not its main thread, not its communication
+    thread, whose stream contexts restore the current device on exit."""
+    out = tmp_path / "gpu-collectives.json"
+    check_ok(run_mpi("collectives.py", 2, out, "--device", "cuda", timeout=300))
+    assert json.loads(out.read_text())["cuda/no CUDA context on another rank's GPU"]
 
 
 def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing_on_the_gpu(tmp_path):

@@ -159,6 +159,11 @@ def on_the_gpu(device: torch.device) -> dict:
         results[route] = (gathered, shard)
     report["cuda/64 MiB node == staged, bit for bit"] = all(comm.allgather_object(
         all(torch.equal(a, b) for a, b in zip(results["node"], results["staged"]))))
+    # After all that, on the communication thread too: a CUDA context on this rank's GPU only (each costs about
+    # 0.5 GiB of the GPU it is on; with one GPU for all ranks there is no other).
+    others = [index for index in range(torch.cuda.device_count())
+              if index != device.index and torch._C._cuda_hasPrimaryContext(index)]
+    report["cuda/no CUDA context on another rank's GPU"] = all(comm.allgather_object(others == []))
     return report
 
 
