@@ -73,9 +73,9 @@ def summon_full_params(module: nn.Module, writeback: bool = True):
     units = [unit for _, unit in _units_by_prefix(module)]
     if any(unit.state is not TrainingState.IDLE for unit in units):
         raise RuntimeError("summon_full_params cannot be entered during forward or backward")
-    gathered = [(handle, handle.gather_shard_dtype()) for unit in units for handle in unit.handles]
+    gathered = [(handle, handle.gather_masters()) for unit in units for handle in unit.handles]
     for handle, full in gathered:
-        handle.show(handle.split_full(full))
+        handle.install_full_views(handle.split_full(full))
     try:
         yield module
     finally:
@@ -98,7 +98,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     state: dict[str, torch.Tensor] = {}
     for prefix, unit in units:
         for handle in unit.handles:
-            full = handle.gather_shard_dtype()  # every rank takes part
+            full = handle.gather_masters()  # every rank takes part
             if keep:
                 for slot, tensor in zip(handle.slots, handle.split_full(full)):
                     saved = tensor.to("cpu", copy=True)
