@@ -71,6 +71,14 @@ def units_with_names(module: nn.Module) -> list[tuple[str, "ShardedUnit"]]:
             for name, sub in module.named_modules() if UNIT_ATTRIBUTE in sub.__dict__]
 
 
+def require_units_with_names(module: nn.Module, needed_by: str) -> list[tuple[str, "ShardedUnit"]]:
+    """``units_with_names(module)``, which must not be empty: ValueError naming `needed_by` otherwise."""
+    units = units_with_names(module)
+    if not units:
+        raise ValueError(f"{needed_by} needs a model that contains a FullyShardedDataParallel unit; "
+                         "wrap it (or its blocks) first")
+    return units
+
 
 class ShardedUnit:
     """Flattens `module`'s own parameters into shards and gathers them whenever `module` computes.
