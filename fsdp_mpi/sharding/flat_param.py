@@ -50,6 +50,7 @@ from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
+from fsdp_mpi.communication.timing_points import GRADIENT_ASSEMBLY, timed
 from fsdp_mpi.sharding.collectives import choose_gather, choose_reduction
 
 # Set on each original parameter once it is flattened, so that a second unit
@@ -98,6 +99,7 @@ class FullViews(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @timed(GRADIENT_ASSEMBLY)
     def backward(ctx, *grads: torch.Tensor | None):
         padded_numel, dtype, device = ctx.like
         full_grad = torch.empty(padded_numel, dtype=dtype, device=device)

@@ -42,6 +42,7 @@ from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
+from fsdp_mpi.communication.timing_points import HOOK, timed
 from fsdp_mpi.sharding.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tensors
 from fsdp_mpi.sharding.nested import for_each_tensor
@@ -137,6 +138,7 @@ class ShardedUnit:
     # ----------------------------------------------------------------- forward
 
     @torch.compiler.disable  # gathering talks to MPI: compiled code calls it, never traces it
+    @timed(HOOK)
     def _pre_forward(self, _module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state is TrainingState.BACKWARD:
             self._to_backward()  # activation checkpointing re-runs a forward during backward: the same views
@@ -172,6 +174,7 @@ class ShardedUnit:
             self._called_alone = None
 
     @torch.compiler.disable
+    @timed(HOOK)
     def _post_forward(self, _module, _args, output) -> None:
         if self.is_root and self._called_alone is None:  # the order of a whole forward, not of a part's
             self.context.execution_order.stop_recording_unless_empty()
@@ -196,6 +199,7 @@ class ShardedUnit:
 
     # ----------------------------------------------------------------- backward
 
+    @timed(HOOK)
     def _pre_backward(self, _grad: torch.Tensor) -> None:
         """Runs when the gradient of one of this unit's outputs is ready: gather for backward."""
         self.root.context.queue_end_of_backward(self.root._end_of_backward)
@@ -204,6 +208,7 @@ class ShardedUnit:
             if self.overlap["backward_prefetch"] and (upcoming := self.root.context.execution_order.before(self)):
                 upcoming._start_unshard()
 
+    @timed(HOOK)
     def _post_backward(self, handle: FlatParamHandle) -> None:
         """Runs when autograd has summed every use's gradient into ``handle.full_flat.grad``."""
         handle.awaiting_gradient = False
@@ -217,6 +222,7 @@ class ShardedUnit:
         if not any(h.awaiting_gradient for h in self.handles):
             self._to_idle()
 
+    @timed(HOOK)
     def _end_of_backward(self) -> None:
         """Reduces gradients that never arrived (unused units or outputs), frees everything, and leaves
         ``.grad`` None on every parameter that no rank used.
