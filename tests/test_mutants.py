@@ -105,8 +105,8 @@ MUTANTS = {
         "models/gpt2.py", "if self.gradient_checkpointing and self.training", "if False and self.training",
         [SWITCHES]),
     "no gradient communication": (
-        "fsdp_mpi/sharding/flat_param.py", "            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)",
-        "            shard_grad.copy_(full_grad[self.shard_offset:self.shard_offset + self.shard_numel])",
+        "fsdp_mpi/sharding/collectives.py", "        self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), unit)",
+        "        shard_grad.copy_(full_grad.view(self.comm.world_size, -1)[self.comm.rank])",
         [KNOWN_ANSWER]),
     "gradients summed, not averaged": (
         "fsdp_mpi/sharding/flat_param.py", "scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0",
@@ -114,8 +114,8 @@ MUTANTS = {
     "16-bit gradients summed, not averaged": (
         "fsdp_mpi/sharding/flat_param.py", "            shard_grad.div_(self.gradient_divisor)", "            pass", [EQUIVALENCE]),
     "gradient reduced into the wrong shard": (
-        "fsdp_mpi/sharding/flat_param.py", "            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)",
-        "            self.comm.reduce_scatter_sum(shard_grad, full_grad.roll(-self.shard_numel).contiguous(), self.unit_name)",
+        "fsdp_mpi/sharding/collectives.py", "        self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), unit)",
+        "        self.comm.reduce_scatter_sum(shard_grad, full_grad.roll(-shard_grad.numel()).contiguous(), unit)",
         [EQUIVALENCE]),
     "reshard frees nothing": (
         "fsdp_mpi/sharding/flat_param.py", "        if self.is_unsharded and not self.aliases_shard:\n            self._free_full_storage()",
@@ -190,7 +190,8 @@ MUTANTS = {
     "a launcher mismatch goes unnoticed": (
         "fsdp_mpi/communication/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),
     "replicas never average their gradients": (
-        "fsdp_mpi/sharding/flat_param.py", "if self.replicas is not None:", "if False:", [STRATEGIES]),
+        "fsdp_mpi/sharding/collectives.py", "        if self.replicas is not None:\n            self.replicas.all_reduce_sum_(",
+        "        if False:\n            self.replicas.all_reduce_sum_(", [STRATEGIES]),
     "clipping sums the norm over replicas too": (
         "fsdp_mpi/loop/clip.py", "comm = units[0][1].groups.shard", "comm = units[0][1].comm", [STRATEGIES]),
     "validation reports one rank's share": (

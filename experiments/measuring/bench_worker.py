@@ -252,7 +252,7 @@ def main() -> None:
             if args.strategy == "fsdp-mpi":
                 options.update(sharding_strategy=ShardingStrategy[sharding],
                                hybrid_group_size=args.hybrid_group_size)
-                breakdown = StepBreakdown()  # installed before wrapping: the hooks bind their methods then
+                breakdown = StepBreakdown()
                 breakdown.install()
             prepared = prepare(args.strategy, model, block_class, device, comm, args.precision, **options)
         measured = prepared.model

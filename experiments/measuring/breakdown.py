@@ -15,20 +15,18 @@
   flat gradient that is reduce-scattered (a copy one process does not make).
 - **Compute** is the rest of the step: forward and backward arithmetic, the loss, the optimizer.
 
-The timers wrap the lifecycle's methods from outside the library (``StepBreakdown.install``, before
-the model is wrapped, since hooks bind their methods then), so the library carries no profiling
-code; each costs two clock reads per hook call, microseconds against a step of seconds.
+The timers listen at the core's timing points (``fsdp_mpi/communication/timing_points.py``: the
+lifecycle's hooks, gradient assembly, each collective entered), so the library carries no profiling
+code and a rename in it cannot silently hide a hook from the breakdown; each costs two clock reads
+per hook call, microseconds against a step of seconds.
 """
 
 import socket
 import time
 
 from fsdp_mpi import Communicator
-from fsdp_mpi.communication.collective_log import PROCESS_LOG
-from fsdp_mpi.sharding.flat_param import FullViews
-from fsdp_mpi.sharding.lifecycle import ShardedUnit
+from fsdp_mpi.communication.timing_points import GRADIENT_ASSEMBLY, HOOK, add_listener
 
-HOOKS = ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_end_of_backward")
 PARTS = ("compute_s", "gradient_assembly_s", "hooks_own_s", "mpi_waiting_s", "mpi_moving_s")
 
 
@@ -40,40 +38,33 @@ class StepBreakdown:
         self.hook_seconds = 0.0
         self.assembly_seconds = 0.0
         self.records = []  # every collective entered since start_step()
-        self._depth = 0  # hooks inside hooks (a part's forward calls the unit's) count once
+        # Per timing point, the calls open now and when the outermost began: hooks inside hooks (a part's
+        # forward calls the unit's) count once.
+        self._depth = {HOOK: 0, GRADIENT_ASSEMBLY: 0}
+        self._started = {HOOK: 0.0, GRADIENT_ASSEMBLY: 0.0}
 
     def install(self) -> None:
-        """Wraps the lifecycle's hooks and FullViews.backward with timers, and keeps the collective log's records."""
-        for name in HOOKS:
-            setattr(ShardedUnit, name, self._timed_hook(getattr(ShardedUnit, name)))
-        assemble = FullViews.backward
+        """Listens at the core's timing points (any time before the step to measure)."""
+        add_listener(self)
 
-        def timed_assembly(ctx, *grads):
-            start = time.perf_counter()
-            try:
-                return assemble(ctx, *grads)
-            finally:
-                self.assembly_seconds += time.perf_counter() - start
-        FullViews.backward = staticmethod(timed_assembly)
-        begin = PROCESS_LOG.begin
+    def enter(self, point: str) -> None:
+        if point in self._depth:
+            if self._depth[point] == 0:
+                self._started[point] = time.perf_counter()
+            self._depth[point] += 1
 
-        def kept(*args):
-            record = begin(*args)
-            self.records.append(record)
-            return record
-        PROCESS_LOG.begin = kept
+    def leave(self, point: str) -> None:
+        if point in self._depth:
+            self._depth[point] -= 1
+            if self._depth[point] == 0:
+                seconds = time.perf_counter() - self._started[point]
+                if point == HOOK:
+                    self.hook_seconds += seconds
+                else:
+                    self.assembly_seconds += seconds
 
-    def _timed_hook(self, hook):
-        def timed(*args, **kwargs):
-            self._depth += 1
-            start = time.perf_counter()
-            try:
-                return hook(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self.hook_seconds += time.perf_counter() - start
-        return timed
+    def collective_started(self, record) -> None:
+        self.records.append(record)
 
     def start_step(self) -> None:
         self.hook_seconds = self.assembly_seconds = 0.0

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fsdp_mpi.communication.abort import abort_job
 from fsdp_mpi.communication.liveness import Liveness
 from fsdp_mpi.communication.settings import TIMEOUT, VERIFY, read_text
+from fsdp_mpi.communication.timing_points import collective_started
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 RECORDS_KEPT = 32  # per process; the watchdog prints the last RECORDS_PRINTED of them
@@ -82,6 +83,7 @@ class CollectiveLog:
     def begin(self, sequence: int, operation: str, unit: str, numel: int, dtype: str) -> CollectiveRecord:
         record = CollectiveRecord(sequence, operation, unit, numel, dtype, time.monotonic())
         self.records.append(record)
+        collective_started(record)
         return record
 
     def enter(self, record: CollectiveRecord, timeout: float, rank: int) -> None:

@@ -166,7 +166,7 @@ def export_pretrained(model: nn.Module, directory: str | os.PathLike, config: di
         writer.write(tensor)
 
     for handle, group in itertools.groupby(params, key=lambda p: p.handle):
-        full = handle.gather_shard_dtype()  # (padded_numel,): every rank takes part, one handle at a time
+        full = handle.gather_masters()  # (padded_numel,): every rank takes part, one handle at a time
         if writing:
             for param, tensor in zip(group, handle.split_full(full)):
                 write(param.names[0], tensor[:_stored_shape(param, rows)[0]] if tensor.dim() else tensor)

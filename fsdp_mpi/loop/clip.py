@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from fsdp_mpi.sharding.lifecycle import units_with_names
+from fsdp_mpi.sharding.lifecycle import require_units_with_names
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -22,9 +22,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     returns it for the unsharded model, and scales by the same factor
     ``min(1, max_norm / (total_norm + 1e-6))``. Every rank must call it (it reduces).
     """
-    units = units_with_names(model)
-    if not units:
-        raise ValueError("clip_grad_norm_ needs a model that contains a FullyShardedDataParallel unit")
+    units = require_units_with_names(model, "clip_grad_norm_")
     comm = units[0][1].groups.shard
     norm_type = float(norm_type)
     grads = [p.grad for p in model.parameters() if p.grad is not None]

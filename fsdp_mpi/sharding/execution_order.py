@@ -16,7 +16,9 @@ class ExecutionOrder:
         if self.recording and not any(u is unit for u in self.units):
             self.units.append(unit)
 
-    def stop_recording(self) -> None:
+    def stop_recording_unless_empty(self) -> None:
+        """A whole forward has ended: keep the order it recorded, or go on recording if it recorded no unit
+        (a forward without units, e.g. one that ran only a part)."""
         self.recording = not self.units
 
     def after(self, unit):

@@ -34,9 +34,10 @@ A 16-bit gradient (mixed precision) is not scaled, since 1/3 would round in 16
 bits: its fp32 sum is divided instead. Under ``Compression`` (``compression.py``)
 the gather moves the encoded fp32 shard and decodes it into ``full_flat``, and the
 reduction is an all-to-all of encoded gradient chunks summed here in fp32; the
-shard and ``shard_grad`` keep their layout and dtype. State dicts and
+shard and ``shard_grad`` keep their layout and dtype. Which of these collectives
+a handle uses is chosen once, when it is built (``collectives.py``). State dicts and
 ``summon_full_params`` gather the shards themselves into a separate buffer
-(``gather_shard_dtype()``), never ``full_flat``.
+(``gather_masters()``), never ``full_flat``.
 
 Every rank must flatten the same parameters in the same order, or the all-gather
 would silently mix up parameters; the unit checks this across ranks at wrap time.
@@ -48,8 +49,9 @@ import torch
 from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
-from fsdp_mpi.communication.compression import (CompressedAllGather, Compression, compressed_all_reduce_sum_,
-                                  compressed_reduce_scatter_sum)
+from fsdp_mpi.communication.compression import Compression
+from fsdp_mpi.communication.timing_points import GRADIENT_ASSEMBLY, timed
+from fsdp_mpi.sharding.collectives import choose_gather, choose_reduction
 
 # Set on each original parameter once it is flattened, so that a second unit
 # claiming the same (shared) parameter is caught instead of silently untying it.
@@ -97,6 +99,7 @@ class FullViews(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @timed(GRADIENT_ASSEMBLY)
     def backward(ctx, *grads: torch.Tensor | None):
         padded_numel, dtype, device = ctx.like
         pieces = []
@@ -153,7 +156,8 @@ class FlatParamHandle:
         self.param_dtype = param_dtype if param_dtype and low_precision_applies else first.dtype
         self.reduce_dtype = reduce_dtype if reduce_dtype and low_precision_applies else first.dtype
         compression = compression if compression is not None and low_precision_applies else Compression()
-        self.weight_codec, self.gradient_codec = compression.weight_codec, compression.gradient_codec
+        self.gather = choose_gather(comm, compression.weight_codec)  # how full_flat is filled from the shards
+        self.reduction = choose_reduction(comm, replicas, compression.gradient_codec)  # how gradients are summed
         self.numel = sum(param.numel() for param, _ in params)
         self.padded_numel = -(-self.numel // comm.world_size) * comm.world_size
         self.shard_numel = self.padded_numel // comm.world_size
@@ -192,8 +196,8 @@ class FlatParamHandle:
         # them), and whether its sharded view holds a gradient (one process's ``.grad is not None``).
         self.got_gradient = [False] * len(self.slots)
         self._holds_gradient = [False] * len(self.slots)
-        self._pending_gather = None  # the Pending of a prefetch in flight
-        self._pending_reduction = None  # (Pending, shard_grad) of an asynchronous reduce-scatter
+        self._pending_gather = None  # a prefetch in flight: wait() completes it
+        self._pending_reduction = None  # an asynchronous reduce-scatter: wait() returns its shard_grad
 
         # The sharded views replace the original parameters under their names (tied ones stay one object).
         self.sharded_views: list[nn.Parameter] = []
@@ -224,29 +228,17 @@ class FlatParamHandle:
             self._pending_gather = None
         elif not self.is_unsharded:
             self._allocate_full_storage()
-            if self.comm.world_size == 1:  # a group of one: gathering is a cast (or nothing, when aliased)
-                self.full_flat.data.copy_(self.shard)
-            elif self.weight_codec is not None:  # the fp32 shard encoded, gathered, decoded into param_dtype
-                CompressedAllGather(self.comm, self.full_flat.data, self.shard, self.weight_codec,
-                                    self.unit_name).wait()
-            else:
-                self.comm.all_gather_into(self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
+            self.gather.gather(self.full_flat.data, self.shard, self.unit_name)
 
     def start_unshard(self) -> None:
         """Starts gathering without waiting (a prefetch); ``unshard()`` completes it."""
-        if self.comm.world_size == 1:
-            self.unshard()
-        elif self._pending_gather is None and not self.is_unsharded:
+        if self._pending_gather is None and not self.is_unsharded:
             self._allocate_full_storage()
-            if self.weight_codec is not None:  # decoded when unshard() waits for it
-                self._pending_gather = CompressedAllGather(self.comm, self.full_flat.data, self.shard,
-                                                           self.weight_codec, self.unit_name, start_only=True)
-            else:
-                self._pending_gather = self.comm.start_all_gather_into(
-                    self.full_flat.data, self.shard.to(self.param_dtype), self.unit_name)
+            self._pending_gather = self.gather.start_gather(self.full_flat.data, self.shard, self.unit_name)
 
-    def gather_shard_dtype(self) -> torch.Tensor:
-        """A new (padded_numel,) buffer of every rank's shard, in the shard's own dtype (for state dicts)."""
+    def gather_masters(self) -> torch.Tensor:
+        """A new (padded_numel,) buffer of every rank's shard in the shard's own dtype, the master copy (fp32
+        under mixed precision or compression), uncompressed: for state dicts and ``summon_full_params``."""
         full = torch.empty(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
         self.comm.all_gather_into(full, self.shard, self.unit_name)
         return full
@@ -281,14 +273,15 @@ class FlatParamHandle:
         if fresh or self._full_views is None:
             scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0
             self._full_views = FullViews.apply(self.full_flat, self._shapes, scale, self.got_gradient)
-        self.show(self._full_views)
+        self.install_full_views(self._full_views)
 
     def split_full(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One full-shape view per parameter into a (padded_numel,) buffer, in slot order (no autograd)."""
         return split_into_views(full, self._shapes)
 
-    def show(self, views: list[torch.Tensor]) -> None:
-        """Makes each parameter attribute the given full-shape view (one per slot)."""
+    def install_full_views(self, views: list[torch.Tensor]) -> None:
+        """Shadows each parameter attribute with the given full-shape view (one per slot), in the owner's
+        ``__dict__``; ``use_sharded_views()`` removes them."""
         for slot, view in zip(self.slots, views):
             for use in slot.uses:
                 use.owner.__dict__[use.attribute] = view
@@ -309,8 +302,9 @@ class FlatParamHandle:
         by the number of ranks, unless it is 16-bit (then the sum is divided here).
         A handle that got no gradient this backward contributes zeros, so every
         rank takes part in the same collectives. `asynchronous` only
-        starts the reduce-scatter; ``finish_gradient_reduction()`` completes it. A compressed
-        reduction (``Compression.gradients``) always completes here.
+        starts the reduce-scatter; ``finish_gradient_reduction()`` completes it and averages
+        over the replicas (a compressed reduce-scatter, or a shard group of one rank, has
+        nothing left to wait for by then).
         """
         full_grad = self.full_flat.grad  # (padded_numel,) of param_dtype
         if full_grad is None:
@@ -318,26 +312,15 @@ class FlatParamHandle:
         self.full_flat.grad = None
         self.awaiting_gradient = False
         full_grad = full_grad.to(self.reduce_dtype)
-        if self.comm.world_size == 1:  # a shard group of one rank: the gradient is its own shard
-            self._average_over_replicas_and_accumulate(full_grad)
-            return
-        shard_grad = torch.empty_like(self.shard, dtype=self.reduce_dtype)  # (shard_numel,)
-        if self.gradient_codec is not None:  # an all-to-all of encoded chunks and a local sum: it completes here
-            compressed_reduce_scatter_sum(self.comm, shard_grad, full_grad.contiguous(), self.gradient_codec,
-                                          self.unit_name)
-            self._average_over_replicas_and_accumulate(shard_grad)
-        elif asynchronous:
-            pending = self.comm.start_reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)
-            self._pending_reduction = (pending, shard_grad)
+        if asynchronous:
+            self._pending_reduction = self.reduction.start_reduce_scatter(full_grad, self.unit_name)
         else:
-            self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), self.unit_name)
-            self._average_over_replicas_and_accumulate(shard_grad)
+            self._average_over_replicas_and_accumulate(self.reduction.reduce_scatter(full_grad, self.unit_name))
 
     def finish_gradient_reduction(self) -> None:
         """Waits for an asynchronous reduce-scatter and adds its result to ``shard_grad``."""
         if self._pending_reduction is not None:
-            pending, shard_grad = self._pending_reduction
-            pending.wait()
+            shard_grad = self._pending_reduction.wait()
             self._pending_reduction = None
             self._average_over_replicas_and_accumulate(shard_grad)
 
@@ -348,11 +331,7 @@ class FlatParamHandle:
         return 0 if grad is None or self.aliases_shard else grad.numel() * grad.element_size()
 
     def _average_over_replicas_and_accumulate(self, shard_grad: torch.Tensor) -> None:
-        if self.replicas is not None:
-            if self.gradient_codec is not None:
-                compressed_all_reduce_sum_(self.replicas, shard_grad, self.gradient_codec, self.unit_name)
-            else:
-                self.replicas.all_reduce_sum_(shard_grad, self.unit_name)
+        self.reduction.all_reduce_over_replicas(shard_grad, self.unit_name)
         if not self.scale_in_backward and self.gradient_divisor > 1:
             shard_grad.div_(self.gradient_divisor)
         self._accumulate(shard_grad)
@@ -408,6 +387,6 @@ class FlatParamHandle:
         return start, start + slot.shard_stop - slot.shard_start
 
     def write_back_shard(self, full: torch.Tensor) -> None:
-        """Copies this rank's part of `full` (from ``gather_shard_dtype()``, possibly edited) into its shard."""
+        """Copies this rank's part of `full` (from ``gather_masters()``, possibly edited) into its shard."""
         with torch.no_grad():
             self.shard.copy_(full[self.shard_offset:self.shard_offset + self.shard_numel])

@@ -119,7 +119,7 @@ class FullyShardedDataParallel(nn.Module):
         self._unit = ShardedUnit(module, comm, _groups, sharding_strategy, overlap, mixed_precision, device,
                                  compression)
         if deferred and not nested_in_wrap:
-            materialize_into_shards(module, self._unit.units, param_init_fn, comm, sync_module_states)
+            materialize_into_shards(module, self._unit.context.units, param_init_fn, comm, sync_module_states)
 
     def forward(self, *args, **kwargs):
         """Calls the wrapped module; its unit's hooks gather the parameters around the call."""

@@ -20,8 +20,9 @@ the same hooks, which act only while the unit is not computing: a part called on
 its own (an encoder that ``generate()`` calls, ``model.encoder(x)``, one tower of
 a retrieval model) gathers its unit around that call exactly as the unit's own
 forward would, and backward follows it the same way. The outermost unit is the
-root; it owns the end-of-backward step and the recorded execution order for the
-whole tree.
+root; it owns the end-of-backward step, and the tree's bookkeeping (every unit,
+the recorded execution order, the reduction in flight) lives in its
+``RootContext`` (``root_context.py``), which every unit reads through its root.
 
 Under mixed precision (``mixed_precision.py``) the pre-hook also casts the
 forward's floating-point inputs to ``param_dtype``; gathering and reducing in
@@ -38,14 +39,14 @@ from enum import Enum, auto
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
-from fsdp_mpi.sharding.execution_order import ExecutionOrder
+from fsdp_mpi.communication.timing_points import HOOK, timed
 from fsdp_mpi.sharding.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tensors
 from fsdp_mpi.sharding.nested import for_each_tensor
+from fsdp_mpi.sharding.root_context import RootContext
 from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
 
 # The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
@@ -69,6 +70,15 @@ def units_with_names(module: nn.Module) -> list[tuple[str, "ShardedUnit"]]:
     """Every unit in `module`, outermost first, with its module's original name ("" for the top)."""
     return [(original_name(name), sub.__dict__[UNIT_ATTRIBUTE])
             for name, sub in module.named_modules() if UNIT_ATTRIBUTE in sub.__dict__]
+
+
+def require_units_with_names(module: nn.Module, needed_by: str) -> list[tuple[str, "ShardedUnit"]]:
+    """``units_with_names(module)``, which must not be empty: ValueError naming `needed_by` otherwise."""
+    units = units_with_names(module)
+    if not units:
+        raise ValueError(f"{needed_by} needs a model that contains a FullyShardedDataParallel unit; "
+                         "wrap it (or its blocks) first")
+    return units
 
 
 class ShardedUnit:
@@ -112,16 +122,14 @@ class ShardedUnit:
             part.register_forward_pre_hook(self._pre_forward_of_part, prepend=True, with_kwargs=True)
             part.register_forward_hook(self._post_forward_of_part)
 
-        # This unit is the root until an outer unit is built around it; the root knows every unit below it.
+        # This unit is the root until an outer unit is built around it; the root's context knows every unit
+        # below it, and the units below it drop the contexts they held as roots.
         named_units = units_with_names(module)
-        self.units = [unit for _, unit in named_units]
         for name, unit in named_units:
-            unit.root = self
+            unit.root, unit.context = self, None
             for handle in unit.handles:
                 handle.unit_name = name or "<root>"
-        self._end_of_backward_queued = False
-        self._execution_order = ExecutionOrder()
-        self._reduction_in_flight: FlatParamHandle | None = None
+        self.context: RootContext | None = RootContext([unit for _, unit in named_units])  # the root's only
 
     @property
     def is_root(self) -> bool:
@@ -130,6 +138,7 @@ class ShardedUnit:
     # ----------------------------------------------------------------- forward
 
     @torch.compiler.disable  # gathering talks to MPI: compiled code calls it, never traces it
+    @timed(HOOK)
     def _pre_forward(self, _module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state is TrainingState.BACKWARD:
             self._to_backward()  # activation checkpointing re-runs a forward during backward: the same views
@@ -143,7 +152,7 @@ class ShardedUnit:
         """Gathered for forward, showing fresh full views (recording the order on the first step)."""
         if self.is_root:
             self._root_pre_forward()
-        order = self.root._execution_order
+        order = self.root.context.execution_order
         order.record(self)
         self._unshard()
         if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:
@@ -165,9 +174,10 @@ class ShardedUnit:
             self._called_alone = None
 
     @torch.compiler.disable
+    @timed(HOOK)
     def _post_forward(self, _module, _args, output) -> None:
         if self.is_root and self._called_alone is None:  # the order of a whole forward, not of a part's
-            self._execution_order.stop_recording()
+            self.context.execution_order.stop_recording_unless_empty()
         backward_follows = torch.is_grad_enabled()
         if backward_follows:
             for handle in self.handles:
@@ -179,8 +189,8 @@ class ShardedUnit:
 
     def _root_pre_forward(self) -> None:
         """Clears what an abandoned step (a forward with no backward) may have left."""
-        self._finish_reduction_in_flight()
-        for unit in self.units:
+        self.context.finish_reduction_in_flight()
+        for unit in self.context.units:
             if unit.state is not TrainingState.IDLE:
                 unit._to_idle()
             for handle in unit.handles:
@@ -189,32 +199,30 @@ class ShardedUnit:
 
     # ----------------------------------------------------------------- backward
 
+    @timed(HOOK)
     def _pre_backward(self, _grad: torch.Tensor) -> None:
         """Runs when the gradient of one of this unit's outputs is ready: gather for backward."""
-        self.root._queue_end_of_backward()
+        self.root.context.queue_end_of_backward(self.root._end_of_backward)
         if self.state is not TrainingState.BACKWARD:
             self._to_backward()
-            if self.overlap["backward_prefetch"] and (upcoming := self.root._execution_order.before(self)):
+            if self.overlap["backward_prefetch"] and (upcoming := self.root.context.execution_order.before(self)):
                 upcoming._start_unshard()
 
+    @timed(HOOK)
     def _post_backward(self, handle: FlatParamHandle) -> None:
         """Runs when autograd has summed every use's gradient into ``handle.full_flat.grad``."""
         handle.awaiting_gradient = False
         if self.requires_gradient_sync:
             asynchronous = self.overlap["async_reduce_scatter"]
             if asynchronous:
-                self.root._finish_reduction_in_flight()  # at most one in flight bounds the gradient memory held
+                self.root.context.finish_reduction_in_flight()  # at most one in flight bounds the memory held
             handle.reduce_gradient(asynchronous=asynchronous)
             if asynchronous:
-                self.root._reduction_in_flight = handle
+                self.root.context.leave_in_flight(handle)
         if not any(h.awaiting_gradient for h in self.handles):
             self._to_idle()
 
-    def _queue_end_of_backward(self) -> None:
-        if not self._end_of_backward_queued:
-            self._end_of_backward_queued = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-
+    @timed(HOOK)
     def _end_of_backward(self) -> None:
         """Reduces gradients that never arrived (unused units or outputs), frees everything, and leaves
         ``.grad`` None on every parameter that no rank used.
@@ -223,8 +231,8 @@ class ShardedUnit:
         some unit's parameters took no part in this backward. A gradient kept
         unsharded by ``no_sync()`` is reduced at the first backward with sync.
         """
-        self._finish_reduction_in_flight()
-        for unit in self.units:
+        self.context.finish_reduction_in_flight()
+        for unit in self.context.units:
             for handle in unit.handles:
                 if unit.requires_gradient_sync and (handle.awaiting_gradient or handle.full_flat.grad is not None):
                     handle.reduce_gradient()
@@ -232,13 +240,13 @@ class ShardedUnit:
             unit._to_idle()
         if self.requires_gradient_sync:
             self._drop_gradients_no_rank_used()
-        self._end_of_backward_queued = False
+        self.context.end_of_backward_done()
 
     def _drop_gradients_no_rank_used(self) -> None:
         """One small all-reduce per backward tells every rank which parameters got a gradient on any rank
         (a skipped branch, an expert no token chose, a head used on some ranks only); the others get
         ``.grad = None``, as in one process. A parameter used on some ranks keeps the average."""
-        handles = [handle for unit in self.units for handle in unit.handles if handle.requires_grad]
+        handles = [handle for unit in self.context.units for handle in unit.handles if handle.requires_grad]
         flags = torch.tensor([flag for handle in handles for flag in handle.got_gradient], dtype=torch.float32)
         if not flags.numel():
             return
@@ -248,11 +256,6 @@ class ShardedUnit:
         for handle in handles:
             handle.drop_gradients_of_unused(used_on_some_rank[start:start + len(handle.slots)])
             start += len(handle.slots)
-
-    def _finish_reduction_in_flight(self) -> None:
-        if self._reduction_in_flight is not None:
-            self._reduction_in_flight.finish_gradient_reduction()
-            self._reduction_in_flight = None
 
     # ----------------------------------------------------------------- transitions: each sets the state
 

@@ -13,20 +13,13 @@ import torch
 from torch import nn
 
 from fsdp_mpi.sharding.flat_param import FlatParamHandle, ParamSlot
-from fsdp_mpi.sharding.lifecycle import ShardedUnit, TrainingState, original_name, units_with_names
+from fsdp_mpi.sharding.lifecycle import TrainingState, original_name, require_units_with_names
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _units_by_prefix(module: nn.Module) -> list[tuple[str, ShardedUnit]]:
-    units = units_with_names(module)
-    if not units:
-        raise ValueError("the module contains no FullyShardedDataParallel unit")
-    return units
 
 
 @dataclass(frozen=True)
@@ -42,13 +35,13 @@ class ShardedParameter:
 def sharded_parameters(module: nn.Module) -> list[ShardedParameter]:
     """Every parameter of every unit in `module`, outermost unit first, in flattening order."""
     return [ShardedParameter(tuple(_join(prefix, use.name) for use in slot.uses), handle, slot, view)
-            for prefix, unit in _units_by_prefix(module) for handle in unit.handles
+            for prefix, unit in require_units_with_names(module, "sharded_parameters") for handle in unit.handles
             for slot, view in zip(handle.slots, handle.sharded_views)]
 
 
 def model_comm(module: nn.Module):
     """The communicator of all the model's ranks (a handle's own may be a shard group: HYBRID_SHARD, NO_SHARD)."""
-    return _units_by_prefix(module)[0][1].comm
+    return require_units_with_names(module, "model_comm")[0][1].comm
 
 
 def persistent_buffers(module: nn.Module):
@@ -70,12 +63,12 @@ def summon_full_params(module: nn.Module, writeback: bool = True):
     it, they are discarded. Every rank must enter it together, outside forward
     and backward; it holds the whole model on every rank.
     """
-    units = [unit for _, unit in _units_by_prefix(module)]
+    units = [unit for _, unit in require_units_with_names(module, "summon_full_params")]
     if any(unit.state is not TrainingState.IDLE for unit in units):
         raise RuntimeError("summon_full_params cannot be entered during forward or backward")
-    gathered = [(handle, handle.gather_shard_dtype()) for unit in units for handle in unit.handles]
+    gathered = [(handle, handle.gather_masters()) for unit in units for handle in unit.handles]
     for handle, full in gathered:
-        handle.show(handle.split_full(full))
+        handle.install_full_views(handle.split_full(full))
     try:
         yield module
     finally:
@@ -93,12 +86,12 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     masters under mixed precision). Tied parameters appear under each of their
     names, as in ``nn.Module.state_dict()``.
     """
-    units = _units_by_prefix(module)
+    units = require_units_with_names(module, "full_state_dict")
     keep = not rank0_only or units[0][1].comm.rank == 0
     state: dict[str, torch.Tensor] = {}
     for prefix, unit in units:
         for handle in unit.handles:
-            full = handle.gather_shard_dtype()  # every rank takes part
+            full = handle.gather_masters()  # every rank takes part
             if keep:
                 for slot, tensor in zip(handle.slots, handle.split_full(full)):
                     saved = tensor.to("cpu", copy=True)

@@ -32,7 +32,7 @@ class SleepThenLinear(nn.Module):
 def main() -> None:
     comm = Communicator()
     breakdown = StepBreakdown()
-    breakdown.install()  # before wrapping: the hooks bind their methods then
+    breakdown.install()
     torch.manual_seed(0)
     model = FullyShardedDataParallel(nn.Sequential(SleepThenLinear(SLEEP_S if comm.rank == 1 else 0.0),
                                                    nn.Linear(64, 64)),

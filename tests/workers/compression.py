@@ -128,7 +128,7 @@ def gathered_weights(model, weights) -> dict:
     """(a): every handle gathered (blocking, then prefetched) against its fp32 masters."""
     worst, prefetch_same, changed = 0.0, True, False
     for handle in handles(model):
-        masters = handle.gather_shard_dtype().double()  # (padded_numel,)
+        masters = handle.gather_masters().double()  # (padded_numel,)
         bound = encoding_bound(masters.abs().view(handle.comm.world_size, -1), weights).reshape(-1)
         gathered = []
         for prefetched in (False, True):

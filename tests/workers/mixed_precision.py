@@ -63,7 +63,7 @@ def state_dict_is_the_masters(comm) -> bool:
     masters = {}
     for prefix, unit in units_with_names(model):
         for handle in unit.handles:
-            full = handle.gather_shard_dtype()
+            full = handle.gather_masters()
             for slot, tensor in zip(handle.slots, handle.split_full(full)):
                 masters[f"{prefix}.{slot.uses[0].name}" if prefix else slot.uses[0].name] = tensor
     rounded_away = any(not torch.equal(v, v.bfloat16().float()) for v in masters.values())

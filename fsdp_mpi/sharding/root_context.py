@@ -1,0 +1,49 @@
+"""The bookkeeping of one tree of units, kept once by its root and shared by every unit in it.
+
+Units are built bottom-up, and each is the root of what it wraps until an outer
+unit is built around it; the outermost one's ``RootContext`` is the one that
+counts, and every unit reaches it as ``unit.root.context`` (torch FSDP2's
+``FSDPStateContext``). A nested unit keeps none of it and writes no other unit's
+fields: it asks the context (leave a reduction in flight, queue the end of backward).
+"""
+
+from torch.autograd import Variable
+
+from fsdp_mpi.sharding.execution_order import ExecutionOrder
+from fsdp_mpi.sharding.flat_param import FlatParamHandle
+
+
+class RootContext:
+    """Every unit of the tree, the order they run forward in, the one asynchronous gradient reduction
+    still running, and whether this backward's end-of-backward step is queued.
+
+    Args:
+        units: every unit of the tree, outermost first: the order of the end-of-backward step, the same on
+            every rank.
+    """
+
+    def __init__(self, units: list):
+        self.units = units
+        self.execution_order = ExecutionOrder()
+        self._reduction_in_flight: FlatParamHandle | None = None
+        self._end_of_backward_queued = False
+
+    def leave_in_flight(self, handle: FlatParamHandle) -> None:
+        """`handle`'s gradient reduction was only started; ``finish_reduction_in_flight()`` completes it."""
+        self._reduction_in_flight = handle
+
+    def finish_reduction_in_flight(self) -> None:
+        """Completes the reduction left in flight, if any (at most one is, to bound the gradient memory held)."""
+        if self._reduction_in_flight is not None:
+            self._reduction_in_flight.finish_gradient_reduction()
+            self._reduction_in_flight = None
+
+    def queue_end_of_backward(self, end_of_backward) -> None:
+        """Has autograd call `end_of_backward` once, when this backward finishes (however many units ask)."""
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            Variable._execution_engine.queue_callback(end_of_backward)
+
+    def end_of_backward_done(self) -> None:
+        """The queued end-of-backward step has run: the next backward queues its own."""
+        self._end_of_backward_queued = False
