@@ -86,7 +86,7 @@ def test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run(tmp_path):
 def test_reshard_3_to_2_with_dropout_loads_every_bit_and_trains_on(tmp_path):
     """Fewer ranks than saved, and not a divisor of them, with dropout on: the parameters and the optimizer
     state load bit for bit (saved again at once), and the run goes on from the saved step."""
-    three = train(tmp_path, "three", 3, 6, "--save-at", 3)
+    train(tmp_path, "three", 3, 6, "--save-at", 3)
     two = train(tmp_path, "two", 2, 6, "--resume", tmp_path / "three" / "ckpt", "--save-after-load",
                 tmp_path / "two" / "loaded")
     assert_same_state(consolidate_checkpoint(tmp_path / "three" / "ckpt"),

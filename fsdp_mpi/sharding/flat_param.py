@@ -84,9 +84,9 @@ class FullViews(torch.autograd.Function):
     gradients, times `scale`, into one flat gradient (zeros for a view that got none, and for the padding),
     and marks in `got_gradient` (one flag per view) the views that got one.
 
-    It does what ``torch.split`` does, with the scaling folded into the copy that
-    assembles the flat gradient where ``torch.split``'s backward would concatenate.
-    ``ctx`` keeps sizes, shapes and the flags, no reference to the handle.
+    It does what ``torch.split`` does; its backward concatenates as ``torch.split``'s
+    would, into one new flat gradient, with zeros where a view got none, and scales
+    that. ``ctx`` keeps sizes, shapes and the flags, no reference to the handle.
     """
 
     @staticmethod
