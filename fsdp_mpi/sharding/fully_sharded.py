@@ -93,21 +93,10 @@ class FullyShardedDataParallel(nn.Module):
         elif device is not None:
             module.to(device)
 
-        nested_in_wrap = _groups is not None
+        nested_in_wrap = _groups is not None  # the outermost call passes the tree's groups to the nested ones
         if not nested_in_wrap:
             _groups = ShardGroups(comm, sharding_strategy, hybrid_group_size)
-            if comm.world_size > 1:
-                abort_job_on_uncaught_exception(comm.mpi_comm)
-            computes_on = device or next(module.parameters()).device
-            if computes_on.type == "cpu":
-                keep_freed_host_memory_for_reuse()
-            shared = _groups.shard if _groups.shard.world_size > 1 or _groups.replicas is None else _groups.replicas
-            report_device_path_once(shared.describe_route(computes_on), comm.rank)  # collective: chooses the route
-            check_same_model_on_all_ranks(module, comm)
-            if sync_module_states:
-                _broadcast_module_states(module, comm)
-            if mixed_precision.buffer_dtype is not None:
-                _cast_floating_buffers(module, mixed_precision.buffer_dtype)
+            _set_up_the_tree(module, comm, _groups, device, sync_module_states, mixed_precision)
         if auto_wrap_policy is not None:
             def wrap_nested(child: nn.Module) -> FullyShardedDataParallel:
                 return FullyShardedDataParallel(child, comm=comm, sharding_strategy=sharding_strategy,
@@ -222,6 +211,26 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _set_up_the_tree(module: nn.Module, comm: Communicator, groups: ShardGroups, device: torch.device | None,
+                     sync_module_states: bool, mixed_precision: MixedPrecision) -> None:
+    """What the outermost call does once for the whole model, before any unit is built: a rank's uncaught
+    exception ends the job, freed host memory is kept for reuse on a CPU, the route is chosen and reported,
+    every rank is shown to hold the same model, rank 0's states go to every rank, and buffers take their
+    dtype."""
+    if comm.world_size > 1:
+        abort_job_on_uncaught_exception(comm.mpi_comm)
+    computes_on = device or next(module.parameters()).device
+    if computes_on.type == "cpu":
+        keep_freed_host_memory_for_reuse()
+    shared = groups.shard if groups.shard.world_size > 1 or groups.replicas is None else groups.replicas
+    report_device_path_once(shared.describe_route(computes_on), comm.rank)  # collective: chooses the route
+    check_same_model_on_all_ranks(module, comm)
+    if sync_module_states:
+        _broadcast_module_states(module, comm)
+    if mixed_precision.buffer_dtype is not None:
+        _cast_floating_buffers(module, mixed_precision.buffer_dtype)
 
 
 def _check_compression(compression: Compression | None, mixed_precision: MixedPrecision) -> None:
