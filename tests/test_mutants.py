@@ -72,7 +72,7 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "full_value.reshape(-1)[start:start + slot.shard_stop - slot.shard_start])",
         "full_value.reshape(-1).flip(0)[start:start + slot.shard_stop - slot.shard_start])", [STATE]),
     "deferred init ignores rank 0's generator": (
-        "fsdp_mpi/sharding/deferred_init.py", "torch.set_rng_state(comm.allgather_object(torch.get_rng_state())[0])",
+        "fsdp_mpi/sharding/deferred_init.py", "torch.set_rng_state(comm.all_gather_object(torch.get_rng_state())[0])",
         "torch.get_rng_state()", [DEFERRED]),
     "checkpoint pieces read back to front": (
         "fsdp_mpi/files/checkpoint.py", "get_slice(key)[lo - piece_start:hi - piece_start])",
@@ -162,7 +162,7 @@ MUTANTS = {
         "fsdp_mpi/communication/comm.py", "bool(read_flag(FORCE_STAGING)) if force_staging is None", "False if force_staging is None",
         [STAGING_VARIABLE]),
     "the loss scaler decides on each rank alone": (
-        "fsdp_mpi/loop/grad_scaler.py", "self.comm.allreduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
+        "fsdp_mpi/loop/grad_scaler.py", "self.comm.all_reduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
     "state dicts save the masters rounded to the compute dtype": (
         "fsdp_mpi/sharding/flat_param.py", "        self.comm.all_gather_into(full, self.shard, self.unit_name)\n        return full\n",
         "        self.comm.all_gather_into(full, self.shard, self.unit_name)\n"
@@ -185,7 +185,7 @@ MUTANTS = {
         "fsdp_mpi/communication/collective_log.py", 'return f"{self.sequence}|{self.operation}|{self.unit}|',
         'return f"{self.sequence}|{self.operation}|', [UNIT_ORDER]),
     "even_batches stops only the rank that ran out": (
-        "fsdp_mpi/loop/even_batches.py", "if comm.allreduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
+        "fsdp_mpi/loop/even_batches.py", "if comm.all_reduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
         [EVEN_BATCHES]),
     "a launcher mismatch goes unnoticed": (
         "fsdp_mpi/communication/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),

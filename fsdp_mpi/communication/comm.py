@@ -451,11 +451,11 @@ class Communicator:
                 self._wait_for_producer(part)
                 broadcast(part)
 
-    def allgather_object(self, obj) -> list:
+    def all_gather_object(self, obj) -> list:
         """Every rank's small picklable `obj`, in rank order (for checks, not tensors)."""
         if self.world_size == 1:
             return [obj]
-        with self._collective("allgather_object"):
+        with self._collective("all_gather_object"):
             return self.mpi_comm.allgather(obj)
 
     def broadcast_object(self, obj, root: int = 0):
@@ -465,25 +465,25 @@ class Communicator:
         with self._collective("broadcast_object"):
             return self.mpi_comm.bcast(obj, root=root)
 
-    def allreduce_sum_float(self, value: float) -> float:
+    def all_reduce_sum_float(self, value: float) -> float:
         """Sum of a Python float over ranks (losses, counters)."""
         if self.world_size == 1:
             return float(value)
-        with self._collective("allreduce_sum", numel=1, dtype="float64"):
+        with self._collective("all_reduce_sum", numel=1, dtype="float64"):
             return self.mpi_comm.allreduce(float(value), op=MPI.SUM)
 
-    def allreduce_max_float(self, value: float) -> float:
+    def all_reduce_max_float(self, value: float) -> float:
         """Maximum of a Python float over ranks."""
         if self.world_size == 1:
             return float(value)
-        with self._collective("allreduce_max", numel=1, dtype="float64"):
+        with self._collective("all_reduce_max", numel=1, dtype="float64"):
             return self.mpi_comm.allreduce(float(value), op=MPI.MAX)
 
-    def allreduce_min_float(self, value: float) -> float:
+    def all_reduce_min_float(self, value: float) -> float:
         """Minimum of a Python float over ranks."""
         if self.world_size == 1:
             return float(value)
-        with self._collective("allreduce_min", numel=1, dtype="float64"):
+        with self._collective("all_reduce_min", numel=1, dtype="float64"):
             return self.mpi_comm.allreduce(float(value), op=MPI.MIN)
 
     def barrier(self) -> None:

@@ -147,7 +147,7 @@ def on_the_gpu(device: torch.device) -> dict:
                 comm.node_exchange_bytes = comm.staging_chunk_bytes = chunk
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype, device).items():
-                    report[f"cuda/{what}/{name}/{route}/chunk={chunk}"] = all(comm.allgather_object(ok))
+                    report[f"cuda/{what}/{name}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
             report[f"cuda/route/{route}/chunk={chunk}"] = comm.routes == {"cuda": route}
         comm = Communicator(force_staging=route == "staged", node_transport=route == "node")  # whole chunks
         numel = 2**24 // comm.world_size  # 64 MiB of fp32 in all, per collective
@@ -157,13 +157,13 @@ def on_the_gpu(device: torch.device) -> dict:
         comm.all_gather_into(gathered, full[:numel].clone())
         comm.reduce_scatter_sum(shard, full)
         results[route] = (gathered, shard)
-    report["cuda/64 MiB node == staged, bit for bit"] = all(comm.allgather_object(
+    report["cuda/64 MiB node == staged, bit for bit"] = all(comm.all_gather_object(
         all(torch.equal(a, b) for a, b in zip(results["node"], results["staged"]))))
     # After all that, on the communication thread too: a CUDA context on this rank's GPU only (each costs about
     # 0.5 GiB of the GPU it is on; with one GPU for all ranks there is no other).
     others = [index for index in range(torch.cuda.device_count())
               if index != device.index and torch._C._cuda_hasPrimaryContext(index)]
-    report["cuda/no CUDA context on another rank's GPU"] = all(comm.allgather_object(others == []))
+    report["cuda/no CUDA context on another rank's GPU"] = all(comm.all_gather_object(others == []))
     return report
 
 
@@ -180,17 +180,17 @@ if __name__ == "__main__":
                 comm.node_exchange_bytes = 2 * 8
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype).items():
-                    report[f"{what}/{name}/{route}/chunk={chunk}"] = all(comm.allgather_object(ok))
+                    report[f"{what}/{name}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
             report[f"host buffers used if and only if staged, shared memory if node/{route}/chunk={chunk}"] = (
                 bool(comm.staging_slots) is (route == "staged") and comm.routes == {"cpu": route})
     for name, dtype in DTYPES.items():
         for what, ok in device_buffers(comm, dtype).items():
-            report[f"{what}/{name}"] = all(comm.allgather_object(ok))
+            report[f"{what}/{name}"] = all(comm.all_gather_object(ok))
     staged = Communicator(force_staging=True)
     for what, ok in started_while_the_partner_is_away(staged, torch.float32).items():
-        report[f"{what}/staged"] = all(staged.allgather_object(ok))
-    report["a started 16-bit reduce-scatter reaches the worker in fp32"] = all(staged.allgather_object(
+        report[f"{what}/staged"] = all(staged.all_gather_object(ok))
+    report["a started 16-bit reduce-scatter reaches the worker in fp32"] = all(staged.all_gather_object(
         dtypes_handed_to_the_worker(staged, torch.bfloat16) == [torch.float32, torch.float32]))
-    report["sum_and_max_of_floats"] = [comm.allreduce_sum_float(comm.rank + 0.5),
-                                       comm.allreduce_max_float(-comm.rank)]
+    report["sum_and_max_of_floats"] = [comm.all_reduce_sum_float(comm.rank + 0.5),
+                                       comm.all_reduce_max_float(-comm.rank)]
     write_json(output_path(), report)
