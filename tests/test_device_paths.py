@@ -12,7 +12,7 @@ import torch
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.background import CommunicationThread
-from fsdp_mpi.communication.comm import Route
+from fsdp_mpi.communication.routes import Route, runs_on_the_communication_thread
 
 pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
 
@@ -61,10 +61,9 @@ def test_started_collectives_of_device_memory_run_on_the_communication_thread_on
     produced the tensor): on the worker, so the main thread's host runs on ahead; host memory is staged there
     only, other routes start (or complete) on the caller."""
     comm = Communicator()  # one rank here: only the choice is asked, no collective runs
-    if comm._background is None:
+    if comm.communication_thread is None:
         pytest.skip("this MPI gives less than MPI_THREAD_MULTIPLE: nothing runs on a communication thread")
-    on_the_worker = {(device, route): comm._on_the_communication_thread(route,
-                                                                        SimpleNamespace(is_cuda=device == "cuda"))
+    on_the_worker = {(device, route): runs_on_the_communication_thread(route, SimpleNamespace(is_cuda=device == "cuda"))
                      for device in ("cpu", "cuda") for route in Route}
     assert on_the_worker == {(device, route): device == "cuda" or route is Route.STAGED
                              for device in ("cpu", "cuda") for route in Route}

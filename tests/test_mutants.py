@@ -134,8 +134,8 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
         [NAMES]),
     "forced staging copies nothing through the host": (
-        "fsdp_mpi/communication/comm.py", 'staged = self.force_staging or (kind != "cpu" and not self.cuda_aware)',
-        'staged = kind != "cpu" and not self.cuda_aware', [COLLECTIVES]),
+        "fsdp_mpi/communication/routes.py", 'staged = comm.force_staging or (kind != "cpu" and not comm.cuda_aware)',
+        'staged = kind != "cpu" and not comm.cuda_aware', [COLLECTIVES]),
     "staged chunks land in the wrong place": (
         "fsdp_mpi/communication/staging.py", "pipeline.copy_in(full_by_rank[:, a:b],",
         "pipeline.copy_in(full_by_rank[:, :b - a],", [COLLECTIVES]),
@@ -156,8 +156,9 @@ MUTANTS = {
         "fsdp_mpi/communication/comm.py", "        if self.world_size == 1:\n            _copy_unless_same(full, shard)",
         "        if False:\n            _copy_unless_same(full, shard)", [ONE_RANK]),
     "started staged collectives complete before start returns": (
-        "fsdp_mpi/communication/comm.py", "self._background = CommunicationThread() if threads_may_call_mpi_at_once() else None",
-        "self._background = None", [COLLECTIVES]),
+        "fsdp_mpi/communication/comm.py",
+        "self.communication_thread = CommunicationThread() if threads_may_call_mpi_at_once() else None",
+        "self.communication_thread = None", [COLLECTIVES]),
     "FSDP_MPI_FORCE_STAGING is ignored": (
         "fsdp_mpi/communication/comm.py", "bool(read_flag(FORCE_STAGING)) if force_staging is None", "False if force_staging is None",
         [STAGING_VARIABLE]),
@@ -180,7 +181,7 @@ MUTANTS = {
     "no rank answers the watchdog's question": (
         "fsdp_mpi/communication/liveness.py", "while self._question.Test():", "while False:", [STALLED]),
     "verify mode compares nothing": (
-        "fsdp_mpi/communication/comm.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
+        "fsdp_mpi/communication/bookkeeping.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
     "verify mode ignores which unit": (
         "fsdp_mpi/communication/collective_log.py", 'return f"{self.sequence}|{self.operation}|{self.unit}|',
         'return f"{self.sequence}|{self.operation}|', [UNIT_ORDER]),
@@ -247,8 +248,9 @@ MUTANTS = {
         "fsdp_mpi/communication/staging.py", "slot = i % RING_SLOTS", "slot = 0", [COLLECTIVES]),
     "a reduce-scatter cut into messages sends the first message's columns each time": (
         "fsdp_mpi/communication/comm.py",
-        "self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)",
-        "self._reduce_scatter(shard[start:stop], full_by_rank[:, :stop - start].contiguous(), unit)", [COLLECTIVES]),
+        "self._reduce_scatter_message(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)",
+        "self._reduce_scatter_message(shard[start:stop], full_by_rank[:, :stop - start].contiguous(), unit)",
+        [COLLECTIVES]),
     "broadcast_ through MPI sends rank 0's tensor whatever the root": (
         "fsdp_mpi/communication/comm.py", "broadcast = partial(self._mpi_broadcast, root=root)",
         "broadcast = partial(self._mpi_broadcast, root=0)", [COLLECTIVES]),
@@ -265,7 +267,7 @@ MUTANTS = {
         "fsdp_mpi/communication/background.py", "if not self._queued or threading.current_thread() is self._worker:",
         "if True:", [WORKER_ORDER]),
     "a started 16-bit reduce-scatter is cast to fp32 by the worker": (
-        "fsdp_mpi/communication/comm.py", "if route is Route.STAGED and shard.dtype in _SUM_IN_FP32:", "if False:",
+        "fsdp_mpi/communication/started.py", "if route is Route.STAGED and shard.dtype in SUM_IN_FP32:", "if False:",
         [COLLECTIVES]),
     "a truncated file is not told from a corrupted one": (
         "fsdp_mpi/files/checkpoint.py", 'if path.stat().st_size != expected["bytes"]:', "if False:", [TRUNCATED]),

@@ -13,7 +13,7 @@ import torch
 from common import output_path, take_device_argument, write_json
 
 from fsdp_mpi import Communicator
-from fsdp_mpi.communication.comm import _BIT_TYPES, DeviceBuffer
+from fsdp_mpi.communication.mpi_buffers import BIT_TYPES, DeviceBuffer
 
 S = 5
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,7 +77,7 @@ def device_buffers(comm: Communicator, dtype: torch.dtype) -> dict:
     received = torch.zeros(n * S + 2, dtype=dtype)[2:]
     send_buffer, received_buffer = DeviceBuffer(send), DeviceBuffer(received)
     interface = send_buffer.__cuda_array_interface__
-    mpi_type = _BIT_TYPES[dtype.itemsize]
+    mpi_type = BIT_TYPES[dtype.itemsize]
     comm.mpi_comm.Allgather([send_buffer, mpi_type], [received_buffer, mpi_type])
     return {"device_buffer_is_the_tensor": interface["data"] == (send.data_ptr(), False)
             and interface["shape"] == (S * dtype.itemsize,) and interface["typestr"] == "|u1"
@@ -123,15 +123,15 @@ def started_while_the_partner_is_away(comm: Communicator, dtype: torch.dtype) ->
 def dtypes_handed_to_the_worker(comm: Communicator, dtype: torch.dtype) -> list:
     """The dtypes of the tensors that a started staged reduce-scatter of `dtype` hands the communication thread:
     16-bit ones must arrive in fp32, cast by the caller (on a GPU, on its stream and from its memory pool)."""
-    handed, start = [], comm._background.start
+    handed, start = [], comm.communication_thread.start
 
     def recorded(collective, device):
         handed.extend(arg.dtype for arg in collective.args if isinstance(arg, torch.Tensor))
         return start(collective, device)
-    comm._background.start = recorded
+    comm.communication_thread.start = recorded
     shard = torch.empty(S, dtype=dtype)
     comm.start_reduce_scatter_sum(shard, torch.ones(comm.world_size * S, dtype=dtype)).wait()
-    comm._background.start = start
+    comm.communication_thread.start = start
     return handed if torch.equal(shard, torch.full((S,), float(comm.world_size), dtype=dtype)) else []
 
 
