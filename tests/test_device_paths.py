@@ -115,19 +115,20 @@ def test_a_cpu_collective_staged_after_a_device_one_waits_for_its_copies_back():
 @pytest.mark.one_rank  # in a child: on a machine with a GPU the ring is pinned, which starts CUDA
 def test_the_staging_ring_holds_three_chunks_whatever_the_message():
     """Every staged collective, its message 3 ranks x 1000 elements cut into chunks of 64, gives its closed form
-    (MPI's part faked as 3 ranks holding the same values), through host slots of 3 chunks each, not a message."""
+    (MPI's part faked as 3 ranks holding the same values, output first), through host slots of 3 chunks each, not
+    a message."""
     from fsdp_mpi.communication.staging import RING_SLOTS, StagedCollectives
 
     staged, world, numel, chunk = StagedCollectives(), 3, 1000, 64
     shard = torch.arange(numel, dtype=torch.float32)
     full = torch.empty(world * numel)
-    staged.all_gather(full, shard, chunk, lambda send, recv: recv.copy_(send.repeat(world)))
+    staged.all_gather(full, shard, chunk, lambda out, chunk_in: out.copy_(chunk_in.repeat(world)))
     assert torch.equal(full, shard.repeat(world))
     summed = torch.empty(numel)
-    staged.reduce_scatter(summed, full * 2, chunk, lambda send, recv: recv.copy_(send.view(world, -1).sum(0)))
+    staged.reduce_scatter(summed, full * 2, chunk, lambda out, chunk_in: out.copy_(chunk_in.view(world, -1).sum(0)))
     assert torch.equal(summed, shard * 2 * world)
     received = torch.empty(world * numel)
-    staged.all_to_all(received, full + 1, world, chunk, lambda send, recv: recv.copy_(send))
+    staged.all_to_all(received, full + 1, world, chunk, lambda out, chunk_in: out.copy_(chunk_in))
     assert torch.equal(received, full + 1)
     staged.in_place(full, chunk, lambda host: host.mul_(3))
     assert torch.equal(full, shard.repeat(world) * 3)
