@@ -211,7 +211,7 @@ MUTANTS = {
         "else _typed(peer(rank), full.dtype, self.world * (b - a)).view(self.world, b - a)[rank]", [COLLECTIVES]),
     "the node transport's 16-bit sums accumulate in 16 bits": (
         "fsdp_mpi/communication/node_transport.py",
-        "total = parts[0].to(torch.float32 if out.dtype in _SUM_IN_FP32 else out.dtype, copy=True)",
+        "total = parts[0].to(torch.float32 if out.dtype in SUM_IN_FP32 else out.dtype, copy=True)",
         "total = parts[0].clone()", [COLLECTIVES]),
     "the node transport's exchanges all use slot 0": (
         "fsdp_mpi/communication/node_transport.py", "slot, self._next_slot = self._next_slot, 1 - self._next_slot",
