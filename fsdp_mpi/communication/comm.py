@@ -5,7 +5,7 @@ through the node's shared memory, staged through pinned host buffers, or straigh
 to MPI, cut into messages within MPI's count limit. How a tensor becomes an MPI
 buffer is ``mpi_buffers.py``; the log, verify mode, hang watch and timing around
 every call are ``bookkeeping.py``; a collective started without waiting returns a
-``Pending`` (``pending.py``).
+``Pending`` (``started.py``).
 
 A group of one rank makes no MPI call at all: gathering is a copy (or nothing,
 when the buffers are one), reducing leaves the values as they are, and objects
