@@ -161,7 +161,7 @@ def forward_latencies(task, model: nn.Module, comm: Communicator, device: torch.
         task.sample_losses(model, batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = comm.allreduce_max_float(time.perf_counter() - start)  # the same on every rank: they stop together
+        elapsed = comm.all_reduce_max_float(time.perf_counter() - start)  # the same on every rank: they stop together
         if repeat >= WARM_UP:
             latencies.append(elapsed)
         if len(latencies) >= MIN_TIMED and sum(latencies) >= seconds:

@@ -45,7 +45,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        mean_loss = comm.allreduce_sum_float(loss.item()) / comm.world_size
+        mean_loss = comm.all_reduce_sum_float(loss.item()) / comm.world_size
         if comm.rank == 0 and (step % 25 == 0 or step == 1):
             print(f"step {step:4d}  loss {mean_loss:.3f}")
 

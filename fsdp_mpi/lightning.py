@@ -221,7 +221,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         op = str(reduce_op).lower().rsplit(".", 1)[-1]
         if op not in ("mean", "avg", "sum"):
             raise ValueError(f"FSDPMPIStrategy reduces by sum or mean, not {reduce_op!r}")
-        total = sum(self.comm.allgather_object(tensor.detach().to("cpu", torch.float64)))  # in rank order
+        total = sum(self.comm.all_gather_object(tensor.detach().to("cpu", torch.float64)))  # in rank order
         total = total.to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
         return total / self.world_size if op in ("mean", "avg") else total
 
@@ -229,7 +229,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         """(ranks, *tensor.shape): every rank's `tensor`, stacked in rank order."""
         if sync_grads:
             raise ValueError("FSDPMPIStrategy.all_gather does not carry gradients (sync_grads=True)")
-        return torch.stack(self.comm.allgather_object(tensor.detach().cpu())).to(tensor.device)
+        return torch.stack(self.comm.all_gather_object(tensor.detach().cpu())).to(tensor.device)
 
     # ------------------------------------------------------------- checkpoints, sharded
 

@@ -231,11 +231,11 @@ def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(mo
     restarted = []
     monkeypatch.setattr(results.torch.cuda, "reset_peak_memory_stats", restarted.append)
 
-    class Ranks:  # what allgather_object gathers when every rank is `places` of this one
+    class Ranks:  # what all_gather_object gathers when every rank is `places` of this one
         def __init__(self, *gpus):
             self.gpus = gpus
 
-        def allgather_object(self, place):
+        def all_gather_object(self, place):
             host, _, flops = place
             return [(host, gpu, flops) for gpu in self.gpus]
 

@@ -10,6 +10,7 @@ from mpi_launch import check_ok, run_mpi
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.gpu_support import HostStagingBuffers, mpi_is_cuda_aware
+from fsdp_mpi.communication.routes import Route
 from fsdp_mpi.communication.settings import CUDA_AWARE, read_flag
 
 
@@ -126,10 +127,10 @@ def test_one_rank_makes_no_mpi_call(param_dtype):
 @pytest.mark.one_rank
 def test_device_tensors_are_staged_unless_mpi_is_cuda_aware():
     on_device = torch.empty(4, device="meta")  # any tensor outside host memory
-    assert Communicator(cuda_aware=False)._needs_staging(on_device)
-    assert not Communicator(cuda_aware=True)._needs_staging(on_device)
-    assert not Communicator(cuda_aware=False)._needs_staging(torch.empty(4))
-    assert Communicator(cuda_aware=True, force_staging=True)._needs_staging(torch.empty(4))
+    assert Communicator(cuda_aware=False).route(on_device.device) is Route.STAGED
+    assert Communicator(cuda_aware=True).route(on_device.device) is not Route.STAGED
+    assert Communicator(cuda_aware=False).route(torch.device("cpu")) is not Route.STAGED
+    assert Communicator(cuda_aware=True, force_staging=True).route(torch.device("cpu")) is Route.STAGED
 
 
 class FakeMpiLibrary:

@@ -12,7 +12,7 @@ import torch
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.background import CommunicationThread
-from fsdp_mpi.communication.comm import Route
+from fsdp_mpi.communication.routes import Route, runs_on_the_communication_thread
 
 pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
 
@@ -61,10 +61,9 @@ def test_started_collectives_of_device_memory_run_on_the_communication_thread_on
     produced the tensor): on the worker, so the main thread's host runs on ahead; host memory is staged there
     only, other routes start (or complete) on the caller."""
     comm = Communicator()  # one rank here: only the choice is asked, no collective runs
-    if comm._background is None:
+    if comm.communication_thread is None:
         pytest.skip("this MPI gives less than MPI_THREAD_MULTIPLE: nothing runs on a communication thread")
-    on_the_worker = {(device, route): comm._on_the_communication_thread(route,
-                                                                        SimpleNamespace(is_cuda=device == "cuda"))
+    on_the_worker = {(device, route): runs_on_the_communication_thread(route, SimpleNamespace(is_cuda=device == "cuda"))
                      for device in ("cpu", "cuda") for route in Route}
     assert on_the_worker == {(device, route): device == "cuda" or route is Route.STAGED
                              for device in ("cpu", "cuda") for route in Route}
@@ -116,19 +115,20 @@ def test_a_cpu_collective_staged_after_a_device_one_waits_for_its_copies_back():
 @pytest.mark.one_rank  # in a child: on a machine with a GPU the ring is pinned, which starts CUDA
 def test_the_staging_ring_holds_three_chunks_whatever_the_message():
     """Every staged collective, its message 3 ranks x 1000 elements cut into chunks of 64, gives its closed form
-    (MPI's part faked as 3 ranks holding the same values), through host slots of 3 chunks each, not a message."""
+    (MPI's part faked as 3 ranks holding the same values, output first), through host slots of 3 chunks each, not
+    a message."""
     from fsdp_mpi.communication.staging import RING_SLOTS, StagedCollectives
 
     staged, world, numel, chunk = StagedCollectives(), 3, 1000, 64
     shard = torch.arange(numel, dtype=torch.float32)
     full = torch.empty(world * numel)
-    staged.all_gather(full, shard, chunk, lambda send, recv: recv.copy_(send.repeat(world)))
+    staged.all_gather(full, shard, chunk, lambda out, chunk_in: out.copy_(chunk_in.repeat(world)))
     assert torch.equal(full, shard.repeat(world))
     summed = torch.empty(numel)
-    staged.reduce_scatter(summed, full * 2, chunk, lambda send, recv: recv.copy_(send.view(world, -1).sum(0)))
+    staged.reduce_scatter(summed, full * 2, chunk, lambda out, chunk_in: out.copy_(chunk_in.view(world, -1).sum(0)))
     assert torch.equal(summed, shard * 2 * world)
     received = torch.empty(world * numel)
-    staged.all_to_all(received, full + 1, world, chunk, lambda send, recv: recv.copy_(send))
+    staged.all_to_all(received, full + 1, world, chunk, lambda out, chunk_in: out.copy_(chunk_in))
     assert torch.equal(received, full + 1)
     staged.in_place(full, chunk, lambda host: host.mul_(3))
     assert torch.equal(full, shard.repeat(world) * 3)

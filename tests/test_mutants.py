@@ -72,7 +72,7 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "full_value.reshape(-1)[start:start + slot.shard_stop - slot.shard_start])",
         "full_value.reshape(-1).flip(0)[start:start + slot.shard_stop - slot.shard_start])", [STATE]),
     "deferred init ignores rank 0's generator": (
-        "fsdp_mpi/sharding/deferred_init.py", "torch.set_rng_state(comm.allgather_object(torch.get_rng_state())[0])",
+        "fsdp_mpi/sharding/deferred_init.py", "torch.set_rng_state(comm.all_gather_object(torch.get_rng_state())[0])",
         "torch.get_rng_state()", [DEFERRED]),
     "checkpoint pieces read back to front": (
         "fsdp_mpi/files/checkpoint.py", "get_slice(key)[lo - piece_start:hi - piece_start])",
@@ -134,8 +134,8 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
         [NAMES]),
     "forced staging copies nothing through the host": (
-        "fsdp_mpi/communication/comm.py", 'staged = self.force_staging or (kind != "cpu" and not self.cuda_aware)',
-        'staged = kind != "cpu" and not self.cuda_aware', [COLLECTIVES]),
+        "fsdp_mpi/communication/routes.py", 'staged = comm.force_staging or (kind != "cpu" and not comm.cuda_aware)',
+        'staged = kind != "cpu" and not comm.cuda_aware', [COLLECTIVES]),
     "staged chunks land in the wrong place": (
         "fsdp_mpi/communication/staging.py", "pipeline.copy_in(full_by_rank[:, a:b],",
         "pipeline.copy_in(full_by_rank[:, :b - a],", [COLLECTIVES]),
@@ -156,13 +156,14 @@ MUTANTS = {
         "fsdp_mpi/communication/comm.py", "        if self.world_size == 1:\n            _copy_unless_same(full, shard)",
         "        if False:\n            _copy_unless_same(full, shard)", [ONE_RANK]),
     "started staged collectives complete before start returns": (
-        "fsdp_mpi/communication/comm.py", "self._background = CommunicationThread() if threads_may_call_mpi_at_once() else None",
-        "self._background = None", [COLLECTIVES]),
+        "fsdp_mpi/communication/comm.py",
+        "self.communication_thread = CommunicationThread() if threads_may_call_mpi_at_once() else None",
+        "self.communication_thread = None", [COLLECTIVES]),
     "FSDP_MPI_FORCE_STAGING is ignored": (
         "fsdp_mpi/communication/comm.py", "bool(read_flag(FORCE_STAGING)) if force_staging is None", "False if force_staging is None",
         [STAGING_VARIABLE]),
     "the loss scaler decides on each rank alone": (
-        "fsdp_mpi/loop/grad_scaler.py", "self.comm.allreduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
+        "fsdp_mpi/loop/grad_scaler.py", "self.comm.all_reduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
     "state dicts save the masters rounded to the compute dtype": (
         "fsdp_mpi/sharding/flat_param.py", "        self.comm.all_gather_into(full, self.shard, self.unit_name)\n        return full\n",
         "        self.comm.all_gather_into(full, self.shard, self.unit_name)\n"
@@ -180,12 +181,12 @@ MUTANTS = {
     "no rank answers the watchdog's question": (
         "fsdp_mpi/communication/liveness.py", "while self._question.Test():", "while False:", [STALLED]),
     "verify mode compares nothing": (
-        "fsdp_mpi/communication/comm.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
+        "fsdp_mpi/communication/bookkeeping.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
     "verify mode ignores which unit": (
         "fsdp_mpi/communication/collective_log.py", 'return f"{self.sequence}|{self.operation}|{self.unit}|',
         'return f"{self.sequence}|{self.operation}|', [UNIT_ORDER]),
     "even_batches stops only the rank that ran out": (
-        "fsdp_mpi/loop/even_batches.py", "if comm.allreduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
+        "fsdp_mpi/loop/even_batches.py", "if comm.all_reduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
         [EVEN_BATCHES]),
     "a launcher mismatch goes unnoticed": (
         "fsdp_mpi/communication/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),
@@ -210,7 +211,7 @@ MUTANTS = {
         "else _typed(peer(rank), full.dtype, self.world * (b - a)).view(self.world, b - a)[rank]", [COLLECTIVES]),
     "the node transport's 16-bit sums accumulate in 16 bits": (
         "fsdp_mpi/communication/node_transport.py",
-        "total = parts[0].to(torch.float32 if out.dtype in _SUM_IN_FP32 else out.dtype, copy=True)",
+        "total = parts[0].to(torch.float32 if out.dtype in SUM_IN_FP32 else out.dtype, copy=True)",
         "total = parts[0].clone()", [COLLECTIVES]),
     "the node transport's exchanges all use slot 0": (
         "fsdp_mpi/communication/node_transport.py", "slot, self._next_slot = self._next_slot, 1 - self._next_slot",
@@ -247,8 +248,9 @@ MUTANTS = {
         "fsdp_mpi/communication/staging.py", "slot = i % RING_SLOTS", "slot = 0", [COLLECTIVES]),
     "a reduce-scatter cut into messages sends the first message's columns each time": (
         "fsdp_mpi/communication/comm.py",
-        "self._reduce_scatter(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)",
-        "self._reduce_scatter(shard[start:stop], full_by_rank[:, :stop - start].contiguous(), unit)", [COLLECTIVES]),
+        "self._reduce_scatter_message(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)",
+        "self._reduce_scatter_message(shard[start:stop], full_by_rank[:, :stop - start].contiguous(), unit)",
+        [COLLECTIVES]),
     "broadcast_ through MPI sends rank 0's tensor whatever the root": (
         "fsdp_mpi/communication/comm.py", "broadcast = partial(self._mpi_broadcast, root=root)",
         "broadcast = partial(self._mpi_broadcast, root=0)", [COLLECTIVES]),
@@ -265,7 +267,7 @@ MUTANTS = {
         "fsdp_mpi/communication/background.py", "if not self._queued or threading.current_thread() is self._worker:",
         "if True:", [WORKER_ORDER]),
     "a started 16-bit reduce-scatter is cast to fp32 by the worker": (
-        "fsdp_mpi/communication/comm.py", "if route is Route.STAGED and shard.dtype in _SUM_IN_FP32:", "if False:",
+        "fsdp_mpi/communication/started.py", "if route is Route.STAGED and shard.dtype in SUM_IN_FP32:", "if False:",
         [COLLECTIVES]),
     "a truncated file is not told from a corrupted one": (
         "fsdp_mpi/files/checkpoint.py", 'if path.stat().st_size != expected["bytes"]:', "if False:", [TRUNCATED]),

@@ -26,7 +26,7 @@ def test_every_switch_does_what_it_says(tmp_path):
     assert report["checkpointing_True_attention_calls"] == 4
     assert report["checkpointing_True_collectives"] == report["checkpointing_False_collectives"] > 0
     # Forced staging goes through host buffers; a 7-element limit splits each unit's gather into pieces.
-    assert report["staged_allgather_calls_in_forward"] == 3
+    assert report["staged_all_gather_calls_in_forward"] == 3
     assert report["staged_staging_slots"] == ["all_gather_recv", "all_gather_send", "broadcast"]
     assert report["chunked_staging_slots"] == []
-    assert report["chunked_allgather_calls_in_forward"] == sum(math.ceil(n / 7) for n in report["shard_numels"])
+    assert report["chunked_all_gather_calls_in_forward"] == sum(math.ceil(n / 7) for n in report["shard_numels"])

@@ -81,12 +81,12 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, 
         recorded = breakdown.end_step() if breakdown else None
         blocked.append(prepared.comm_seconds() - mpi_before)
         moved.append(prepared.comm_bytes() - bytes_before)
-        every_rank = comm.allgather_object(seconds)
+        every_rank = comm.all_gather_object(seconds)
         times.append(max(every_rank))
-        cpu.append(max(comm.allgather_object(cpu_seconds)))
+        cpu.append(max(comm.all_gather_object(cpu_seconds)))
         if breakdown:
             mine = breakdown.parts(recorded, seconds, blocked[-1], comm)
-            parts.append(comm.allgather_object(mine)[every_rank.index(times[-1])])
+            parts.append(comm.all_gather_object(mine)[every_rank.index(times[-1])])
     return times[args.warmup:], cpu[args.warmup:], blocked[args.warmup:], moved[args.warmup:], parts[args.warmup:]
 
 
@@ -161,8 +161,8 @@ def lightning_steps(model, batch, args, comm: Communicator):
             self.cpu_start, self.start = time.process_time(), time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, *_):
-            self.times.append(max(comm.allgather_object(time.perf_counter() - self.start)))
-            self.cpu.append(max(comm.allgather_object(time.process_time() - self.cpu_start)))
+            self.times.append(max(comm.all_gather_object(time.perf_counter() - self.start)))
+            self.cpu.append(max(comm.all_gather_object(time.process_time() - self.cpu_start)))
 
     timer = StepTimer()
     module = Steps()
@@ -188,14 +188,14 @@ def bytes_each_node_sends(step, comm: Communicator, first_on_node: bool) -> list
     comm.barrier()
     step()
     comm.barrier()
-    sent = comm.allgather_object(link_bytes_sent() - before if first_on_node else None)
+    sent = comm.all_gather_object(link_bytes_sent() - before if first_on_node else None)
     return [count for count in sent if count is not None]
 
 
 def node_link_bytes_per_step(prepared: Prepared, optimizer, batch, comm: Communicator) -> float | None:
     """Where the ranks span several hosts: the bytes each host sent to the others in one (untimed) step,
     the mean over hosts; else None."""
-    if len(set(comm.allgather_object(socket.gethostname()))) == 1:
+    if len(set(comm.all_gather_object(socket.gethostname()))) == 1:
         return None
     sent = bytes_each_node_sends(lambda: train_step(prepared, optimizer, batch), comm,
                                  first_on_node=comm.split(None).rank == 0)
@@ -242,7 +242,7 @@ def main() -> None:
             model.to(device)
             autocast, scaler = torch_amp(device.type, args.precision)
             prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
-                                allreduce_max=float, autocast=autocast)  # one process: its own value
+                                all_reduce_max=float, autocast=autocast)  # one process: its own value
         else:
             options = {name: True for name in mechanisms  # +mpi: bench.py set FSDP_MPI_NODE_TRANSPORT=0
                        if name not in ("compile", "compile_whole", "mpi", sharding) and not name.startswith("comm=")}
@@ -272,11 +272,11 @@ def main() -> None:
             moved = torch_bytes
         elif args.strategy == "ddp":
             moved = [gradient_bytes(model)]
-    state_bytes = max(comm.allgather_object(model_state_bytes(measured, optimizer)))
-    rss = max(comm.allgather_object(peak_rss_mb()))
+    state_bytes = max(comm.all_gather_object(model_state_bytes(measured, optimizer)))
+    rss = max(comm.all_gather_object(peak_rss_mb()))
     on_gpu = device.type == "cuda"
-    gpu_mb = max(comm.allgather_object(torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else 0))
-    blocked_median = statistics.median(comm.allgather_object(statistics.median(blocked)))
+    gpu_mb = max(comm.all_gather_object(torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else 0))
+    blocked_median = statistics.median(comm.all_gather_object(statistics.median(blocked)))
     if comm.rank == 0:
         step = statistics.median(times)
         tokens_per_s = args.batch_size * args.seq_len * comm.world_size / step

@@ -80,7 +80,7 @@ class StepBreakdown:
     def parts(recorded: tuple, step_seconds: float, mpi_seconds: float, comm: Communicator) -> dict:
         """This rank's step in PARTS, from ``end_step()``'s record (collective: every rank calls it)."""
         hook_seconds, assembly_seconds, entries = recorded
-        every_rank = comm.allgather_object((socket.gethostname(), entries))
+        every_rank = comm.all_gather_object((socket.gethostname(), entries))
         waiting = None
         same_collectives = all([entry[0] for entry in theirs] == [entry[0] for entry in entries]
                                for _, theirs in every_rank)

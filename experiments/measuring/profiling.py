@@ -212,7 +212,7 @@ def slowest_rank_seconds(run, world, repeats: int) -> float:
         world.barrier()
         start = time.perf_counter()
         run()
-        times.append(world.allreduce_max_float(time.perf_counter() - start))
+        times.append(world.all_reduce_max_float(time.perf_counter() - start))
     return statistics.median(times)
 
 

@@ -140,7 +140,7 @@ def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: Ru
         position.step += 1
         if comm.rank == 0:
             progress.set_postfix(loss=f"{losses.mean().item():.3f}")
-        received = stop.agreed(run.prepared.allreduce_max)
+        received = stop.agreed(run.prepared.all_reduce_max)
         if received or (checkpoints and checkpoints.due(position.step)):
             clock.pause()
             saved = checkpoints.save(position) if checkpoints else None

@@ -56,7 +56,7 @@ class RunRecorder:
         samples, seconds = sum(tally.step_samples), tally.seconds
         train_loss = float(step_loss_sums.sum()) / samples  # a Python float: rows go into checkpoints
         peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        per_rank = self.comm.allgather_object([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20,
+        per_rank = self.comm.all_gather_object([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20,
                                                tally.comm_seconds])
         maxima = [max(column) for column in zip(*per_rank)]  # the busiest rank
         tokens_per_s = samples * self.task.seq_len / seconds

@@ -127,7 +127,7 @@ def job_peak_flops(comm, device: torch.device, precision: str) -> float:
     peak = published_peak_flops(device, compute_dtype(precision)) or measured_peak_flops(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    places = comm.allgather_object((socket.gethostname(), str(device), peak))
+    places = comm.all_gather_object((socket.gethostname(), str(device), peak))
     if device.type == "cuda":
         places = list({(host, gpu): (host, gpu, flops) for host, gpu, flops in places}.values())
     return sum(flops for _, _, flops in places)

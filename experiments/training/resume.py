@@ -61,9 +61,9 @@ class StopSignals:
     def _note(self, number: int, _frame) -> None:
         self.received = number
 
-    def agreed(self, allreduce_max) -> signal.Signals | None:
+    def agreed(self, all_reduce_max) -> signal.Signals | None:
         """The signal that some rank received (the highest-numbered), or None. Every rank calls it after each step."""
-        number = int(allreduce_max(float(self.received)))
+        number = int(all_reduce_max(float(self.received)))
         return signal.Signals(number) if number else None
 
 
@@ -187,7 +187,7 @@ class RunCheckpoints:
         run = self.run
         return {
             "format": FORMAT, "step": position.step, "epoch": position.epoch,
-            "tallies": run.comm.allgather_object(asdict(position.tally)),
+            "tallies": run.comm.all_gather_object(asdict(position.tally)),
             "schedule": run.schedule.state_dict(), "scaler": run.prepared.scaler.state_dict(),
             "run_id": run.recorder.run_id, "rows": run.recorder.rows, "step_rows": run.recorder.step_rows,
             "options": determining_options(run.config), "world_size": run.comm.world_size,

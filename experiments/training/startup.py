@@ -39,7 +39,7 @@ def set_up_rank_0_first(set_up, comm: Communicator) -> tuple[list | None, str | 
     error = comm.broadcast_object(error, root=0)
     if error is None and comm.rank != 0:
         *values, error = set_up()
-    errors = [e for e in comm.allgather_object(error) if e]
+    errors = [e for e in comm.all_gather_object(error) if e]
     return values, (errors[0] if errors else None)
 
 
@@ -65,6 +65,6 @@ def allow_tf32(device: torch.device) -> None:
 def announce_devices(device: torch.device, comm: Communicator) -> None:
     """Rank 0 prints every rank's device in one line when some rank is not on the CPU (every rank calls this):
     the first sign that a GPU job got past set-up, and of which rank took which GPU."""
-    devices = comm.allgather_object(str(device))
+    devices = comm.all_gather_object(str(device))
     if comm.rank == 0 and any(name != "cpu" for name in devices):
         print("devices: " + ", ".join(f"rank {rank} {name}" for rank, name in enumerate(devices)), flush=True)

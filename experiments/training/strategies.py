@@ -41,7 +41,7 @@ class Prepared:
     no_sync: Callable[[], AbstractContextManager]  # a backward in it keeps gradients for a later one to reduce
     shards_gradients: bool  # whether reduced gradients are sharded (1/N of them per rank)
     scaler: object  # scale(loss), unscale_(optimizer), step(optimizer), update(); a pass-through unless 16-mixed
-    allreduce_max: Callable[[float], float]  # the maximum of a number over all ranks (a stop signal on any rank)
+    all_reduce_max: Callable[[float], float]  # the maximum of a number over all ranks (a stop signal on any rank)
     autocast: Callable[[], AbstractContextManager] = nullcontext  # around forward passes (DDP's mixed precision)
     comm_bytes: Callable[[], int] = lambda: 0  # bytes moved by collectives so far (0 if unknown)
 
@@ -60,7 +60,7 @@ def init_torch_distributed(comm: Communicator, device: torch.device) -> None:
 
     if dist.is_initialized():
         return
-    hostnames = comm.allgather_object(socket.gethostname())
+    hostnames = comm.all_gather_object(socket.gethostname())
     address = "127.0.0.1" if len(set(hostnames)) == 1 else hostnames[0]
     port = None
     if comm.rank == 0:
@@ -114,7 +114,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
                                            mixed_precision=MixedPrecision(param_dtype=dtype), **fsdp_options)
         return Prepared(sharded, lambda: comm.seconds_in_mpi,
                         lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True,
-                        scaler=ShardedGradScaler(comm, enabled=scaling), allreduce_max=comm.allreduce_max_float,
+                        scaler=ShardedGradScaler(comm, enabled=scaling), all_reduce_max=comm.all_reduce_max_float,
                         comm_bytes=lambda: sum(comm.bytes_moved.values()))
     init_torch_distributed(comm, device)
     clip_torch = partial(_clip_grad_norm_torch, model)
@@ -125,7 +125,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
         device_ids = [device.index] if device.type == "cuda" else None
         replicated = DistributedDataParallel(model, device_ids=device_ids)
         return Prepared(replicated, _unknown_comm_seconds, clip_torch, replicated.no_sync, shards_gradients=False,
-                        scaler=torch_scaler, allreduce_max=comm.allreduce_max_float, autocast=autocast)
+                        scaler=torch_scaler, all_reduce_max=comm.all_reduce_max_float, autocast=autocast)
     if strategy == "torch-fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -135,7 +135,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
                 fully_shard(module, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True,
-                        scaler=torch_scaler, allreduce_max=comm.allreduce_max_float)
+                        scaler=torch_scaler, all_reduce_max=comm.all_reduce_max_float)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 

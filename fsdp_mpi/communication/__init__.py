@@ -1,6 +1,7 @@
 """Talking to MPI: everything the layers above send or receive goes through ``comm.Communicator``.
 
 Read in this order: settings -> timing_points -> abort -> liveness -> collective_log -> launcher -> gpu_support
--> host_memory -> staging -> cuda_ipc -> shared_slots -> node_transport -> background -> comm -> compression.
+-> host_memory -> mpi_buffers -> staging -> cuda_ipc -> shared_slots -> node_transport -> background -> bookkeeping
+-> routes -> started -> comm -> compression.
 Nothing here knows about modules, parameters or units.
 """

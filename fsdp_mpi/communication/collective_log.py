@@ -52,7 +52,7 @@ class CollectiveRecord:
     """One collective as this rank entered it; the same `sequence` on every rank of the communicator."""
 
     sequence: int  # collectives started on this communicator before this one
-    operation: str  # all_gather, reduce_scatter, broadcast, allreduce_sum, ...
+    operation: str  # all_gather, reduce_scatter, broadcast, all_reduce_sum, ...
     unit: str  # the module path of the unit it serves ("<root>" for the top), "" if it serves none
     numel: int  # elements this rank sends (0 for pickled objects)
     dtype: str

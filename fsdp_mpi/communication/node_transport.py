@@ -31,6 +31,7 @@ rank computes the same bits: replicas that all-reduce stay identical.
 import torch
 from mpi4py import MPI
 
+from fsdp_mpi.communication.mpi_buffers import SUM_IN_FP32
 from fsdp_mpi.communication.shared_slots import DeviceSlots, HostSlots, SharedSlotsError
 from fsdp_mpi.communication.staging import chunk_bounds
 
@@ -38,7 +39,6 @@ from fsdp_mpi.communication.staging import chunk_bounds
 # that copies run at full bandwidth, small enough that two slots per rank cost little of its memory.
 HOST_EXCHANGE_BYTES = 2**20
 DEVICE_EXCHANGE_BYTES = 64 * 2**20
-_SUM_IN_FP32 = (torch.float16, torch.bfloat16)
 
 
 def open_node_transport(mpi_comm, device: torch.device, exchange_bytes: int | None = None):
@@ -174,10 +174,10 @@ def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
     `out` may be one of the parts' memory; a part on another GPU is copied over first.
     """
     parts = [part if part.device == out.device else part.to(out.device, non_blocking=True) for part in parts]
-    if len(parts) == 2 and out.dtype not in _SUM_IN_FP32:
+    if len(parts) == 2 and out.dtype not in SUM_IN_FP32:
         torch.add(parts[0], parts[1], out=out)  # element by element: out may alias either part
         return
-    total = parts[0].to(torch.float32 if out.dtype in _SUM_IN_FP32 else out.dtype, copy=True)
+    total = parts[0].to(torch.float32 if out.dtype in SUM_IN_FP32 else out.dtype, copy=True)
     for part in parts[1:]:
         total.add_(part)
     out.copy_(total)

@@ -31,7 +31,7 @@ import torch
 
 from fsdp_mpi.communication.gpu_support import HostStagingBuffers
 
-MpiStep = Callable[..., None]  # MPI's part for one chunk, on host buffers
+MpiStep = Callable[..., None]  # MPI's part for one chunk, on host buffers, the output first
 
 
 def chunk_bounds(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
@@ -56,7 +56,7 @@ class StagedCollectives:
         self._host_buffers_read = None  # a CUDA event: the last collective's copies back have read the host buffers
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, chunk_numel: int, gather: MpiStep) -> None:
-        """full (W * S,) <- every rank's shard (S,); ``gather(send (c,), recv (W * c,))`` moves one chunk."""
+        """full (W * S,) <- every rank's shard (S,); ``gather(full (W * c,), shard (c,))`` moves one chunk."""
         world = full.numel() // shard.numel()
         full_by_rank = full.view(world, -1)
         chunks = chunk_bounds(shard.numel(), chunk_numel)
@@ -64,12 +64,12 @@ class StagedCollectives:
         recv = self._ring("all_gather_recv", chunks, world, full.dtype)
         self._pipelined(full, chunks,
                         lambda pipeline, slot, a, b: pipeline.copy_out(send(slot, a, b), shard[a:b]),
-                        lambda slot, a, b: gather(send(slot, a, b), recv(slot, a, b)),
+                        lambda slot, a, b: gather(recv(slot, a, b), send(slot, a, b)),
                         lambda pipeline, slot, a, b: pipeline.copy_in(full_by_rank[:, a:b],
                                                                       recv(slot, a, b).view(world, b - a)))
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, chunk_numel: int, reduce: MpiStep) -> None:
-        """shard (S,) <- the sum over ranks of their part of `full` (W * S,); ``reduce(send (W * c,), recv (c,))``."""
+        """shard (S,) <- the sum over ranks of their part of `full` (W * S,); ``reduce(shard (c,), full (W * c,))``."""
         world = full.numel() // shard.numel()
         full_by_rank = full.view(world, -1)
         chunks = chunk_bounds(shard.numel(), chunk_numel)
@@ -78,13 +78,13 @@ class StagedCollectives:
         self._pipelined(full, chunks,
                         lambda pipeline, slot, a, b: pipeline.copy_out(send(slot, a, b).view(world, b - a),
                                                                        full_by_rank[:, a:b]),
-                        lambda slot, a, b: reduce(send(slot, a, b), recv(slot, a, b)),
+                        lambda slot, a, b: reduce(recv(slot, a, b), send(slot, a, b)),
                         lambda pipeline, slot, a, b: pipeline.copy_in(shard[a:b], recv(slot, a, b)))
 
     def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, world: int, chunk_numel: int,
                    exchange: MpiStep) -> None:
-        """received (W * K,) <- chunk `rank` of every rank's `sent` (W * K,); ``exchange(send (W * c,), recv (W * c,))``
-        moves the same c columns of all W chunks at once."""
+        """received (W * K,) <- chunk `rank` of every rank's `sent` (W * K,);
+        ``exchange(received (W * c,), sent (W * c,))`` moves the same c columns of all W chunks at once."""
         sent_by_rank, received_by_rank = sent.view(world, -1), received.view(world, -1)
         chunks = chunk_bounds(sent_by_rank.shape[1], chunk_numel)
         send = self._ring("all_to_all_send", chunks, world, sent.dtype)
@@ -92,7 +92,7 @@ class StagedCollectives:
         self._pipelined(sent, chunks,
                         lambda pipeline, slot, a, b: pipeline.copy_out(send(slot, a, b).view(world, b - a),
                                                                        sent_by_rank[:, a:b]),
-                        lambda slot, a, b: exchange(send(slot, a, b), recv(slot, a, b)),
+                        lambda slot, a, b: exchange(recv(slot, a, b), send(slot, a, b)),
                         lambda pipeline, slot, a, b: pipeline.copy_in(received_by_rank[:, a:b],
                                                                       recv(slot, a, b).view(world, b - a)))
 

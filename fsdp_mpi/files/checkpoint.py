@@ -82,12 +82,12 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     if optimizer is not None:
         per_element, optimizer_state = _split_optimizer_state(optimizer, params)
         tensors.update(per_element)
-    written = comm.allgather_object(_on_every_rank(
+    written = comm.all_gather_object(_on_every_rank(
         comm, lambda: write_safetensors(temporary / rank_file(comm.rank), tensors if writes_elements else {})))
-    scalar_states = comm.allgather_object(optimizer_state and optimizer_state["scalars"])
-    rng_states = comm.allgather_object(_rng_states())
+    scalar_states = comm.all_gather_object(optimizer_state and optimizer_state["scalars"])
+    rng_states = comm.all_gather_object(_rng_states())
     # Which element range of each parameter every rank holds: [[rank, start, stop], ...], non-empty ones.
-    held = comm.allgather_object([p.handle.part_held(p.slot) for p in params] if writes_elements else None)
+    held = comm.all_gather_object([p.handle.part_held(p.slot) for p in params] if writes_elements else None)
     pieces = [[[rank, *held[rank][i]] for rank in range(comm.world_size)
                if held[rank] is not None and held[rank][i][1] > held[rank][i][0]] for i in range(len(params))]
 
@@ -395,7 +395,7 @@ def _on_every_rank(comm: Communicator, work):
     except (CheckpointError, OSError) as error:
         result, failure = None, str(error)
     ranks_by_failure = {}
-    for rank, text in enumerate(comm.allgather_object(failure)):
+    for rank, text in enumerate(comm.all_gather_object(failure)):
         if text is not None:
             ranks_by_failure.setdefault(text, []).append(str(rank))
     if ranks_by_failure:

@@ -33,10 +33,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     # and every rank's part is summed at full precision before the parts are combined.
     if math.isinf(norm_type):
         per_gradient = [g.abs().max().double() for g in nonempty]
-        combine, over_ranks = torch.max, comm.allreduce_max_float
+        combine, over_ranks = torch.max, comm.all_reduce_max_float
     else:
         per_gradient = [g.double().abs().pow(norm_type).sum() for g in nonempty]
-        combine, over_ranks = torch.sum, comm.allreduce_sum_float
+        combine, over_ranks = torch.sum, comm.all_reduce_sum_float
     local = combine(torch.stack(per_gradient)) if per_gradient else torch.zeros((), dtype=torch.float64, device=device)
     total = local if comm.world_size == 1 else over_ranks(local.item())
     if not math.isinf(norm_type):

@@ -36,11 +36,11 @@ def even_batches(batches: Iterable, comm=None) -> Iterator:
     while True:
         batch = next(iterator, _EXHAUSTED)
         has_batch = batch is not _EXHAUSTED
-        if comm.allreduce_min_float(float(has_batch)) == 0.0:
+        if comm.all_reduce_min_float(float(has_batch)) == 0.0:
             break
         taken += 1
         yield batch
-    had_more = [rank for rank, more in enumerate(comm.allgather_object(has_batch)) if more]
+    had_more = [rank for rank, more in enumerate(comm.all_gather_object(has_batch)) if more]
     if had_more and comm.rank == 0:
         warnings.warn(f"fsdp_mpi.loop.even_batches: a rank ran out of batches after {taken}; ranks {had_more} had more, "
                       f"which were skipped so that no rank waits for the others", stacklevel=2)

@@ -58,7 +58,7 @@ class ShardedGradScaler:
         if grads:
             torch._foreach_mul_(grads, 1.0 / self._scale)
             found_here = not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-        self._found_inf = self.comm.allreduce_max_float(float(found_here)) > 0
+        self._found_inf = self.comm.all_reduce_max_float(float(found_here)) > 0
 
     def step(self, optimizer: torch.optim.Optimizer):
         """Unscales if needed, then steps unless some rank's gradients held inf or NaN; returns the step's result."""

@@ -48,9 +48,9 @@ def materialize_into_shards(module: nn.Module, units: list[ShardedUnit], param_i
                             sync_rng_state: bool) -> None:
     """Fills every unit's shard by initialising `module`'s parameters one module at a time (see above)."""
     if sync_rng_state:
-        torch.set_rng_state(comm.allgather_object(torch.get_rng_state())[0])
+        torch.set_rng_state(comm.all_gather_object(torch.get_rng_state())[0])
         if any(handle.shard.is_cuda for unit in units for handle in unit.handles):
-            torch.cuda.set_rng_state(comm.allgather_object(torch.cuda.get_rng_state())[0])
+            torch.cuda.set_rng_state(comm.all_gather_object(torch.cuda.get_rng_state())[0])
     where = {id(view): (handle, slot)
              for unit in units for handle in unit.handles for slot, view in zip(handle.slots, handle.sharded_views)}
     handles = [handle for unit in units for handle in unit.handles]

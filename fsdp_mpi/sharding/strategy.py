@@ -57,7 +57,7 @@ class ShardGroups:
             size = _hybrid_group_size(hybrid_group_size)
             if size is None:  # the node's ranks, wherever the launcher placed them
                 self.shard = comm.split(None)
-                sizes = comm.allgather_object(self.shard.world_size)
+                sizes = comm.all_gather_object(self.shard.world_size)
                 if len(set(sizes)) > 1:
                     raise ValueError(f"HYBRID_SHARD groups ranks by node, but the nodes run different numbers of "
                                      f"ranks ({sorted(set(sizes))}): run as many on each, or set "

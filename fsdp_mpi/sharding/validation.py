@@ -44,7 +44,7 @@ def model_fingerprint(module: nn.Module) -> str:
 
 def check_same_model_on_all_ranks(module: nn.Module, comm: Communicator) -> None:
     """Raises ValueError on every rank if any rank holds a differently shaped model."""
-    fingerprints = comm.allgather_object(model_fingerprint(module))
+    fingerprints = comm.all_gather_object(model_fingerprint(module))
     differing = [rank for rank, fingerprint in enumerate(fingerprints) if fingerprint != fingerprints[0]]
     if differing:
         raise ValueError(

@@ -52,7 +52,7 @@ def main() -> None:
     recorded = breakdown.end_step()
     mpi_seconds = comm.seconds_in_mpi - mpi_before
     parts = StepBreakdown.parts(recorded, seconds, mpi_seconds, comm)
-    write_json(output_path(), {"sleep_s": SLEEP_S, "ranks": comm.allgather_object(
+    write_json(output_path(), {"sleep_s": SLEEP_S, "ranks": comm.all_gather_object(
         {**parts, "step_s": seconds, "mpi_s": mpi_seconds, "collectives": len(recorded[2])})})
 
 

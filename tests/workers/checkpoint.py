@@ -55,7 +55,7 @@ def train_step(model, optimizer, scheduler, comm, step: int) -> float:
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return comm.allreduce_sum_float(loss.item()) / comm.world_size
+    return comm.all_reduce_sum_float(loss.item()) / comm.world_size
 
 
 def train(args, comm) -> dict:

@@ -165,7 +165,7 @@ def reduced_gradients(model, comm, gradients) -> float:
     loss_of(model, comm).backward()
     worst = 0.0
     for handle in handles(model):
-        everyone = torch.stack(comm.allgather_object(contributions[handle]))  # (world, padded_numel)
+        everyone = torch.stack(comm.all_gather_object(contributions[handle]))  # (world, padded_numel)
         exact = everyone.sum(dim=0)
         if handle.replicas is None:  # FULL_SHARD: reduce-scattered in the shard group
             group, then_gather = handle.comm.world_size, False
@@ -245,7 +245,7 @@ def train(comm, weights=None, gradients=None, strategy=ShardingStrategy.FULL_SHA
         if replay is None:
             loss = loss_of(model, comm)
             loss.backward()
-            losses.append(comm.allreduce_sum_float(loss.item()) / comm.world_size)
+            losses.append(comm.all_reduce_sum_float(loss.item()) / comm.world_size)
             gradients_seen.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
         else:
             for param, grad in zip(model.parameters(), replay[step]):
@@ -265,7 +265,7 @@ def training_checks(comm, weights, gradients, strategy) -> dict:
     overlapped_losses, _, overlapped_state, _ = train(comm, weights, gradients, strategy, overlap=True)
     _, _, replayed_state, _ = train(comm, strategy=strategy, replay=seen)  # uncompressed, the same gradients
     rank0_state = model.state_dict()
-    every_rank_state = comm.allgather_object(state)
+    every_rank_state = comm.all_gather_object(state)
     return {
         "losses": losses,
         "deterministic": losses == again_losses and same_state(state, again_state),
@@ -305,7 +305,7 @@ def replica_all_reduce_checks(comm) -> dict:
     values = torch.randn(1000, generator=generator) * torch.logspace(-6, 3, 1000)
     values[256:512] = 0.0
     values[700] = 1e30 if comm.rank == 0 else -1e29
-    everyone = torch.stack(comm.allgather_object(values)).double()
+    everyone = torch.stack(comm.all_gather_object(values)).double()
     report = {}
     for mode in ("bf16", "int8"):
         comm.bytes_moved.clear()
@@ -315,7 +315,7 @@ def replica_all_reduce_checks(comm) -> dict:
         chunk = -(-values.numel() // comm.world_size)
         report[mode] = {
             "ratio": worst_ratio((reduced.double() - everyone.sum(dim=0)).abs(), bound),
-            "identical_on_every_rank": all(torch.equal(reduced, other) for other in comm.allgather_object(reduced)),
+            "identical_on_every_rank": all(torch.equal(reduced, other) for other in comm.all_gather_object(reduced)),
             "bytes_as_closed_form": dict(comm.bytes_moved) == {
                 "all_to_all": comm.world_size * wire_bytes(mode, chunk),
                 "all_gather": comm.world_size * wire_bytes(mode, chunk)},
@@ -336,7 +336,7 @@ def over_ranks(comm, report: dict) -> dict:
             return {key: merge([value[key] for value in values]) for key in first}
         return first if all(value == first for value in values) else values
 
-    return merge(comm.allgather_object(report))
+    return merge(comm.all_gather_object(report))
 
 
 if __name__ == "__main__":

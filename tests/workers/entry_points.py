@@ -71,12 +71,12 @@ def call(comm, sharded, plain, name: str, ours_call, plain_call, backward: bool,
     sizes = gathered_bytes(sharded)
     if ours.shape != reference.shape:  # ours is this rank's share of the batch
         reference = local_part(reference, comm.rank, comm.world_size)
-    result = {"output_error": comm.allreduce_max_float(relative_error(ours.detach(), reference.detach())),
+    result = {"output_error": comm.all_reduce_max_float(relative_error(ours.detach(), reference.detach())),
               "gathered_as_expected": comm.bytes_moved["all_gather"] - before
               == sum(sizes[unit] * times for unit, times in expected_units.items()),
               "freed_after": not still_gathered(sharded)}
     if backward:
-        result["gradient_error"] = comm.allreduce_max_float(gradient_error(sharded, plain))
+        result["gradient_error"] = comm.all_reduce_max_float(gradient_error(sharded, plain))
     return {f"{name}/{key}": value for key, value in result.items()}
 
 
@@ -120,13 +120,13 @@ def t5_cases(comm: Communicator) -> dict:
     # One training step's gradients (a mean over tokens, each rank on its share).
     sharded(input_ids=mine, labels=my_labels).loss.backward()
     plain(input_ids=inputs, labels=labels).loss.backward()
-    report["t5_train/gradient_error"] = comm.allreduce_max_float(gradient_error(sharded, plain))
+    report["t5_train/gradient_error"] = comm.all_reduce_max_float(gradient_error(sharded, plain))
     report["t5_train/freed_after"] = not still_gathered(sharded)
     # Greedy generation: the encoder alone, then the decoder token by token, on every rank's own prompts.
     with torch.no_grad():
         ours = sharded.generate(input_ids=mine, max_new_tokens=6, do_sample=False)
         reference = plain.generate(input_ids=mine, max_new_tokens=6, do_sample=False)
-    report["t5_generate/same_tokens"] = all(comm.allgather_object(torch.equal(ours, reference)))
+    report["t5_generate/same_tokens"] = all(comm.all_gather_object(torch.equal(ours, reference)))
     report["t5_generate/length"] = ours.shape[1]
     report["t5_generate/freed_after"] = not still_gathered(sharded)
     return report

@@ -228,7 +228,7 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
                 with sharded.no_sync():
                     loss = loss_fn(calls, *local) / micro_batches
                     loss.backward()
-            our_loss += comm.allreduce_sum_float(loss.item()) / comm.world_size
+            our_loss += comm.all_reduce_sum_float(loss.item()) / comm.world_size
         ours = full_gradients(sharded)
         ours_without_gradient = {name for name, p in sharded.named_parameters() if p.requires_grad and p.grad is None}
 

@@ -17,7 +17,7 @@ from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, generate, gpt2_conf
 def views_report(plain, sharded, comm: Communicator) -> dict:
     """Names, and per name the elements every rank holds, against the plain model."""
     ours = list(sharded.named_parameters())
-    numel_by_rank = comm.allgather_object([p.numel() for _, p in ours])
+    numel_by_rank = comm.all_gather_object([p.numel() for _, p in ours])
     return {
         "same_names": [n for n, _ in ours] == [n for n, _ in plain.named_parameters()],
         "parts_add_up": [sum(column) for column in zip(*numel_by_rank)] == [p.numel() for p in plain.parameters()],
@@ -59,7 +59,7 @@ if __name__ == "__main__":
     prompt = torch.tensor([[1, 2, 3]])
     from_sharded = generate(sharded, prompt, 12, top_k=10, generator=torch.Generator().manual_seed(5))
     from_plain = generate(plain, prompt, 12, top_k=10, generator=torch.Generator().manual_seed(5))
-    same_everywhere = comm.allgather_object(from_sharded.tolist())
+    same_everywhere = comm.all_gather_object(from_sharded.tolist())
     write_json(output_path(), {
         "matches_plain": torch.equal(from_sharded, from_plain),
         "same_on_all_ranks": all(tokens == same_everywhere[0] for tokens in same_everywhere),

@@ -92,7 +92,7 @@ if __name__ == "__main__":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             taken = list(even_batches(range([5, 3, 4, 6][comm.rank % 4]), comm))
-        report = {"taken": comm.allgather_object(taken), "warnings": [str(w.message) for w in caught]}
+        report = {"taken": comm.all_gather_object(taken), "warnings": [str(w.message) for w in caught]}
     elif mode == "verified":
         report = {"plain": verified_losses(False), "verified": verified_losses(True)}
     elif mode in ("kill", "forever"):

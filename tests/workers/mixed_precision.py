@@ -86,9 +86,9 @@ def scaler_skips_everywhere(comm) -> dict:
         optimizer.zero_grad(set_to_none=True)
         changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-        history.append({"changed": comm.allgather_object(changed), "finite": comm.allgather_object(finite),
-                        "scale": comm.allgather_object(scaler.get_scale())})
-    return {"history": history, "skipped": comm.allgather_object(scaler.skipped_steps)}
+        history.append({"changed": comm.all_gather_object(changed), "finite": comm.all_gather_object(finite),
+                        "scale": comm.all_gather_object(scaler.get_scale())})
+    return {"history": history, "skipped": comm.all_gather_object(scaler.skipped_steps)}
 
 
 if __name__ == "__main__":
@@ -98,8 +98,8 @@ if __name__ == "__main__":
         "bytes_bf16": one_step_bytes(build(comm, MixedPrecision(param_dtype=torch.bfloat16)), comm),
         "bytes_bf16_reduce_bf16": one_step_bytes(
             build(comm, MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)), comm),
-        "dtypes": comm.allgather_object(dtypes_seen(comm)),
-        "state_dict_is_the_masters": all(comm.allgather_object(state_dict_is_the_masters(comm))),
+        "dtypes": comm.all_gather_object(dtypes_seen(comm)),
+        "state_dict_is_the_masters": all(comm.all_gather_object(state_dict_is_the_masters(comm))),
         "scaler": scaler_skips_everywhere(comm),
     }
     write_json(output_path(), report)

@@ -61,10 +61,10 @@ def placement(comm: Communicator, node: Communicator) -> dict:
     with mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.device_count",
                                                                                 return_value=2):
         device = str(pick_device("cuda", node_placement(comm)[0]))
-    return {"hosts": comm.allgather_object(socket.gethostname()),
-            "node_sizes": comm.allgather_object(node.world_size),
-            "hybrid_groups": comm.allgather_object(sorted(hybrid_group.allgather_object(socket.gethostname()))),
-            "devices": comm.allgather_object(device)}
+    return {"hosts": comm.all_gather_object(socket.gethostname()),
+            "node_sizes": comm.all_gather_object(node.world_size),
+            "hybrid_groups": comm.all_gather_object(sorted(hybrid_group.all_gather_object(socket.gethostname()))),
+            "devices": comm.all_gather_object(device)}
 
 
 if __name__ == "__main__":

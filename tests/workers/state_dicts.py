@@ -51,18 +51,18 @@ def main(comm: Communicator) -> dict:
     model = wrap(gpt2(seed=comm.rank), comm)  # ranks start different
     expected = rank0_model.state_dict()
     everywhere = full_state_dict(model, rank0_only=False)
-    report["broadcast_rank0_weights"] = all(comm.allgather_object(equal_states(everywhere, expected)))
-    report["rank0_only_empty_elsewhere"] = all(comm.allgather_object(
+    report["broadcast_rank0_weights"] = all(comm.all_gather_object(equal_states(everywhere, expected)))
+    report["rank0_only_empty_elsewhere"] = all(comm.all_gather_object(
         (model.state_dict() == {}) == (comm.rank != 0)))
 
     # Loading a different model's weights sets every shard: gathered back, and computing, it is that model.
     other = gpt2(seed=123)
     model.load_state_dict(other.state_dict())
     tokens = gpt_batch(0, 128)[0][:2]
-    report["load_round_trip"] = all(comm.allgather_object(
+    report["load_round_trip"] = all(comm.all_gather_object(
         equal_states(full_state_dict(model, rank0_only=False), other.state_dict())))
     with torch.no_grad():
-        report["loaded_model_computes_like_source"] = all(comm.allgather_object(
+        report["loaded_model_computes_like_source"] = all(comm.all_gather_object(
             torch.equal(model(tokens)[0], other(tokens)[0])))
 
     # A bad dict whose good entries hold *different* values must change nothing.
@@ -73,7 +73,7 @@ def main(comm: Communicator) -> dict:
         report["bad_dict_raised"] = False
     except RuntimeError as error:
         report["bad_dict_raised"] = "transformer.ln_f.weight: checkpoint (5,), model (64,)" in str(error)
-    report["bad_dict_changed_nothing"] = all(comm.allgather_object(
+    report["bad_dict_changed_nothing"] = all(comm.all_gather_object(
         equal_states(full_state_dict(model, rank0_only=False), other.state_dict())))
 
     # summon_full_params on a parameter that spans shards: edits kept with writeback, dropped without.
@@ -91,8 +91,8 @@ def main(comm: Communicator) -> dict:
         edited = torch.equal(after[name], torch.full_like(after[name], value))
         # Tied names share one tensor in the state dict; they are the same parameter.
         others_same = all(torch.equal(after[k], before[k]) for k in before if after[k] is not after[name])
-        report[f"summon_writeback_{writeback}_kept_edit"] = all(comm.allgather_object(edited))
-        report[f"summon_writeback_{writeback}_others_same"] = all(comm.allgather_object(others_same))
+        report[f"summon_writeback_{writeback}_kept_edit"] = all(comm.all_gather_object(edited))
+        report[f"summon_writeback_{writeback}_others_same"] = all(comm.all_gather_object(others_same))
     report["nothing_gathered_after_summon"] = not gathered_anywhere(model)
 
     # A forward with no backward, then a normal step: the abandoned state is cleared.
@@ -118,13 +118,13 @@ def main(comm: Communicator) -> dict:
     _ = block(x)  # runs, output ignored
     ignored.transformer.h[0](x).sum().backward()
     block_grads = [p.grad for p in block.parameters()]
-    report["ignored_unit_gets_no_gradient"] = all(comm.allgather_object(all(g is None for g in block_grads)))
+    report["ignored_unit_gets_no_gradient"] = all(comm.all_gather_object(all(g is None for g in block_grads)))
     report["ignored_unit_resharded"] = not gathered_anywhere(ignored)
 
     # SizeBasedWrapPolicy: each block (49,984 parameters) becomes a unit at a threshold of 40,000.
     sized = wrap(copy.deepcopy(rank0_model), comm, SizeBasedWrapPolicy(min_num_params=40_000))
     report["size_policy_units"] = [name for name, _ in units_with_names(sized)]
-    report["size_policy_state_same"] = all(comm.allgather_object(
+    report["size_policy_state_same"] = all(comm.all_gather_object(
         equal_states(full_state_dict(sized, rank0_only=False), expected)))
 
     # Another communicator than COMM_WORLD: ranks split by parity share their own shards.
@@ -132,9 +132,9 @@ def main(comm: Communicator) -> dict:
         half = Communicator(comm.mpi_comm.Split(color=comm.rank % 2, key=comm.rank))
         split = wrap(copy.deepcopy(rank0_model), half)
         handle = split.handles[0]
-        report["subcommunicator_shards"] = all(comm.allgather_object(
+        report["subcommunicator_shards"] = all(comm.all_gather_object(
             handle.shard_numel == handle.padded_numel // half.world_size))
-        report["subcommunicator_state_same"] = all(comm.allgather_object(
+        report["subcommunicator_state_same"] = all(comm.all_gather_object(
             equal_states(full_state_dict(split, rank0_only=False), expected)))
     return report
 

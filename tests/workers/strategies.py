@@ -84,7 +84,7 @@ def compressed_hybrid(comm: Communicator, block_size: int = 256) -> dict:
         comm.bytes_moved.clear()
         _, loss = model(local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))
         loss.backward()
-        losses.append(comm.allreduce_sum_float(loss.item()))
+        losses.append(comm.all_reduce_sum_float(loss.item()))
         moved = dict(comm.bytes_moved)
         optimizer.step()
         optimizer.zero_grad()
@@ -100,7 +100,7 @@ def compressed_hybrid(comm: Communicator, block_size: int = 256) -> dict:
             expected["all_gather"] += (1 if name == "" else 2) * group * int8(shard) + replica_chunk
             expected["all_to_all"] += group * int8(shard) + replica_chunk
             expected["all_reduce"] += 4 * len(handle.slots)
-    shards = comm.allgather_object([handle.shard for _, unit in units_with_names(model) for handle in unit.handles])
+    shards = comm.all_gather_object([handle.shard for _, unit in units_with_names(model) for handle in unit.handles])
     replica = shards[(comm.rank + GROUP) % comm.world_size]
     return {"bytes_as_closed_form": moved == dict(expected), "loss_falls": losses[1] < losses[0],
             "replicas_identical": all(torch.equal(mine, theirs) for mine, theirs in zip(shards[comm.rank], replica))}
@@ -134,10 +134,10 @@ if __name__ == "__main__":
             results[key] = run(model_kind, optimizer_kind, accumulation, comm, dtype, **wrap)
         overlapped = dict(wrap, forward_prefetch=True, backward_prefetch=True, async_reduce_scatter=True)
         results[f"{name}/gpt2/adamw/none/overlapped"] = run("gpt2", "adamw", "none", comm, None, **overlapped)
-    memory = {name: comm.allgather_object(kept_bytes(comm, **wrap)) for name, wrap in
+    memory = {name: comm.all_gather_object(kept_bytes(comm, **wrap)) for name, wrap in
               {**STRATEGIES, "full_shard": {}}.items()}
-    checkpoint = comm.allgather_object(checkpoint_loads_under_full_shard(comm, sys.argv[2]))
-    hybrid_int8 = comm.allgather_object(compressed_hybrid(comm))
+    checkpoint = comm.all_gather_object(checkpoint_loads_under_full_shard(comm, sys.argv[2]))
+    hybrid_int8 = comm.all_gather_object(compressed_hybrid(comm))
     groups = group_sizes_and_refusals(comm)
     if comm.rank == 0:
         write_json(output_path(), {"equivalence": results, "memory": memory, "checkpoint_loads": checkpoint,

@@ -107,7 +107,7 @@ def main(comm: Communicator) -> dict:
         model = build(communicator)
         with torch.no_grad(), Counting("_mpi_all_gather", cls=Communicator) as gathers:
             step(model, communicator)
-        report[f"{name}_allgather_calls_in_forward"] = gathers.calls
+        report[f"{name}_all_gather_calls_in_forward"] = gathers.calls
         report[f"{name}_staging_slots"] = communicator.staging_slots
     report["shard_numels"] = [h.shard_numel for _, unit in units_with_names(build(comm)) for h in unit.handles]
     return report

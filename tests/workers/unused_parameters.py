@@ -151,7 +151,7 @@ def run(comm: Communicator, mode: str) -> dict:
         ours_grads = dict(ours.named_parameters())
         no_gradient = sorted(name for name, p in reference.named_parameters() if p.grad is None)
         ours_none = sorted(name for name, p in ours_grads.items() if p.grad is None)
-        report["none_pattern_matches"].append(all(comm.allgather_object(no_gradient == ours_none)))
+        report["none_pattern_matches"].append(all(comm.all_gather_object(no_gradient == ours_none)))
         report["no_gradient_names"].append(no_gradient)
         if mode != "bf16":
             reference64 = copy.deepcopy(reference).double()
@@ -172,8 +172,8 @@ def run(comm: Communicator, mode: str) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         report["untouched_when_no_gradient"].append(
-            all(comm.allgather_object(all(torch.equal(ours_grads[n].detach(), v) for n, v in before.items()))))
-    report["worst_gradient_ratio"] = comm.allreduce_max_float(report["worst_gradient_ratio"])
+            all(comm.all_gather_object(all(torch.equal(ours_grads[n].detach(), v) for n, v in before.items()))))
+    report["worst_gradient_ratio"] = comm.all_reduce_max_float(report["worst_gradient_ratio"])
     return report
 
 

@@ -1,0 +1,131 @@
+"""The bookkeeping around every MPI call a ``Communicator`` makes: logged, checked across ranks, watched and timed.
+
+Every call is recorded in the process's collective log and watched for hangs
+(``collective_log``); in verify mode the ranks first check that they are all
+entering the same collective (``verify_every_rank_enters``). The time a rank is
+blocked in MPI, and the bytes each operation moves, add up in its ``Traffic``.
+
+`comm` below is the ``Communicator`` making the call: these functions read its
+rank, timeout, verify mode, traffic and communication thread, and count its
+collectives, but make no collective of their own beyond verify mode's check.
+"""
+
+import hashlib
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy
+import torch
+from mpi4py import MPI
+
+from fsdp_mpi.communication.collective_log import PROCESS_LOG, CollectiveRecord
+from fsdp_mpi.communication.settings import VERIFY
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Verify mode: the ranks were about to enter different collectives."""
+
+
+@dataclass
+class Traffic:
+    """What a rank's collectives cost it, for profiling: wall time blocked in MPI, and per operation the
+    bytes of the full buffer each collective fills (all-gather) or reads (reduce-scatter, all-reduce) and
+    of each broadcast tensor, in the dtype actually sent: what the wire carries, algorithms aside."""
+
+    seconds_in_mpi: float = 0.0
+    bytes_moved: Counter = field(default_factory=Counter)
+
+
+def in_mpi(comm, operation: str, sent: torch.Tensor | None = None, unit: str = "", *, numel: int = 0,
+           dtype: str = "", finishes: bool = True) -> "InMPI":
+    """Every MPI call runs inside this, as ``with in_mpi(comm, ...) as record``.
+
+    `sent` is the tensor this rank contributes (its size and dtype are logged); `unit` names the sharded unit
+    the collective serves. A nonblocking call passes ``finishes=False``: its ``Pending.wait()`` completes the
+    record (``waiting_in_mpi``).
+    """
+    if comm.communication_thread is not None:  # what was handed to the communication thread goes first
+        comm.communication_thread.wait_for_all()
+    if sent is not None:
+        numel, dtype = sent.numel(), _dtype_name(sent.dtype)
+    record = PROCESS_LOG.begin(comm.collectives_started, operation, unit, numel, dtype)
+    comm.collectives_started += 1
+    return InMPI(comm, record, finishes)
+
+
+@contextmanager
+def waiting_in_mpi(comm, record: CollectiveRecord):
+    """Completing a nonblocking collective: watched and timed like a blocking one."""
+    with PROCESS_LOG.blocking(record, comm.timeout, comm.rank):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            comm.traffic.seconds_in_mpi += time.perf_counter() - start
+
+
+class InMPI:
+    """The bookkeeping around one MPI call (made by ``in_mpi``): the rank is marked as waiting in `record`
+    (watched for hangs), verify mode checks the ranks agree, and the time is counted.
+    A class rather than a generator-based context manager: every collective pays for it (0.6 µs less)."""
+
+    __slots__ = ("comm", "record", "finishes", "start")
+
+    def __init__(self, comm, record: CollectiveRecord, finishes: bool):
+        self.comm, self.record, self.finishes = comm, record, finishes
+
+    def __enter__(self) -> CollectiveRecord:
+        comm = self.comm
+        PROCESS_LOG.enter(self.record, comm.timeout, comm.rank)
+        self.start = time.perf_counter()
+        if comm.verify:
+            try:
+                verify_every_rank_enters(comm, self.record)
+            except BaseException:
+                self.__exit__()
+                raise
+        return self.record
+
+    def __exit__(self, *exception) -> None:
+        self.comm.traffic.seconds_in_mpi += time.perf_counter() - self.start
+        PROCESS_LOG.leave(self.record, self.finishes)
+
+
+def verify_every_rank_enters(comm, record: CollectiveRecord) -> None:
+    """Raises CollectiveMismatchError on every rank (rank 0 says which ranks entered what)
+    unless all ranks are entering the same collective.
+
+    Every rank calls this before every collective, so its own two calls always
+    match each other in MPI whatever the ranks were about to do.
+    """
+    digest = int.from_bytes(hashlib.blake2b(record.fingerprint().encode(), digest_size=7).digest(), "little")
+    extremes = numpy.array([digest, -digest], dtype=numpy.int64)  # max and -min of the digests over ranks
+    comm.mpi_comm.Allreduce(MPI.IN_PLACE, [extremes, MPI.INT64_T], op=MPI.MAX)  # numpy: 10x less overhead
+    if extremes[0] == -extremes[1]:
+        return
+    entering = comm.mpi_comm.allgather(record.describe())
+    ranks_by_collective: dict[str, list[int]] = {}
+    for rank, description in enumerate(entering):
+        ranks_by_collective.setdefault(description, []).append(rank)
+    lines = [f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {description}"
+             for description, ranks in ranks_by_collective.items()]
+    if comm.rank != 0:  # every rank stops; one of them explains
+        raise CollectiveMismatchError(f"ranks are entering different collectives ({VERIFY.name}): see rank 0")
+    raise CollectiveMismatchError(
+        f"ranks are entering different collectives ({VERIFY.name}):\n" + "\n".join(lines) + "\n"
+        "Every rank must run the same units in the same order with the same shapes: look for control flow "
+        "that depends on the rank or its data, a unit skipped on some ranks, or different model code.\n"
+        f"Last collectives on rank {comm.rank}, oldest first:\n{PROCESS_LOG.recent()}")
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32, for the collective log (looked up: formatting it is slower than the lookup)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name

@@ -1,0 +1,77 @@
+"""How a torch tensor is handed to MPI: its memory as an mpi4py buffer, in the MPI datatype the operation needs.
+
+Tensors go to mpi4py detached and contiguous, without copies: a CPU tensor as
+a raw buffer at its address (about 1 µs; through DLPack a torch tensor costs
+about 20 µs a buffer, 10% of a 4 MiB all-gather here, and a numpy view would
+pin the storage's size, which resharding frees). A device tensor goes straight
+to a CUDA-aware MPI as its address (``DeviceBuffer``), once the host has waited
+for the stream that produced it (``wait_for_producer``: an event, never the
+whole device). Moving data needs only the bits, so every dtype travels as
+unsigned integers of its width (``as_bits``); sums need the real type
+(``as_numbers``), and MPI has none for 16-bit floats, which are summed in fp32.
+"""
+
+import torch
+from mpi4py import MPI
+
+# MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
+MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1
+
+# Moving data needs only the bits: every dtype travels as unsigned integers of its width.
+BIT_TYPES = {1: MPI.UINT8_T, 2: MPI.INT16_T, 4: MPI.INT32_T, 8: MPI.INT64_T}
+# Arithmetic needs the real type; 16-bit floats are summed in fp32 (MPI has no bf16).
+SUM_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
+SUM_IN_FP32 = (torch.float16, torch.bfloat16)
+
+
+class DeviceBuffer:
+    """A device tensor's bytes as mpi4py hands them to a CUDA-aware MPI: an address and a length,
+    through the CUDA array interface. Like mpi4py's buffers it does not keep the tensor alive."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.address, self.nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.address, False), "strides": None,
+                "version": 3}
+
+
+def memory_of(tensor: torch.Tensor):
+    """`tensor`'s memory as mpi4py should see it: a buffer at its address on the CPU, a ``DeviceBuffer`` on a device.
+
+    Neither keeps the tensor alive: the caller holds it until MPI is done (``Pending`` does).
+    """
+    if not tensor.is_cpu:
+        return DeviceBuffer(tensor)
+    return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
+
+
+def as_bits(tensor: torch.Tensor) -> list:
+    """An mpi4py buffer spec that moves `tensor`'s bytes unchanged (made per call: no tensor is created)."""
+    if tensor.element_size() not in BIT_TYPES:
+        raise TypeError(f"cannot communicate tensors of dtype {tensor.dtype}")
+    return [memory_of(tensor), BIT_TYPES[tensor.element_size()]]
+
+
+def as_numbers(tensor: torch.Tensor) -> list:
+    """An mpi4py buffer spec for reductions over `tensor`'s values (fp32 or fp64)."""
+    return [memory_of(tensor), SUM_TYPES[tensor.dtype]]
+
+
+def check_full_and_shard(full: torch.Tensor, shard: torch.Tensor, world_size: int, what: str) -> None:
+    """Raises ValueError unless `full` holds `world_size` shards the size of `shard`, and both are contiguous
+    and of one dtype (`what`: the collective, for the message)."""
+    if full.numel() != shard.numel() * world_size:
+        raise ValueError(f"{what}: full buffer has {full.numel()} elements, expected {world_size} x {shard.numel()}")
+    if full.dtype != shard.dtype or not (full.is_contiguous() and shard.is_contiguous()):
+        raise ValueError(f"{what}: buffers must be contiguous and of one dtype")
+
+
+def wait_for_producer(tensor: torch.Tensor) -> None:
+    """Before a CUDA-aware MPI reads or writes device memory: the host waits until the stream that
+    produced `tensor` has got this far (an event on that stream, not the whole device)."""
+    if tensor.is_cuda:
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(tensor.device))
+        produced.synchronize()
