@@ -46,13 +46,14 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     initial = GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
     comm = Communicator()
-    # A block (about 50,000 elements) in 7-element messages and 16-byte exchanges on the CPU; on a GPU, where
-    # each piece costs a copy and a synchronisation, in a dozen or so.
+    # A block (about 50,000 elements, some 17,000 a rank) in 97-element messages and 1,000-byte exchanges on the
+    # CPU, hundreds per collective, their edges nowhere near a parameter's or a shard's; on a GPU, where each
+    # piece costs a copy and a synchronisation, in a dozen or so.
     on_gpu = device.type == "cuda"
     chunked = Communicator(node_transport=False)
-    chunked.max_elements_per_message = 4099 if on_gpu else 7  # bounds the staged chunks too
+    chunked.max_elements_per_message = 4099 if on_gpu else 97  # bounds the staged chunks too
     small_exchanges = Communicator()
-    small_exchanges.node_exchange_bytes = 16384 if on_gpu else 16
+    small_exchanges.node_exchange_bytes = 16384 if on_gpu else 1000
     runs = {
         "through_mpi": train(copy.deepcopy(initial), Communicator(node_transport=False), device),
         "staged": train(copy.deepcopy(initial), Communicator(force_staging=True), device),
