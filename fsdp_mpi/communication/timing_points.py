@@ -5,8 +5,8 @@ The core marks two kinds:
 
     @timed(HOOK)                  around each hook of the unit lifecycle (``sharding/lifecycle.py``: gather
                                   before forward and backward, free after, reduce, the end of backward)
-    @timed(GRADIENT_ASSEMBLY)     around ``FullViews.backward`` (``sharding/flat_param.py``): each parameter's
-                                  gradient copied into the flat gradient that is reduced
+    @timed(GRADIENT_ASSEMBLY)     around ``FullViews.backward`` (``sharding/flat_param.py``): the parameters'
+                                  gradients concatenated into the flat gradient that is reduced
     collective_started(record)    each collective, as the collective log records it (``collective_log.py``)
 
 ``experiments/measuring/breakdown.py`` splits a step's time with them. A listener has
