@@ -132,6 +132,8 @@ def run_one(spec: str, ranks: int, args) -> dict:
                    "--sharding-strategy", args.sharding_strategy, "--device", args.device]
         if args.vocab_size is not None:
             command += ["--vocab-size", str(args.vocab_size)]
+        if args.layers is not None:
+            command += ["--layers", str(args.layers)]
         env = launch.environment(OMP_NUM_THREADS=str(args.threads))
         if THROUGH_MPI in overlap:
             env["FSDP_MPI_NODE_TRANSPORT"] = "0"
@@ -161,7 +163,7 @@ def parameter_count(args) -> int:
     import torch
 
     with torch.device("meta"):
-        return bench_models.build(args.model, args.vocab_size).num_parameters()
+        return bench_models.build(args.model, args.vocab_size, args.layers).num_parameters()
 
 
 def rotated(plan: list, round_index: int) -> list:
@@ -310,13 +312,14 @@ def plot_breakdown(rows: list[dict], path: Path, title: str) -> None:
 def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "batch_size", "global_batch", "seq_len", "threads", "malloc",
+        writer = csv.DictWriter(f, fieldnames=["model", "layers", "vocab_size", "batch_size", "global_batch", "seq_len", "threads", "malloc",
                                                *fields],
                                 extrasaction="ignore")
         writer.writeheader()
         malloc = "as shipped (fsdp-mpi only)" if args.malloc_as_shipped else "reuse for all"
         for row in rows:
-            writer.writerow({"model": args.model, "batch_size": args.batch_size,
+            writer.writerow({"model": args.model, "layers": args.layers or "its own",
+                             "vocab_size": args.vocab_size or "its own", "batch_size": args.batch_size,
                              "global_batch": args.same_global_batch, "seq_len": args.seq_len,
                              "threads": args.threads, "malloc": malloc, **row})
 
@@ -326,6 +329,9 @@ def main() -> int:
     parser.add_argument("--model", default="gpt2-seed", choices=bench_models.NAMES)
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="default: the model's own (GPT-2's BPE, 50,257; BERT's WordPiece, 30,522)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="blocks (fsdp-mpi's units) in the model; default: the model's own. Many small "
+                             "ones measure the wrapper's work per unit, which a GPU step waits for on the host")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -354,6 +360,8 @@ def main() -> int:
     args = parser.parse_args()
     if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads, args.rounds) < 1 or args.warmup < 0:
         parser.error("--ranks, --batch-size, --seq-len, --steps, --threads and --rounds must be positive")
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be positive")
     if args.seq_len > bench_models.context_length(args.model):
         parser.error(f"--seq-len exceeds {args.model}'s context of {bench_models.context_length(args.model)}")
     plan = []
@@ -397,7 +405,7 @@ def main() -> int:
     allocator = ("fsdp-mpi reuses freed memory, the others use glibc's defaults" if args.malloc_as_shipped
                  else "every strategy reuses freed memory")
     batch = "global batch" if args.same_global_batch else "batch"
-    print(f"\n{args.model}, vocabulary {args.vocab_size or 'its own'}, {batch} {args.batch_size} x {args.seq_len}"
+    print(f"\n{args.model}, {args.layers or 'its'} layers, vocabulary {args.vocab_size or 'its own'}, {batch} {args.batch_size} x {args.seq_len}"
           " tokens"
           f"{'' if args.same_global_batch else ' per rank'}, "
           f"{args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup} warm-up per run, "

@@ -90,21 +90,22 @@ def rounds_of(strategy: str, ranks: str, runs: list[dict]) -> list[dict]:
 
 def test_bert_is_benchmarked_with_its_masked_lm_head_on_the_masked_tokens_only(tmp_path):
     out = tmp_path / "bench.csv"
-    result = run_bench("--model", "bert-tiny", "--vocab-size", "100", "--batch-size", "2", "--seq-len", "16",
-                       "--steps", "1", "--warmup", "1", "--rounds", "1", "--out", str(out),
+    result = run_bench("--model", "bert-tiny", "--vocab-size", "100", "--layers", "3", "--batch-size", "2",
+                       "--seq-len", "16", "--steps", "1", "--warmup", "1", "--rounds", "1", "--out", str(out),
                        "--strategies", "plain,fsdp-mpi@1")
     assert result.returncode == 0, result.stderr
     with open(out) as f:
         rows = {row["strategy"]: row for row in csv.DictReader(f)}
     assert set(rows) == {"plain", "fsdp-mpi"} and all(row["note"] == "" for row in rows.values())
+    assert all((row["layers"], row["vocab_size"]) == ("3", "100") for row in rows.values())
     # FLOPs per token: 6 per weight, attention's 12 L H T, less the masked-LM head (transform and vocabulary)
-    # on the 85% of tokens that are not masked (bert-tiny: 2 layers of width 128)
+    # on the 85% of tokens that are not masked (bert-tiny of 3 layers, --layers, instead of 2, of width 128)
     import torch
     from measuring.bench_models import build
 
     with torch.device("meta"):
-        model = build("bert-tiny", 100)
-    width, layers, positions = 128, 2, 512
+        model = build("bert-tiny", 100, layers=3)
+    width, layers, positions = 128, 3, 512
     head = 6 * 0.85 * (width + 100) * width
     flops = 6 * (model.num_parameters() - positions * width) + 12 * layers * width * 16 - head
     for row in rows.values():
@@ -131,6 +132,7 @@ def test_bad_arguments():
     assert "unknown strategy 'fsdp-mpi+NO_SHARD+HYBRID_SHARD'" in run_bench(
         "--strategies", "fsdp-mpi+NO_SHARD+HYBRID_SHARD").stderr
     assert "--rounds must be positive" in run_bench("--rounds", "0").stderr
+    assert "--layers must be positive" in run_bench("--layers", "0").stderr
     assert "exceeds gpt2-tiny's context" in run_bench("--model", "gpt2-tiny", "--seq-len", "999").stderr
 
 

@@ -16,12 +16,16 @@ NAMES = [*GPT2_CONFIGS, *BERT_CONFIGS]
 MASKED_FRACTION = 0.15  # of BERT's tokens, predicted by its masked-LM head
 
 
-def build(name: str, vocab_size: int | None = None) -> nn.Module:
-    """Model `name` without dropout, with `vocab_size` words (None: the configuration's own)."""
+def build(name: str, vocab_size: int | None = None, layers: int | None = None) -> nn.Module:
+    """Model `name` without dropout, with `vocab_size` words and `layers` blocks (None: the configuration's own)."""
     overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
     if name in BERT_CONFIGS:
+        if layers is not None:
+            overrides["num_hidden_layers"] = layers
         return BertForPreTraining(bert_config(name, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                               **overrides))
+    if layers is not None:
+        overrides["n_layer"] = layers
     return GPT2LMHeadModel(gpt2_config(name, dropout=0.0, **overrides))
 
 

@@ -37,6 +37,7 @@ def arguments():
     parser.add_argument("--strategy", required=True, choices=("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp"))
     parser.add_argument("--model", default="gpt2-seed")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the model's own")
+    parser.add_argument("--layers", type=int, default=None, help="default: the model's own")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
@@ -225,7 +226,7 @@ def main() -> None:
     comm.barrier()
     job_peak = job_peak_flops(comm, device, args.precision)  # every GPU in use once, or every rank's cores
     torch.manual_seed(0)
-    model = bench_models.build(args.model, args.vocab_size)
+    model = bench_models.build(args.model, args.vocab_size, args.layers)
     block_class = bench_models.unit_class(model)
     flops_per_token = bench_models.flops_per_token(model, args.seq_len)
     parameters = model.num_parameters()
