@@ -184,14 +184,16 @@ class FlatParamHandle:
         # On one rank, unless cast, the shard is the whole buffer: full_flat aliases it, nothing is copied.
         self.aliases_shard = comm.world_size == 1 and self.param_dtype == self.shard.dtype
         if self.aliases_shard:
-            self.full_flat = self.shard.detach().requires_grad_(self.requires_grad)
+            # .data, not .detach(): its own version counter, so the optimizer's in-place step on the shard
+            # leaves the kept full views (use_full_views) valid, as a separate buffer on N ranks would.
+            self.full_flat = self.shard.data.requires_grad_(self.requires_grad)
         else:
             self.full_flat = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
             self.full_flat.requires_grad_(self.requires_grad)
             self._free_full_storage()  # (padded_numel,) of param_dtype while gathered
         # True from a forward that autograd records until this handle's gradient is reduced.
         self.awaiting_gradient = False
-        self._full_views: list[torch.Tensor] | None = None  # the last forward's views, one per slot
+        self._full_views: tuple[torch.Tensor, ...] | None = None  # full-shape views into full_flat, one per slot
         # Per slot: whether backward gave it a gradient on this rank since the last reduction (FullViews sets
         # them), and whether its sharded view holds a gradient (one process's ``.grad is not None``).
         self.got_gradient = [False] * len(self.slots)
@@ -259,20 +261,24 @@ class FlatParamHandle:
 
     # ------------------------------------------------------------ which tensor a parameter attribute is
 
-    def use_full_views(self, fresh: bool = True) -> None:
+    def use_full_views(self) -> None:
         """Shadows every parameter attribute with a full-shape view into ``full_flat``.
 
-        A forward makes `fresh` views, so that they belong to the graph autograd is
-        recording. Backward re-gathers into the same storage and re-installs the
-        forward's views (``fresh=False``): views made inside backward would not
-        require grad, and activation checkpointing's recomputation must save the
-        tensors the forward saved. One ``FullViews`` makes all views, so that
-        backward assembles the flat gradient in one pass instead of one
-        zero-padded copy per parameter.
+        The views are made once, by one ``FullViews``, the first time they are
+        needed, and kept: every later forward, backward and recomputation under
+        activation checkpointing shows the same tensors. Their storage is
+        ``full_flat``'s, which reshard releases and unshard refills, so they show
+        whatever was gathered last. Autograd reaches ``full_flat`` through the
+        one ``FullViews`` node, which has no saved tensors and so serves every
+        backward; its backward assembles the flat gradient in one pass instead of one zero-padded copy per
+        parameter. Making the views anew each forward would cost a view per
+        parameter and an autograd node per unit, host time that a GPU step of
+        small units waits for.
         """
-        if fresh or self._full_views is None:
+        if self._full_views is None:
             scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0
-            self._full_views = FullViews.apply(self.full_flat, self._shapes, scale, self.got_gradient)
+            with torch.enable_grad():  # a first forward under no_grad must not make views autograd cannot reach
+                self._full_views = FullViews.apply(self.full_flat, self._shapes, scale, self.got_gradient)
         self.install_full_views(self._full_views)
 
     def split_full(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:

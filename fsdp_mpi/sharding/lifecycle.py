@@ -149,7 +149,7 @@ class ShardedUnit:
         return None
 
     def _to_forward(self) -> None:
-        """Gathered for forward, showing fresh full views (recording the order on the first step)."""
+        """Gathered for forward, showing the full views (recording the order on the first step)."""
         if self.is_root:
             self._root_pre_forward()
         order = self.root.context.execution_order
@@ -263,7 +263,7 @@ class ShardedUnit:
         """Gathered for backward, showing the full views that autograd saved in forward."""
         self._unshard()
         for handle in self.handles:
-            handle.use_full_views(fresh=False)
+            handle.use_full_views()
         self.state = TrainingState.BACKWARD
 
     def _to_idle(self, reshard: bool = True) -> None:
