@@ -15,19 +15,20 @@ from fsdp_mpi.communication.node_transport import NodeTransport
 START_UP_SECONDS = 30  # MPI start-up and importing torch on a loaded 2-core machine
 
 
-def our_segments() -> set[str]:
-    """Shared-memory files of fsdp_mpi's (MPI libraries leave their own when a rank is killed: not ours)."""
-    return {name for name in os.listdir("/dev/shm") if name.startswith("fsdp_mpi-")}
+def segments_made_by(job_prefix: str) -> set[str]:
+    """One job's shared-memory files of fsdp_mpi's (not those of MPI libraries, which leave their own when a
+    rank is killed, nor those of jobs running beside it, e.g. under pytest-xdist)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(job_prefix)}
 
 
 @pytest.mark.parametrize("mode", ["normal", "raise", "kill"])
 def test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds(mode, tmp_path):
-    before = our_segments()
     out = tmp_path / "out.json"
     start = time.monotonic()
     result = run_mpi("node_files.py", 3 if mode == "normal" else 2, out, mode, timeout=START_UP_SECONDS + 60)
     elapsed = time.monotonic() - start
-    assert our_segments() - before == set()
+    job_prefix = (tmp_path / "out.json.prefix").read_text()  # "fsdp_mpi-<rank 0's pid>-", written at its start
+    assert job_prefix.startswith("fsdp_mpi-") and segments_made_by(job_prefix) == set()
     if mode == "normal":
         check_ok(result)
         report = json.loads(out.read_text())

@@ -1,7 +1,9 @@
 """The node transport's shared memory and failures: 2+ ranks gather, reduce and all-reduce through it for 40
 steps, growing its slots on the way; rank 1 ends as argv[2] says at step 10 (`normal`: it does not; `raise`:
 an exception; `kill`: SIGKILL, in the middle of the collectives). The files of fsdp_mpi's in /dev/shm are listed
-after every step, to show that a slot's file is gone by the time every rank has gone on."""
+after every step, to show that a slot's file is gone by the time every rank has gone on; their names' prefix
+(rank 0's process id) goes to the output path + ``.prefix``, so that a test finds this job's files among those
+of jobs running beside it."""
 
 import os
 import signal
@@ -17,6 +19,9 @@ if __name__ == "__main__":
     comm = Communicator()
     abort_job_on_uncaught_exception(comm.mpi_comm)
     ours = f"fsdp_mpi-{comm.broadcast_object(os.getpid())}-"  # the files rank 0 makes (others' may be there)
+    if comm.rank == 0:  # before any can fail: the test looks for what this job left, not another's
+        with open(f"{output_path()}.prefix", "w") as f:
+            f.write(ours)
     listed_while_running = []
     for step in range(40):
         numel = 2 ** (8 + step % 12)  # 256 to 512 Ki elements: the slots grow, chunks repeat
