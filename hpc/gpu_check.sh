@@ -14,6 +14,8 @@
 #       # 32 x 128) as plain torch and fsdp-mpi, one round each (the full form: three); a 256 MiB collective table
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh pytest-gpu bench-bert
 #       # only the steps named (as the summary names them): a machine lent for minutes runs the check in parts
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh pytest-all
+#       # README's test command, the whole suite, on parallel workers (pytest-xdist): at most 9 minutes
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -74,6 +76,15 @@ cat "$out/machine.txt"
 # The GPU lane of the tests: device code for real on 2 ranks (node transport, staged path, the worker thread,
 # the variants bit for bit, GPT-2 against one process in fp32 and bf16, a bit-exact resume, run_gpt2.py).
 run pytest-gpu 150 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
+
+# README's test command, the whole suite, on the GPU machine (issue 44): its tests spread over parallel workers
+# (pytest-xdist, in the test extra; FSDP_MPI_TEST_WORKERS of them, default 4, each test up to 4 ranks), so that it
+# fits one call of a machine lent for minutes. Not in the quick form unless named: `... gpu_check.sh pytest-all`.
+if [ "$quick" != 1 ] || [[ "$only" == *" pytest-all "* ]]; then
+    workers=()
+    $PY -c "import xdist" 2> /dev/null && workers=(-n "${FSDP_MPI_TEST_WORKERS:-4}")
+    run pytest-all 540 $PY -m pytest -rs "${workers[@]}" -p no:cacheprovider --junitxml="$out/pytest-all.xml"
+fi
 
 # Issue 45's MFU table on one rank: eager beside the whole model compiled (inductor; the first of the warm-up
 # steps compiles), plain torch and fsdp-mpi compiled the same way; BERT's step time beside them.
