@@ -94,6 +94,7 @@ class FullViews(torch.autograd.Function):
                 got_gradient: list[bool]) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.shapes, ctx.scale, ctx.like = shapes, scale, (full.numel(), full.dtype, full.device)
+        ctx.padding = full.numel() - sum(shape.numel() for shape in shapes)
         ctx.got_gradient = got_gradient
         return split_into_views(full, shapes)
 
@@ -107,8 +108,8 @@ class FullViews(torch.autograd.Function):
             ctx.got_gradient[index] = ctx.got_gradient[index] or grad is not None
             pieces.append(grad.reshape(-1) if grad is not None else torch.zeros(shape.numel(), dtype=dtype,
                                                                                 device=device))
-        pieces.append(torch.zeros(padded_numel - sum(shape.numel() for shape in ctx.shapes), dtype=dtype,
-                                  device=device))  # the padding
+        if ctx.padding:  # none on one rank
+            pieces.append(torch.zeros(ctx.padding, dtype=dtype, device=device))
         # One concatenation, not a copy per parameter: on a GPU, a kernel or two per unit instead of one per
         # parameter, which a step of many small units would wait for the host to launch.
         full_grad = torch.cat(pieces, out=torch.empty(padded_numel, dtype=dtype, device=device))
