@@ -312,8 +312,8 @@ def plot_breakdown(rows: list[dict], path: Path, title: str) -> None:
 def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "layers", "vocab_size", "batch_size", "global_batch", "seq_len", "threads", "malloc",
-                                               *fields],
+        writer = csv.DictWriter(f, fieldnames=["model", "layers", "vocab_size", "batch_size", "global_batch",
+                                               "seq_len", "threads", "malloc", *fields],
                                 extrasaction="ignore")
         writer.writeheader()
         malloc = "as shipped (fsdp-mpi only)" if args.malloc_as_shipped else "reuse for all"
@@ -405,8 +405,8 @@ def main() -> int:
     allocator = ("fsdp-mpi reuses freed memory, the others use glibc's defaults" if args.malloc_as_shipped
                  else "every strategy reuses freed memory")
     batch = "global batch" if args.same_global_batch else "batch"
-    print(f"\n{args.model}, {args.layers or 'its'} layers, vocabulary {args.vocab_size or 'its own'}, {batch} {args.batch_size} x {args.seq_len}"
-          " tokens"
+    print(f"\n{args.model}, {args.layers or 'its'} layers, vocabulary {args.vocab_size or 'its own'}, "
+          f"{batch} {args.batch_size} x {args.seq_len} tokens"
           f"{'' if args.same_global_batch else ' per rank'}, "
           f"{args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup} warm-up per run, "
           f"{args.rounds} rounds in rotated order; allocator: {allocator}\n")

@@ -86,7 +86,7 @@ class FullViews(torch.autograd.Function):
 
     It does what ``torch.split`` does; its backward concatenates as ``torch.split``'s
     would, into one new flat gradient, with zeros where a view got none, and scales
-    that. ``ctx`` keeps sizes, shapes and the flags, no reference to the handle.
+    that. ``ctx`` keeps sizes, shapes, the padding and the flags, no reference to the handle.
     """
 
     @staticmethod
@@ -271,10 +271,10 @@ class FlatParamHandle:
         ``full_flat``'s, which reshard releases and unshard refills, so they show
         whatever was gathered last. Autograd reaches ``full_flat`` through the
         one ``FullViews`` node, which has no saved tensors and so serves every
-        backward; its backward assembles the flat gradient in one pass instead of one zero-padded copy per
-        parameter. Making the views anew each forward would cost a view per
-        parameter and an autograd node per unit, host time that a GPU step of
-        small units waits for.
+        backward; its backward assembles the flat gradient in one pass instead
+        of one zero-padded copy per parameter. Making the views anew each
+        forward would cost a view per parameter and an autograd node per unit,
+        host time that a GPU step of small units waits for.
         """
         if self._full_views is None:
             scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0
