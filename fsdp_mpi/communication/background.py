@@ -47,7 +47,7 @@ class CommunicationThread:
         self._queued: list[Future] = []
         self._side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 
-    def start(self, collective: Callable[[], None], device: torch.device) -> "Started":
+    def start(self, collective: Callable[[], None], device: torch.device) -> "OnWorker":
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_mpi communication")
         caller_stream = ready = side = None
@@ -62,7 +62,7 @@ class CommunicationThread:
         self._queued = [future for future in self._queued if not future.done() or future.exception() is not None]
         future = self._executor.submit(self._run, collective, ready, side)
         self._queued.append(future)
-        return Started(future, caller_stream)
+        return OnWorker(future, caller_stream)
 
     def _run(self, collective: Callable[[], None], ready, side):
         self._worker = threading.current_thread()
@@ -90,7 +90,7 @@ class CommunicationThread:
             future.result()
 
 
-class Started:
+class OnWorker:
     """One collective handed to the worker; ``wait()`` completes it and every one queued before it."""
 
     def __init__(self, future: Future, caller_stream):

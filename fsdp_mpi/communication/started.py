@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from fsdp_mpi.communication.background import Started
+from fsdp_mpi.communication.background import OnWorker
 from fsdp_mpi.communication.bookkeeping import in_mpi, waiting_in_mpi
 from fsdp_mpi.communication.collective_log import CollectiveRecord
 from fsdp_mpi.communication.mpi_buffers import (SUM_IN_FP32, as_bits, as_numbers, check_full_and_shard,
@@ -39,24 +39,24 @@ class Pending:
         comm: the ``Communicator`` that started it (its waits are watched and timed there).
         request: a nonblocking MPI call's request, and `record` its entry in the collective log.
         buffers: the tensors to keep alive until ``wait()``.
-        started: a collective on the communication thread (``background.py``).
+        on_worker: a collective on the communication thread (``background.py``).
         then: what completes it once the transfer has: a copy back into the caller's tensor.
     """
 
     def __init__(self, comm, request=None, record: CollectiveRecord | None = None, buffers=(),
-                 started: Started | None = None, then: Callable[[], None] | None = None):
+                 on_worker: OnWorker | None = None, then: Callable[[], None] | None = None):
         self._comm, self._request, self._record, self._buffers = comm, request, record, buffers
-        self._started, self._then = started, then
+        self._on_worker, self._then = on_worker, then
 
     def wait(self) -> None:
         if self._request is not None:
             with waiting_in_mpi(self._comm, self._record):
                 self._request.Wait()
-        if self._started is not None:
-            self._started.wait()  # the worker's own collective is watched and timed where it runs
+        if self._on_worker is not None:
+            self._on_worker.wait()  # the worker's own collective is watched and timed where it runs
         if self._then is not None:
             self._then()
-        self._request, self._started, self._buffers, self._then = None, None, (), None
+        self._request, self._on_worker, self._buffers, self._then = None, None, (), None
 
 
 def _route_if_any(comm, tensor: torch.Tensor) -> Route | None:
@@ -73,8 +73,8 @@ def start_all_gather(comm, full: torch.Tensor, shard: torch.Tensor, unit: str) -
     check_full_and_shard(full, shard, comm.world_size, "start_all_gather_into")
     route = _route_if_any(comm, full)
     if _on_the_worker(comm, route, full):
-        started = comm.communication_thread.start(partial(comm.all_gather_into, full, shard, unit), full.device)
-        return Pending(comm, buffers=(full, shard), started=started)
+        on_worker = comm.communication_thread.start(partial(comm.all_gather_into, full, shard, unit), full.device)
+        return Pending(comm, buffers=(full, shard), on_worker=on_worker)
     if route is not Route.DIRECT or shard.numel() > comm.max_elements_per_message:
         comm.all_gather_into(full, shard, unit)
         return Pending(comm)
@@ -94,8 +94,9 @@ def start_reduce_scatter(comm, shard: torch.Tensor, full: torch.Tensor, unit: st
     if _on_the_worker(comm, route, full):
         if route is Route.STAGED and shard.dtype in SUM_IN_FP32:
             return _start_reduce_scatter_in_fp32(comm, shard, full, unit)
-        started = comm.communication_thread.start(partial(comm.reduce_scatter_sum, shard, full, unit), full.device)
-        return Pending(comm, buffers=(full, shard), started=started)
+        on_worker = comm.communication_thread.start(partial(comm.reduce_scatter_sum, shard, full, unit),
+                                                    full.device)
+        return Pending(comm, buffers=(full, shard), on_worker=on_worker)
     direct = route is Route.DIRECT and shard.numel() <= comm.max_elements_per_message
     if not direct or shard.dtype in SUM_IN_FP32 or (full.is_cuda and not comm.device_reductions_in_background):
         comm.reduce_scatter_sum(shard, full, unit)
@@ -114,6 +115,7 @@ def _start_reduce_scatter_in_fp32(comm, shard: torch.Tensor, full: torch.Tensor,
     gradient-sized block held apart per unit). ``wait()`` rounds the sum into `shard`."""
     full_fp32 = full.float()  # (world_size * shard_numel,)
     shard_fp32 = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
-    started = comm.communication_thread.start(partial(comm.reduce_scatter_sum, shard_fp32, full_fp32, unit),
-                                              full.device)
-    return Pending(comm, buffers=(full_fp32, shard_fp32), started=started, then=lambda: shard.copy_(shard_fp32))
+    on_worker = comm.communication_thread.start(partial(comm.reduce_scatter_sum, shard_fp32, full_fp32, unit),
+                                                full.device)
+    return Pending(comm, buffers=(full_fp32, shard_fp32), on_worker=on_worker,
+                   then=lambda: shard.copy_(shard_fp32))
