@@ -324,7 +324,9 @@ def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:
                              "threads": args.threads, "malloc": malloc, **row})
 
 
-def main() -> int:
+def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[tuple[str, int]]]:
+    """The command line, checked: (its arguments, the plan: each strategy with its rank count). Bad input exits
+    with a message and status 2, before anything is launched."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-seed", choices=bench_models.NAMES)
     parser.add_argument("--vocab-size", type=int, default=None,
@@ -357,7 +359,7 @@ def main() -> int:
     parser.add_argument("--out", default="results/bench.csv")
     parser.add_argument("--figure", type=Path, help="where to draw each strategy's step part by part "
                                                     "(default: beside --out, *-breakdown.png)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads, args.rounds) < 1 or args.warmup < 0:
         parser.error("--ranks, --batch-size, --seq-len, --steps, --threads and --rounds must be positive")
     if args.layers is not None and args.layers < 1:
@@ -393,6 +395,11 @@ def main() -> int:
         parser.error("--same-global-batch: --batch-size must divide by every strategy's rank count")
     if len(set(plan)) < len(plan):
         parser.error("a strategy is listed twice")
+    return args, plan
+
+
+def main() -> int:
+    args, plan = arguments()
     rounds, log = [], []
     for index in range(args.rounds):
         print(f"== round {index + 1} of {args.rounds}", flush=True)

@@ -118,22 +118,33 @@ def test_replicated_model_too_big_for_this_machine_is_reported_not_run(tmp_path)
     assert "not run: model state needs" in result.stdout and "x 16 B x 1,557,611,200" in result.stdout
 
 
-def test_bad_arguments():
-    assert run_bench("--strategies", "horovod").returncode == 2
-    assert "unknown strategy 'ddp+compile'" in run_bench("--strategies", "ddp+compile").stderr  # plain, fsdp-mpi only
-    assert "unknown strategy 'plain+compile+compile_whole'" in run_bench(  # blocks or the whole model, not both
-        "--strategies", "plain+compile+compile_whole").stderr
-    assert "unknown strategy 'ddp+comm=int8'" in run_bench("--strategies", "ddp+comm=int8").stderr
-    assert "each one of none, bf16, int8" in run_bench("--strategies", "fsdp-mpi+comm=int4").stderr
-    assert "the rank count after @ must be a number" in run_bench("--strategies", "ddp@x").stderr
-    assert "the precision after : must be one of" in run_bench("--strategies", "ddp:fp8").stderr
-    assert "listed twice" in run_bench("--strategies", "ddp,ddp@2").stderr
-    assert "unknown strategy 'ddp+NO_SHARD'" in run_bench("--strategies", "ddp+NO_SHARD").stderr  # fsdp-mpi's only
-    assert "unknown strategy 'fsdp-mpi+NO_SHARD+HYBRID_SHARD'" in run_bench(
-        "--strategies", "fsdp-mpi+NO_SHARD+HYBRID_SHARD").stderr
-    assert "--rounds must be positive" in run_bench("--rounds", "0").stderr
-    assert "--layers must be positive" in run_bench("--layers", "0").stderr
-    assert "exceeds gpt2-tiny's context" in run_bench("--model", "gpt2-tiny", "--seq-len", "999").stderr
+BAD_ARGUMENTS = [  # each refused before anything is launched
+    (["--strategies", "horovod"], "unknown strategy 'horovod'"),
+    (["--strategies", "ddp+compile"], "unknown strategy 'ddp+compile'"),  # plain, fsdp-mpi only
+    (["--strategies", "plain+compile+compile_whole"], "unknown strategy 'plain+compile+compile_whole'"),  # not both
+    (["--strategies", "ddp+comm=int8"], "unknown strategy 'ddp+comm=int8'"),
+    (["--strategies", "fsdp-mpi+comm=int4"], "each one of none, bf16, int8"),
+    (["--strategies", "ddp@x"], "the rank count after @ must be a number"),
+    (["--strategies", "ddp:fp8"], "the precision after : must be one of"),
+    (["--strategies", "ddp,ddp@2"], "listed twice"),
+    (["--strategies", "ddp+NO_SHARD"], "unknown strategy 'ddp+NO_SHARD'"),  # fsdp-mpi's only
+    (["--strategies", "fsdp-mpi+NO_SHARD+HYBRID_SHARD"], "unknown strategy 'fsdp-mpi+NO_SHARD+HYBRID_SHARD'"),
+    (["--rounds", "0"], "--rounds must be positive"),
+    (["--layers", "0"], "--layers must be positive"),
+    (["--model", "gpt2-tiny", "--seq-len", "999"], "exceeds gpt2-tiny's context"),
+]
+
+
+def test_bad_arguments_are_refused_with_their_reason(capsys):
+    """The checks in-process (bench.arguments), then one through the script: its exit status and message."""
+    import bench
+    for argv, message in BAD_ARGUMENTS:
+        with pytest.raises(SystemExit) as refused:
+            bench.arguments(argv)
+        assert refused.value.code == 2 and message in capsys.readouterr().err, argv
+    assert bench.arguments(["--strategies", "plain,fsdp-mpi@3"])[1] == [("plain", 1), ("fsdp-mpi", 3)]
+    result = run_bench("--strategies", "horovod")
+    assert result.returncode == 2 and "unknown strategy 'horovod'" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_bench_comm_times_four_paths_per_size_and_operation(tmp_path):
