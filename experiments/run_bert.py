@@ -7,7 +7,6 @@
 import sys
 
 import torch
-import torch.nn.functional as F
 from corpora.datasets import IGNORE_INDEX, MASK_FRACTION, cornell_pairs
 from corpora.files import default_data_dir
 from corpora.tokenization import BertTokenizer
@@ -15,6 +14,7 @@ from training.options import RunConfig, UsageError, argument_parser
 from training.run import main
 
 from fsdp_mpi_models.bert import BERT_CONFIGS, BertForPreTraining, BertLayer, bert_config
+from fsdp_mpi_models.cross_entropy import cross_entropy
 
 
 class BertTask:
@@ -58,11 +58,11 @@ class BertTask:
         return mlm_logits, nsp_logits, mlm_labels[predicted], nsp_labels, predicted
 
     def _sample_losses(self, mlm_logits, nsp_logits, mlm_labels, nsp_labels, predicted):
-        token_losses = F.cross_entropy(mlm_logits.float(), mlm_labels, reduction="none")  # (positions,)
+        token_losses = cross_entropy(mlm_logits, mlm_labels, reduction="none")  # (positions,)
         samples = predicted.nonzero()[:, 0]  # the sample each predicted position belongs to
         mlm_sums = torch.zeros(len(nsp_labels), device=token_losses.device).index_add(0, samples, token_losses)
         per_sample_mlm = mlm_sums / predicted.sum(dim=1).clamp(min=1)
-        return per_sample_mlm + F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="none")
+        return per_sample_mlm + cross_entropy(nsp_logits, nsp_labels, reduction="none")
 
     def sample_losses(self, model, batch):
         """Per sample: mean masked-LM loss over its predicted tokens plus its NSP loss."""

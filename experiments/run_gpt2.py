@@ -8,13 +8,13 @@ import math
 import sys
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from corpora.datasets import shakespeare_windows
 from corpora.files import default_data_dir
 from corpora.tokenization import CharTokenizer, GPT2Tokenizer, save_description
 from training.options import RunConfig, UsageError, argument_parser
 from training.run import main
 
+from fsdp_mpi_models.cross_entropy import cross_entropy
 from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, GPT2Block, GPT2LMHeadModel, gpt2_config
 
 
@@ -51,7 +51,7 @@ class GPT2Task:
     def sample_losses(self, model, batch):
         inputs, targets = batch
         logits, _ = model(inputs)  # (B, T, vocab)
-        token_losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+        token_losses = cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         return token_losses.view(targets.shape).mean(dim=1)  # (B,)
 
     def eval_sums(self, model, batch) -> dict:

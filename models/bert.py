@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .checkpoint import load_into, read_checkpoint, save
+from .cross_entropy import cross_entropy
 from .initialization import finish_construction
 from .vocabulary import MULTIPLE, VocabularyOutput, padded_size, zero_padding
 
@@ -361,9 +362,9 @@ class BertForPreTraining(_BertPreTrainedModel):
         if mlm_labels is not None and nsp_labels is not None:
             if predict_positions is not None:
                 mlm_labels = mlm_labels[predict_positions]
-            mlm_loss = F.cross_entropy(mlm_logits.view(-1, mlm_logits.shape[-1]).float(), mlm_labels.reshape(-1),
-                                       ignore_index=IGNORE_INDEX)
-            loss = mlm_loss + F.cross_entropy(nsp_logits.float(), nsp_labels)  # fp32 under mixed precision
+            mlm_loss = cross_entropy(mlm_logits.view(-1, mlm_logits.shape[-1]), mlm_labels.reshape(-1),
+                                     ignore_index=IGNORE_INDEX)
+            loss = mlm_loss + cross_entropy(nsp_logits, nsp_labels)  # fp32 under mixed precision
         return mlm_logits[..., :self.config.vocab_size], nsp_logits, loss
 
 
@@ -390,7 +391,7 @@ class BertForSequenceClassification(_BertPreTrainedModel):
         """Returns (logits (B, num_labels), cross-entropy against `labels` (B,) or None)."""
         _, pooled = self.bert(input_ids, token_type_ids, attention_mask)
         logits = self.classifier(self.dropout(pooled))
-        loss = None if labels is None else F.cross_entropy(logits.float(), labels)
+        loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .checkpoint import load_into, read_checkpoint, save
+from .cross_entropy import cross_entropy
 from .initialization import finish_construction
 from .vocabulary import MULTIPLE, VocabularyOutput, padded_size, zero_padding
 
@@ -288,8 +289,8 @@ class GPT2LMHeadModel(nn.Module):
             raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds context {self.config.n_positions}")
         padded_logits = self.lm_head(self.transformer(input_ids))  # (B, T, padded)
         loss = None
-        if targets is not None:  # fp32 under mixed precision
-            loss = F.cross_entropy(padded_logits.view(-1, padded_logits.shape[-1]).float(), targets.reshape(-1))
+        if targets is not None:  # fp32 under mixed precision, with no fp32 copy of the logits
+            loss = cross_entropy(padded_logits.view(-1, padded_logits.shape[-1]), targets.reshape(-1))
         return padded_logits[..., :self.config.vocab_size], loss
 
 

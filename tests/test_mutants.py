@@ -57,6 +57,8 @@ NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_mar
 NODE_FILES = "tests/test_node_transport.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
 QUEUE_WAIT = "tests/test_device_paths.py::test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error"
 WORKER_ORDER = "tests/test_device_paths.py::test_the_worker_runs_collectives_one_at_a_time_in_the_order_started"
+CROSS_ENTROPY = "tests/test_cross_entropy.py::test_loss_and_gradient_are_torchs_on_the_fp32_logits"
+SLABS = "tests/test_cross_entropy.py::test_no_fp32_tensor_of_all_the_logits_is_made_or_kept"
 KILLED_SAVE = "tests/test_checkpoint.py::test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_whole"
 TRUNCATED = "tests/test_checkpoint.py::test_a_damaged_file_is_named[truncate]"
 PERSISTENT = "tests/test_memory.py::test_persistent_parameters_are_one_shard_per_rank[2]"
@@ -286,6 +288,11 @@ MUTANTS = {
         "        if False:\n            self._to_backward()", [RECOMPUTED]),
     "the vocabulary's padding takes part in the softmax": (
         "models/vocabulary.py", '        mask[self.vocab_size:] = float("-inf")', "        pass", [VOCABULARY]),
+    "the loss's gradient leaves out the target's one-hot": (
+        "models/cross_entropy.py", "            softmax.scatter_add_(", "            softmax.clone().scatter_add_(",
+        [CROSS_ENTROPY]),
+    "the loss takes twice the rows a slab should have in fp32": (
+        "models/cross_entropy.py", "SLAB_BYTES // (4 * vocab)", "SLAB_BYTES // (2 * vocab)", [SLABS]),
     "loading into shards leaves the padding rows as they were": (
         "fsdp_mpi/files/pretrained.py", "            param.view[stored - start:].zero_()", "            pass", [EXPORT]),
 }
