@@ -1,5 +1,10 @@
 """The models' fp32 cross-entropy over 16-bit logits (models/cross_entropy.py): the slabs give torch's loss and
-gradient with no fp32 tensor of all the logits made in forward or backward; a CPU takes torch's own."""
+gradient with no fp32 tensor of all the logits made in forward or backward; a CPU takes torch's own.
+
+On the CPU here; tests/test_gpu.py runs this file again with FSDP_MPI_TEST_DEVICE=cuda, in a process of its own.
+"""
+
+import os
 
 import pytest
 import torch
@@ -9,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_mpi_models import cross_entropy as slab_module
 from fsdp_mpi_models.cross_entropy import cross_entropy, slab_cross_entropy
 
+DEVICE = torch.device(os.environ.get("FSDP_MPI_TEST_DEVICE", "cpu"))
 ROWS, VOCAB, PADDED = 50, 61, 64  # 3 padding columns, at -inf as the models' output layer makes them
 UNIT_ROUNDOFF = 2.0 ** -24  # fp32
 BF16_SPACING = 2.0 ** -7  # bf16's gap between neighbours, relative to the value (8 significant bits)
@@ -20,7 +26,7 @@ def logits_and_targets(dtype):
     logits[:, VOCAB:] = float("-inf")
     targets = torch.randint(0, VOCAB, (ROWS,), generator=generator)
     targets[::7] = -100  # ignored rows
-    return logits.to(dtype).requires_grad_(), targets
+    return logits.to(DEVICE, dtype).requires_grad_(), targets.to(DEVICE)
 
 
 @pytest.fixture
@@ -33,7 +39,7 @@ def slabs_of_8_rows(monkeypatch):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_loss_and_gradient_are_torchs_on_the_fp32_logits(dtype, reduction, slabs_of_8_rows):
     logits, targets = logits_and_targets(dtype)
-    weights = torch.rand(ROWS, generator=torch.Generator().manual_seed(1))  # a gradient that differs per row
+    weights = torch.rand(ROWS, generator=torch.Generator().manual_seed(1)).to(DEVICE)  # a gradient per row
     ours = slab_cross_entropy(logits, targets, reduction=reduction)
     ((ours * weights).sum() if reduction == "none" else ours).backward()
     our_grad, logits.grad = logits.grad, None
@@ -88,14 +94,15 @@ def test_no_fp32_tensor_of_all_the_logits_is_made_or_kept(slabs_of_8_rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_cpu_takes_torchs_loss_on_an_fp32_copy(dtype):
+def test_a_cpu_takes_torchs_loss_on_an_fp32_copy_and_a_gpu_slabs(dtype):
     logits, targets = logits_and_targets(dtype)
     ours = cross_entropy(logits, targets, reduction="none")
     ours.sum().backward()
     our_grad, logits.grad = logits.grad, None
-    reference = F.cross_entropy(logits.float(), targets, reduction="none")
-    reference.sum().backward()
-    assert torch.equal(ours, reference) and torch.equal(our_grad, logits.grad)
+    expected = (F.cross_entropy(logits.float(), targets, reduction="none") if DEVICE.type == "cpu"
+                else slab_cross_entropy(logits, targets, reduction="none"))
+    expected.sum().backward()
+    assert torch.equal(ours, expected) and torch.equal(our_grad, logits.grad)
 
 
 def test_bad_shapes_and_reductions_are_refused():

@@ -5,9 +5,11 @@ process: pytest's own process must not initialise CUDA, since one-rank tests for
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mpi_launch import check_ok, run_mpi
@@ -62,6 +64,16 @@ def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing_on_t
     assert set(differing_tensors) == {"through_mpi", "staged", "chunked", "small_exchanges", "shard_grad_op",
                                       "checkpointed", "overlapped", "staged_overlapped"}
     assert differing_tensors == {variant: [] for variant in differing_tensors}
+
+
+def test_the_loss_in_slabs_is_torchs_on_the_gpu_and_makes_no_fp32_copy_of_the_logits():
+    """tests/test_cross_entropy.py with its tensors on the GPU, in a pytest process of its own: there the models'
+    loss is taken in slabs, and a reference on the GPU in fp64 would take it the same way."""
+    test_file = Path(__file__).with_name("test_cross_entropy.py")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+                            env=dict(os.environ, FSDP_MPI_TEST_DEVICE="cuda"), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:]
 
 
 def test_gpt2_trains_on_the_gpu_as_one_process_on_it_in_fp32_and_bf16(tmp_path):
