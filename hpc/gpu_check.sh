@@ -16,6 +16,8 @@
 #       # only the steps named (as the summary names them): a machine lent for minutes runs the check in parts
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh pytest-all
 #       # README's test command, the whole suite, on parallel workers (pytest-xdist): at most 9 minutes
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh bench-mfu-blocks
+#       # gpt2-medium with each block compiled, plain torch beside fsdp-mpi, and FSDP2: named only
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -97,8 +99,15 @@ if [ "$quick" = 1 ]; then
         --out "$out/mfu-gpt2-medium.csv" --strategies $compiled
     run bench-bert 45 $PY experiments/bench.py --device cuda --model bert-base --seq-len 128 --batch-size 32 \
         --ranks 1 --steps 10 --warmup 2 --rounds 1 --out "$out/bert.csv" --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed@1
+    # Named only (it would take the quick form past 6 minutes): gpt2-medium with each block compiled in place,
+    # plain torch and fsdp-mpi alike (the form in which their graphs are the same), and FSDP2 on one rank.
+    if [[ "$only" == *" bench-mfu-blocks "* ]]; then
+        run bench-mfu-blocks 200 $PY experiments/bench.py $mfu 1 --model gpt2-medium --batch-size 8 \
+            --out "$out/mfu-blocks.csv" \
+            --strategies plain+compile:bf16-mixed,fsdp-mpi+compile:bf16-mixed@1,torch-fsdp:bf16-mixed@1
+    fi
     awk '/^\| strategy \| precision/ {table = 1} table && /^$/ {table = 0; print ""} table' \
-        "$out"/bench-mfu-gpt2*.log "$out"/bench-bert.log 2> /dev/null | tee "$out/mfu.md"
+        "$out"/bench-mfu-*.log "$out"/bench-bert.log 2> /dev/null | tee "$out/mfu.md"
 fi
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.
 run bench-comm-gpu 60 "$mpiexec" -n 2 $PY experiments/bench_comm.py --device cuda --sizes-mb 256 --rounds 3 \
