@@ -133,8 +133,7 @@ MUTANTS = {
     "wrapper names leak into named_parameters": (
         "fsdp_mpi/sharding/fully_sharded.py", "yield original_name(name), param", "yield name, param", [NAMES]),
     "gathered views stay after reshard": (
-        "fsdp_mpi/sharding/flat_param.py", "                use.owner.__dict__.pop(use.attribute, None)", "                pass",
-        [NAMES]),
+        "fsdp_mpi/sharding/flat_param.py", "            namespace.pop(attribute, None)", "            pass", [NAMES]),
     "forced staging copies nothing through the host": (
         "fsdp_mpi/communication/routes.py", 'staged = comm.force_staging or (kind != "cpu" and not comm.cuda_aware)',
         'staged = kind != "cpu" and not comm.cuda_aware', [COLLECTIVES]),

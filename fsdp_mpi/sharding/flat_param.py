@@ -176,6 +176,13 @@ class FlatParamHandle:
             self.slots.append(ParamSlot(tuple(uses), param.shape, offset, param.numel(), start, stop))
             offset += param.numel()
         self._shapes = tuple(slot.shape for slot in self.slots)
+        # Each place a parameter attribute is shown, as (its module's __dict__, the attribute, the slot's index):
+        # showing full or sharded views runs every forward and backward, so it is one flat loop.
+        self._attribute_places = [(use.owner.__dict__, use.attribute, index)
+                                  for index, slot in enumerate(self.slots) for use in slot.uses]
+        # The slots' parts of the shard lie end to end: one split gives every sharded view's piece, the padding last.
+        held = [slot.shard_stop - slot.shard_start for slot in self.slots]
+        self._shard_pieces = [*held, self.shard_numel - sum(held)]
 
         self.shard = torch.zeros(self.shard_numel, dtype=first.dtype, device=device)  # padding stays zero
         if not first.is_meta:
@@ -289,15 +296,13 @@ class FlatParamHandle:
     def install_full_views(self, views: list[torch.Tensor]) -> None:
         """Shadows each parameter attribute with the given full-shape view (one per slot), in the owner's
         ``__dict__``; ``use_sharded_views()`` removes them."""
-        for slot, view in zip(self.slots, views):
-            for use in slot.uses:
-                use.owner.__dict__[use.attribute] = view
+        for namespace, attribute, index in self._attribute_places:
+            namespace[attribute] = views[index]
 
     def use_sharded_views(self) -> None:
         """Removes the full views: each attribute is its registered sharded view again."""
-        for slot in self.slots:
-            for use in slot.uses:
-                use.owner.__dict__.pop(use.attribute, None)
+        for namespace, attribute, _ in self._attribute_places:
+            namespace.pop(attribute, None)
 
     # ------------------------------------------------------------ gradients
 
@@ -350,8 +355,8 @@ class FlatParamHandle:
             self.shard_grad = shard_grad.to(self.shard.dtype)
         else:
             self.shard_grad += shard_grad
-        for slot, view in zip(self.slots, self.sharded_views):
-            view.grad = self.shard_grad[slot.shard_start:slot.shard_stop]
+        for view, piece in zip(self.sharded_views, self.shard_grad.split(self._shard_pieces)):
+            view.grad = piece
 
     def drop_gradients_of_unused(self, used_on_some_rank: list[bool]) -> None:
         """After a reduction: a parameter that no rank used since the last ``zero_grad`` has ``.grad`` None, as in
