@@ -66,3 +66,27 @@ def test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing(tmp_pat
     assert "run_gpt2.py: error: the launcher started 2 tasks (SLURM_STEP_NUM_TASKS=2)" in result.stderr
     assert "srun --mpi=pmi2" in result.stderr and "mpiexec -n 2" in result.stderr
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.one_rank
+def test_moving_or_casting_a_wrapped_model_is_refused_unless_it_changes_nothing():
+    """``.to()`` and its kin would part the sharded views from the shards that gathers read; where they change
+    nothing (the device and dtype it is on), they pass, and the model still trains."""
+    torch.manual_seed(0)
+    wrapped = FullyShardedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)))
+    for change in (lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.float64),
+                   lambda m: m.to_empty(device="cpu")):
+        with pytest.raises(RuntimeError, match="sharded in place: moving or casting it after wrapping"):
+            change(wrapped)
+    assert all(p.dtype == torch.float32 for p in wrapped.parameters())
+    assert wrapped.to("cpu") is wrapped and wrapped.float() is wrapped and wrapped.cpu() is wrapped
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    losses = []
+    for _ in range(2):
+        loss = nn.functional.mse_loss(wrapped(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[1] < losses[0]  # the steps reached the weights that forward gathers
