@@ -146,7 +146,7 @@ class FullyShardedDataParallel(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``.to()``, ``.cuda()``, ``.half()``, ``.to_empty()``... on a wrapped model, allowed where they change
         nothing. Anything else would give each sharded view data of its own, apart from the shard that every
-        gather reads and every optimizer step writes: training would go on, silently, with weights that do not."""
+        gather reads: a cast fails at the first gradient, and ``to_empty()`` trains on with weights that never move."""
         for handle in self.handles:
             probe = handle.shard[:1]
             if fn(probe) is not probe:
