@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec
+from slurm_jobs import FINISHED, job_id, wait_for, wait_for_end
 
 # The cluster is MPICH-specific: hydra's ssh launcher, and the bytes model follows MPICH's algorithms.
 pytestmark = pytest.mark.one_mpi
@@ -189,21 +190,6 @@ def slurm(*command, **env):
                           text=True, timeout=600, env=dict(os.environ, **env))
 
 
-def job_state(job: str) -> dict:
-    shown = slurm("scontrol", "show", "job", "--oneliner", job)
-    state = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
-    # the controller can miss a query (seen once right after it started): ask again until the deadline
-    return state if "JobState" in state else {"JobState": "not answered", "Restarts": "0", "error": shown.stderr}
-
-
-def wait_for(job: str, done, seconds: float) -> dict:
-    deadline = time.monotonic() + seconds
-    while not done(state := job_state(job)):
-        assert time.monotonic() < deadline, state
-        time.sleep(1)
-    return state
-
-
 @pytest.fixture
 def with_slurm(two_nodes):
     if "--slurm" not in START:
@@ -220,28 +206,30 @@ def job_environment(**extra) -> dict:
 def test_a_slurm_job_on_two_nodes_places_its_ranks_by_node(with_slurm, tmp_path):
     out = tmp_path / "placement.json"
     worker = f"{sys.executable} {WORKERS / 'multinode.py'} {out} placement"
-    submitted = slurm("sbatch", "--wait", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
-                      f"--output={tmp_path / 'job.out'}", f"--chdir={WORKERS}", "--wrap", f"srun --mpi=pmi2 {worker}",
-                      **job_environment())
-    assert submitted.returncode == 0, (submitted.stderr, (tmp_path / "job.out").read_text())
+    job = job_id(slurm("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                       f"--output={tmp_path / 'job.out'}", f"--chdir={WORKERS}", "--wrap", f"srun --mpi=pmi2 {worker}",
+                       **job_environment()))
+    try:
+        status, state = wait_for_end(job, client=slurm)
+    finally:
+        slurm("scancel", job)
+    assert status == 0, (state, (tmp_path / "job.out").read_text())
     check_placement(json.loads(out.read_text()))
 
 
 def test_a_two_node_job_warned_before_its_time_limit_checkpoints_requeues_and_resumes(with_slurm, tmp_path):
     """hpc/run_gpt2_cpu.sbatch on 2 nodes x 2 ranks; the time-limit warning sent as in tests/test_slurm.py."""
     results, checkpoints, output = tmp_path / "results", tmp_path / "checkpoints", tmp_path / "job.out"
-    submitted = slurm("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
-                      f"--output={output}", "hpc/run_gpt2_cpu.sbatch", *TINY, "--out-dir", str(results),
-                      **job_environment(CHECKPOINT_DIR=str(checkpoints)))
-    check_ok(submitted)
-    job = submitted.stdout.strip().split(";")[0]
+    job = job_id(slurm("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                       f"--output={output}", "hpc/run_gpt2_cpu.sbatch", *TINY, "--out-dir", str(results),
+                       **job_environment(CHECKPOINT_DIR=str(checkpoints))))
     try:
         wait_for(job, lambda state: (output.exists() and "epoch 0:" in output.read_text())
-                 or state["JobState"] in FINISHED, 300)
+                 or state["JobState"] in FINISHED, 300, slurm)
         assert slurm("scancel", "--batch", "--signal=USR1", job).returncode == 0
-        wait_for(job, lambda state: state["Restarts"] != "0" or state["JobState"] in FINISHED, 300)
+        wait_for(job, lambda state: state["Restarts"] != "0" or state["JobState"] in FINISHED, 300, slurm)
         slurm("scontrol", "update", f"JobId={job}", "StartTime=now+3")  # not the 2-minute requeue delay
-        state = wait_for(job, lambda state: state["JobState"] in FINISHED, 600)
+        _, state = wait_for_end(job, client=slurm)
     finally:
         slurm("scancel", job)
     log = output.read_text()
@@ -252,5 +240,3 @@ def test_a_two_node_job_warned_before_its_time_limit_checkpoints_requeues_and_re
     assert sorted(int(row["epoch"]) for row in rows) == [0, 1], log
     assert {row["world_size"] for row in rows} == {"4"}
 
-
-FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")

@@ -10,12 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 from mpi_launch import REPO_ROOT
+from slurm_jobs import FINISHED, job_id, wait_for, wait_for_end
 
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 TINY_RUN = ["--epochs", "1", "--steps-per-epoch", "3", "--val-steps", "2"]
@@ -43,13 +43,17 @@ def job_environment(launcher: str, **extra: str) -> dict:
 
 
 def submit_and_wait(script: str, tmp_path: Path, *args: str, launcher: str = "mpiexec") -> tuple[int, str]:
-    """Submits hpc/<script> with 2 tasks from the repository root; returns its exit code and output."""
+    """Submits hpc/<script> with 2 tasks from the repository root; returns its exit status and output."""
     output = tmp_path / "job.out"
-    command = ["sbatch", "--wait", "--ntasks=2", "--cpus-per-task=1", f"--output={output}", f"hpc/{script}",
+    command = ["sbatch", "--parsable", "--ntasks=2", "--cpus-per-task=1", f"--output={output}", f"hpc/{script}",
                *args]
-    finished = subprocess.run(command, cwd=REPO_ROOT, env=job_environment(launcher, CHECKPOINT_DIR=""),
-                              capture_output=True, text=True, timeout=600)
-    return finished.returncode, output.read_text() if output.exists() else finished.stderr
+    job = job_id(subprocess.run(command, cwd=REPO_ROOT, env=job_environment(launcher, CHECKPOINT_DIR=""),
+                                capture_output=True, text=True, timeout=60))
+    try:
+        status, _ = wait_for_end(job)
+    finally:
+        subprocess.run(["scancel", job])
+    return status, output.read_text() if output.exists() else f"job {job} wrote no output"
 
 
 def epoch_csvs(results: Path) -> list[Path]:
@@ -105,13 +109,12 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(tm
     The requeued job's two-minute start delay is cut to 3 s so that the test need not wait for it.
     """
     results, checkpoints, output = tmp_path / "results", tmp_path / "checkpoints", tmp_path / "job.out"
-    submitted = subprocess.run(
+    job = job_id(subprocess.run(
         ["sbatch", "--parsable", "--ntasks=2", "--cpus-per-task=1", "--time=10", f"--output={output}",
          "hpc/run_gpt2_cpu.sbatch", "--epochs", "2", "--steps-per-epoch", "300", "--val-steps", "2",
          "--out-dir", str(results)],
         cwd=REPO_ROOT, env=job_environment("mpiexec", CHECKPOINT_DIR=str(checkpoints)),
-        capture_output=True, text=True, check=True)
-    job = submitted.stdout.strip().split(";")[0]
+        capture_output=True, text=True, timeout=60))
     try:
         wait_for(job, lambda state: (output.exists() and "epoch 0:" in output.read_text())
                  or state["JobState"] in FINISHED, 300)
@@ -120,7 +123,7 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(tm
         # Not "now": slurmd refuses a credential issued in the second its predecessor was revoked by the
         # requeue ("Killing non-startable batch job: Job credential revoked"), and the job then fails.
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"])
-        state = wait_for(job, lambda state: state["JobState"] in FINISHED, 600)
+        _, state = wait_for_end(job)
     finally:
         subprocess.run(["scancel", job])
     log = output.read_text()
@@ -130,16 +133,3 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(tm
     epochs = [int(row["epoch"]) for path in epoch_csvs(results) for row in csv.DictReader(open(path))]
     assert sorted(epochs) == [0, 1], log  # one CSV, which the resumed run continued
 
-
-FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-
-
-def wait_for(job: str, done, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        shown = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True).stdout
-        state = dict(field.split("=", 1) for field in shown.split() if "=" in field)
-        if state and done(state):
-            return state
-        assert time.monotonic() < deadline, f"job {job} still {state.get('JobState')} after {timeout:.0f} s"
-        time.sleep(2)

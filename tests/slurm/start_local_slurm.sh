@@ -34,6 +34,7 @@ SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 NodeName=localhost CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
