@@ -9,23 +9,25 @@ its mutant here, with the fastest tests that should kill it.
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from mutation_verdict import VERDICT_ENV
+from warm_pytest import WarmPytest
 
 pytestmark = pytest.mark.one_mpi  # the mutants test the suite, not the MPI library
 
 REPO = Path(__file__).parent.parent
 
 STATE = "tests/test_state_dict.py::test_state_dicts_summon_and_wrap_time_broadcast_across_ranks"
+STATE_ON_3 = f"{STATE}[3]"  # what only several ranks show
 SWITCHES = "tests/test_switches.py"
 EQUIVALENCE = "tests/test_equivalence.py::test_four_ranks_with_empty_parts"
 KNOWN_ANSWER = "tests/test_equivalence.py::test_linear_regression_reaches_the_least_squares_answer_for_any_rank_count"
 MEMORY = "tests/test_memory.py::test_only_the_computing_unit_holds_gathered_parameters"
 NO_SYNC = "tests/test_memory.py::test_no_sync_holds_full_gradients_until_the_synced_backward"
 COLLECTIVES = "tests/test_comm.py::test_collectives_on_several_ranks_for_every_dtype"
+COLLECTIVES_ON_3 = f"{COLLECTIVES}[3]"  # a sum of 2 rounds once whatever its precision: 3 ranks tell them apart
 NAMES = "tests/test_equivalence.py::test_wrapped_models_generate_and_show_original_names"
 STAGING_VARIABLE = "tests/test_comm.py::test_force_staging_variable_is_read_and_one_rank_stages_nothing"
 MIXED = "tests/test_mixed_precision.py"
@@ -34,6 +36,8 @@ UNUSED = "tests/test_equivalence.py::test_parameters_that_no_rank_used_get_no_gr
 ENTRY_POINTS = "tests/test_equivalence.py::test_any_entry_point_gathers_what_it_needs_and_matches_one_process"
 FAMILIES = "tests/test_equivalence.py::test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
+HOST_MEMORY_KEPT, HOST_MEMORY_OFF, HOST_MEMORY_USERS = (
+    f"{HOST_MEMORY}[{case}]" for case in ("--True", "0--False", "-glibc.malloc.mmap_threshold=33554432-False"))
 REUSE_CHECK = 'if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):'
 DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
@@ -91,7 +95,7 @@ MUTANTS = {
     "summon without writeback keeps edits": (
         "fsdp_mpi/sharding/state_dict.py", "            if writeback:\n", "            if True:\n", [STATE]),
     "no broadcast of rank 0's weights": (
-        "fsdp_mpi/sharding/fully_sharded.py", "if sync_module_states:", "if False:", [STATE]),
+        "fsdp_mpi/sharding/fully_sharded.py", "if sync_module_states:", "if False:", [STATE_ON_3]),
     "end of backward reduces nothing": (
         "fsdp_mpi/sharding/lifecycle.py", "if unit.requires_gradient_sync and (handle.awaiting_gradient",
         "if False and (handle.awaiting_gradient", [UNUSED]),
@@ -170,13 +174,13 @@ MUTANTS = {
         "        self.comm.all_gather_into(full, self.shard, self.unit_name)\n"
         "        return full.to(self.param_dtype or full.dtype).to(full.dtype)\n", [MIXED]),
     "freed host memory goes back to the kernel": (
-        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if True:", [HOST_MEMORY]),
+        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if True:", [HOST_MEMORY_KEPT]),
     "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (
         "fsdp_mpi/communication/host_memory.py", REUSE_CHECK,
-        "if \"glibc.malloc.\" in os.environ.get(\"GLIBC_TUNABLES\", \"\"):", [HOST_MEMORY]),
+        "if \"glibc.malloc.\" in os.environ.get(\"GLIBC_TUNABLES\", \"\"):", [HOST_MEMORY_OFF]),
     "the user's malloc tunables are overridden": (
         "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if read_flag(REUSE_HOST_MEMORY) is False:",
-        [HOST_MEMORY]),
+        [HOST_MEMORY_USERS]),
     "the watchdog never fires": (
         "fsdp_mpi/communication/collective_log.py", "if waited >= timeout - asking:", "if False:", [WATCHDOG]),
     "no rank answers the watchdog's question": (
@@ -213,7 +217,7 @@ MUTANTS = {
     "the node transport's 16-bit sums accumulate in 16 bits": (
         "fsdp_mpi/communication/node_transport.py",
         "total = parts[0].to(torch.float32 if out.dtype in SUM_IN_FP32 else out.dtype, copy=True)",
-        "total = parts[0].clone()", [COLLECTIVES]),
+        "total = parts[0].clone()", [COLLECTIVES_ON_3]),
     "the node transport's exchanges all use slot 0": (
         "fsdp_mpi/communication/node_transport.py", "slot, self._next_slot = self._next_slot, 1 - self._next_slot",
         "slot, self._next_slot = 0, 0", [NODE_PROTOCOL]),
@@ -274,7 +278,7 @@ MUTANTS = {
         "fsdp_mpi/files/checkpoint.py", 'if path.stat().st_size != expected["bytes"]:', "if False:", [TRUNCATED]),
     "rank0_only state dicts are full on every rank": (
         "fsdp_mpi/sharding/state_dict.py", "keep = not rank0_only or units[0][1].comm.rank == 0", "keep = True",
-        [STATE]),
+        [STATE_ON_3]),
     "the post-backward hook holds its unit strongly, so a dropped model's shards live on": (
         "fsdp_mpi/sharding/lifecycle.py", "unit_ref, handle_ref = weakref.ref(unit), weakref.ref(handle)",
         "unit_ref, handle_ref = (lambda: unit), (lambda: handle)", [PERSISTENT]),
@@ -306,18 +310,26 @@ def copy_of_repository(destination: Path) -> Path:
     return destination
 
 
-def run_tests(tests: list[str], cwd: Path, verdict: Path | None = None) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def pytest_runs():
+    """Where the mutants' pytest runs start: forked from one process that imported torch once (warm_pytest.py)."""
+    runs = WarmPytest()
+    yield runs
+    runs.close()
+
+
+def run_tests(runs: WarmPytest, tests: list[str], cwd: Path,
+              verdict: Path | None = None) -> subprocess.CompletedProcess:
     plugin = ["-p", "mutation_verdict"] if verdict else []
     path = os.pathsep.join(filter(None, [str(cwd / "tests"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, **({VERDICT_ENV: str(verdict)} if verdict else {}))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, *tests],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return runs.run(["-q", "-p", "no:cacheprovider", *plugin, *tests], cwd=cwd, env=env, timeout=900)
 
 
 _unmutated: dict[str, str] = {}  # a named test (or file) -> how it ended unmutated, where this session had not run it
 
 
-def unmutated_outcomes(tests: list[str], outcomes_so_far: dict[str, str]) -> dict[str, str]:
+def unmutated_outcomes(runs: WarmPytest, tests: list[str], outcomes_so_far: dict[str, str]) -> dict[str, str]:
     """How each named test ended on the code as it is: from this session (the mutants run last, see
     conftest.py), else from one run of those tests here."""
     found = {}
@@ -326,16 +338,16 @@ def unmutated_outcomes(tests: list[str], outcomes_so_far: dict[str, str]) -> dic
                if node == spec or node.startswith((f"{spec}::", f"{spec}["))}
         if not ran:
             if spec not in _unmutated:
-                _unmutated[spec] = "passed" if run_tests([spec], REPO).returncode == 0 else "failed"
+                _unmutated[spec] = "passed" if run_tests(runs, [spec], REPO).returncode == 0 else "failed"
             ran = {spec: _unmutated[spec]}
         found.update(ran)
     return found
 
 
 @pytest.mark.parametrize("name", MUTANTS)
-def test_mutant_is_killed(name, tmp_path, outcomes_so_far):
+def test_mutant_is_killed(name, tmp_path, outcomes_so_far, pytest_runs):
     path, original, mutated, tests = MUTANTS[name]
-    unmutated = unmutated_outcomes(tests, outcomes_so_far)
+    unmutated = unmutated_outcomes(pytest_runs, tests, outcomes_so_far)
     assert set(unmutated.values()) == {"passed"}, f"the named tests do not pass unmutated: {unmutated}"
     repo = copy_of_repository(tmp_path / "repo")
     source = repo / path
@@ -343,7 +355,7 @@ def test_mutant_is_killed(name, tmp_path, outcomes_so_far):
     assert text.count(original) == 1, f"the mutant's line is not (once) in {path}: update the mutant"
     source.write_text(text.replace(original, mutated))
     verdict = tmp_path / "verdict"
-    result = run_tests(tests, repo, verdict)
+    result = run_tests(pytest_runs, tests, repo, verdict)
     for left in Path("/dev/shm").glob("fsdp_mpi-*"):  # what a mutant leaked: its maker (rank 0) has ended
         if not Path(f"/proc/{left.name.split('-')[1]}").exists():  # not a job's running beside this one
             left.unlink(missing_ok=True)

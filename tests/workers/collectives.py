@@ -91,7 +91,7 @@ def started_while_the_partner_is_away(comm: Communicator, dtype: torch.dtype) ->
 
     Rank 0 starts an all-gather, then messages rank 1 over a side channel; rank 1
     joins the all-gather only after that message (or, if it never comes, after
-    8 s, thousands of times what a start that returns takes, and reports that
+    3 s, a thousand times what a start that returns takes, and reports that
     start blocked). Then the same for a reduce-scatter.
     """
     side = comm.mpi_comm.Dup()
@@ -102,7 +102,7 @@ def started_while_the_partner_is_away(comm: Communicator, dtype: torch.dtype) ->
         received = torch.empty(n * S if what == "start_all_gather" else S, dtype=dtype)
         returned_first = True
         if r == 1:
-            deadline = time.monotonic() + 8
+            deadline = time.monotonic() + 3
             while not side.Iprobe(source=0) and time.monotonic() < deadline:
                 time.sleep(0.01)
             returned_first = side.Iprobe(source=0)
