@@ -1,10 +1,13 @@
 """experiments/eval.py on models that the experiments trained and saved: quality, sizes, timings, bad input."""
 
+import contextlib
 import csv
+import io
 import json
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 from mpi_launch import check_ok
@@ -152,28 +155,55 @@ def test_compare_shows_evaluations_beside_training(gpt2_run, tmp_path):
 
 
 def fails_with(model_dir, out_dir, message: str, nprocs: int = 1, *args):
+    """eval.py launched on `nprocs` ranks exits with status 2 and `message`, no traceback, and writes no CSV."""
     result = launch("eval.py", nprocs, model_dir, "--out-dir", out_dir, *EVAL_QUICK, *args, timeout=120)
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not list(out_dir.glob("eval-*.csv"))
 
 
-def test_missing_incomplete_or_mismatched_run_directories_exit_2(gpt2_run, tmp_path):
-    model_dir, _ = gpt2_run
-    fails_with(tmp_path / "nowhere", tmp_path, "no such directory")
+def fails_in_process_with(model_dir, out_dir, message: str, *args):
+    """As fails_with on one rank, through eval.py's main() in this process (a one-rank test's child): the
+    same checks without the 4 s a fresh interpreter takes to start. An exception would fail the test."""
+    import eval
+
+    stderr = io.StringIO()
+    with mock.patch.object(sys, "argv", ["eval.py", str(model_dir), "--out-dir", str(out_dir), *EVAL_QUICK, *args]), \
+            contextlib.redirect_stderr(stderr):
+        try:
+            status = eval.main()
+        except SystemExit as exit_:  # argparse's refusals
+            status = exit_.code
+    assert status == 2 and message in stderr.getvalue(), (status, stderr.getvalue())
+    assert not list(out_dir.glob("eval-*.csv"))
+
+
+def damaged_copies(model_dir, tmp_path) -> dict:
+    """Run directories that eval.py must refuse, each with the message it must give."""
     empty = tmp_path / "empty"
     empty.mkdir()
-    fails_with(empty, tmp_path, "run.json is missing")
     broken = shutil.copytree(model_dir, tmp_path / "broken")
     (broken / "run.json").write_text("{not json")
-    fails_with(broken, tmp_path, "not a run description")
     incomplete = shutil.copytree(model_dir, tmp_path / "incomplete")
     (incomplete / "model.safetensors").unlink()
-    fails_with(incomplete, tmp_path, "model.safetensors is missing")
     mismatched = shutil.copytree(model_dir, tmp_path / "mismatched")
     description = json.loads((mismatched / "run.json").read_text())
     description["options"]["model"] = "gpt2-seed"  # the weights are gpt2-tiny's
     (mismatched / "run.json").write_text(json.dumps(description))
-    fails_with(mismatched, tmp_path, "not those of the model run.json describes")
+    return {tmp_path / "nowhere": "no such directory", empty: "run.json is missing", broken: "not a run description",
+            incomplete: "model.safetensors is missing", mismatched: "not those of the model run.json describes"}
+
+
+@pytest.mark.one_rank
+def test_missing_incomplete_or_mismatched_run_directories_exit_2(gpt2_run, tmp_path):
+    model_dir, _ = gpt2_run
+    for damaged, message in damaged_copies(model_dir, tmp_path).items():
+        fails_in_process_with(damaged, tmp_path, message)
+    fails_in_process_with(model_dir, tmp_path, "--precisions: unknown fp8", "--precisions", "fp32,fp8")
+
+
+def test_a_refused_run_directory_ends_every_rank_with_status_2_and_no_traceback(gpt2_run, tmp_path):
+    model_dir, _ = gpt2_run
+    fails_with(tmp_path / "nowhere", tmp_path, "no such directory")
+    mismatched = next(path for path in damaged_copies(model_dir, tmp_path) if path.name == "mismatched")
     fails_with(mismatched, tmp_path, "does not fit", 2)  # loading into shards finds it too, on every rank
-    fails_with(model_dir, tmp_path, "--precisions: unknown fp8", 1, "--precisions", "fp32,fp8")
