@@ -48,3 +48,13 @@ def wait_for_end(job: str, seconds: float = 600, client: Client = local_client) 
     state = wait_for(job, lambda state: state["JobState"] in FINISHED, seconds, client)
     status = int(state["ExitCode"].split(":")[0]) if state["JobState"] in ("COMPLETED", "FAILED") else -1
     return status, state
+
+
+def run_to_end(submitted: subprocess.CompletedProcess, seconds: float = 600,
+               client: Client = local_client) -> tuple[int, dict]:
+    """wait_for_end for the job of a `sbatch --parsable`, cancelled if the wait gives up on it."""
+    job = job_id(submitted)
+    try:
+        return wait_for_end(job, seconds, client)
+    finally:
+        client("scancel", job)

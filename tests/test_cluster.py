@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec
-from slurm_jobs import FINISHED, job_id, wait_for, wait_for_end
+from slurm_jobs import FINISHED, job_id, run_to_end, wait_for, wait_for_end
 
 # The cluster is MPICH-specific: hydra's ssh launcher, and the bytes model follows MPICH's algorithms.
 pytestmark = pytest.mark.one_mpi
@@ -206,13 +206,9 @@ def job_environment(**extra) -> dict:
 def test_a_slurm_job_on_two_nodes_places_its_ranks_by_node(with_slurm, tmp_path):
     out = tmp_path / "placement.json"
     worker = f"{sys.executable} {WORKERS / 'multinode.py'} {out} placement"
-    job = job_id(slurm("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
-                       f"--output={tmp_path / 'job.out'}", f"--chdir={WORKERS}", "--wrap", f"srun --mpi=pmi2 {worker}",
-                       **job_environment()))
-    try:
-        status, state = wait_for_end(job, client=slurm)
-    finally:
-        slurm("scancel", job)
+    status, state = run_to_end(slurm("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                                     f"--output={tmp_path / 'job.out'}", f"--chdir={WORKERS}", "--wrap",
+                                     f"srun --mpi=pmi2 {worker}", **job_environment()), client=slurm)
     assert status == 0, (state, (tmp_path / "job.out").read_text())
     check_placement(json.loads(out.read_text()))
 

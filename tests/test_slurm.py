@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 from mpi_launch import REPO_ROOT
-from slurm_jobs import FINISHED, job_id, wait_for, wait_for_end
+from slurm_jobs import FINISHED, job_id, run_to_end, wait_for, wait_for_end
 
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 TINY_RUN = ["--epochs", "1", "--steps-per-epoch", "3", "--val-steps", "2"]
@@ -47,13 +47,9 @@ def submit_and_wait(script: str, tmp_path: Path, *args: str, launcher: str = "mp
     output = tmp_path / "job.out"
     command = ["sbatch", "--parsable", "--ntasks=2", "--cpus-per-task=1", f"--output={output}", f"hpc/{script}",
                *args]
-    job = job_id(subprocess.run(command, cwd=REPO_ROOT, env=job_environment(launcher, CHECKPOINT_DIR=""),
-                                capture_output=True, text=True, timeout=60))
-    try:
-        status, _ = wait_for_end(job)
-    finally:
-        subprocess.run(["scancel", job])
-    return status, output.read_text() if output.exists() else f"job {job} wrote no output"
+    status, state = run_to_end(subprocess.run(command, cwd=REPO_ROOT, env=job_environment(launcher, CHECKPOINT_DIR=""),
+                                              capture_output=True, text=True, timeout=60))
+    return status, output.read_text() if output.exists() else f"the job wrote no output: {state}"
 
 
 def epoch_csvs(results: Path) -> list[Path]:

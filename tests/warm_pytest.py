@@ -61,6 +61,8 @@ def serve() -> None:
                    if module is not server and str(getattr(module, "__file__", None) or "").startswith(OWN_FOLDERS))
     if early:
         sys.exit(f"warm_pytest: {early} imported before the fork; the runs would not see their copies' code")
+    if sys.modules["torch"].cuda.is_initialized():  # a child could not use CUDA (torch refuses after a fork)
+        sys.exit("warm_pytest: CUDA was initialised before the fork")
     for line in sys.stdin:
         request = json.loads(line)
         child = os.fork()
