@@ -24,12 +24,19 @@ def mpiexec() -> str:
     return found
 
 
+def child_env(**variables: str) -> dict[str, str]:
+    """This process's environment for a launched program: one thread per rank, the checkout first on PYTHONPATH
+    and what PYTHONPATH had after it (a cluster's module system, an install under a prefix, as hpc/gpu_check.sh
+    makes, put packages there), then `variables`."""
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONUNBUFFERED="1", **variables)
+
+
 def run_mpi(worker: str | Path, nprocs: int, *args: str, timeout: float = 240,
             env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Runs tests/workers/<worker> (or the script at the absolute path `worker`) on `nprocs` ranks in `cwd`
     (with `env` added to the environment); returns the finished process (never raises on failure)."""
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))  # what it had, after ours
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONUNBUFFERED="1", **(env or {}))
+    env = child_env(**(env or {}))
     command = [mpiexec(), "-n", str(nprocs), sys.executable, str(WORKERS / worker), *map(str, args)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 

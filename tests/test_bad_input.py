@@ -1,12 +1,11 @@
 """Bad input fails at wrap time with a clear message and leaves the module untouched; so does a bad launch."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from mpi_launch import REPO_ROOT
+from mpi_launch import REPO_ROOT, child_env
 from torch import nn
 
 from fsdp_mpi import FullyShardedDataParallel, ShardingStrategy
@@ -59,7 +58,7 @@ def test_a_launcher_that_started_more_tasks_than_mpi_sees_is_named(monkeypatch, 
 
 
 def test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing(tmp_path):
-    env = dict(os.environ, SLURM_STEP_NUM_TASKS="2", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))  # plain srun -n 2
+    env = child_env(SLURM_STEP_NUM_TASKS="2")  # plain srun -n 2
     result = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "run_gpt2.py"), "--out-dir",
                              str(tmp_path / "results")], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

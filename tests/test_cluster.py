@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec
+from mpi_launch import REPO_ROOT, WORKERS, check_ok, child_env, mpiexec
 from slurm_jobs import FINISHED, job_id, run_to_end, wait_for, wait_for_end
 
 # The cluster is MPICH-specific: hydra's ssh launcher, and the bytes model follows MPICH's algorithms.
@@ -42,6 +42,8 @@ def cluster(*args, check=True):
 def two_nodes():
     if os.geteuid() != 0:
         pytest.skip("the cluster's network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("no network namespaces here (no `ip` command: iproute2)")
     if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
         pytest.skip("no network namespaces here (ip netns fails)")
     if "hydra" not in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout.lower():
@@ -55,8 +57,7 @@ def two_nodes():
 def launch_across(nodes, worker_args, **env):
     """Starts a worker on 2 ranks per node, launched from the first node as a user would."""
     hosts = ",".join(f"{node}:2" for node in nodes)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1",
-               MPICH_CH4_NETMOD="ofi", FI_PROVIDER="tcp", **env)
+    env = child_env(MPICH_CH4_NETMOD="ofi", FI_PROVIDER="tcp", **env)
     command = ["bash", str(CLUSTER), "exec", nodes[0], mpiexec(), "-hosts", hosts, "-launcher", "ssh",
                "-launcher-exec", str(SSH), sys.executable, *map(str, worker_args)]
     return subprocess.Popen(command, cwd=WORKERS, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -200,7 +201,8 @@ def with_slurm(two_nodes):
 def job_environment(**extra) -> dict:
     data = os.environ.get("FSDP_MPI_DATA_DIR", str(REPO_ROOT.parent / "shared" / "data"))
     return dict(FSDP_MPI_VENV=sys.prefix, FSDP_MPI_LAUNCHER="srun --mpi=pmi2", FSDP_MPI_DATA_DIR=data,
-                MPICH_CH4_NETMOD="ofi", FI_PROVIDER="tcp", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), **extra)
+                MPICH_CH4_NETMOD="ofi", FI_PROVIDER="tcp", OMP_NUM_THREADS="1", PYTHONPATH=child_env()["PYTHONPATH"],
+                **extra)
 
 
 def test_a_slurm_job_on_two_nodes_places_its_ranks_by_node(with_slurm, tmp_path):

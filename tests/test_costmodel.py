@@ -9,7 +9,6 @@ the timeline's bounds, the ring formula, and refusals of bad input.
 """
 
 import csv
-import os
 import random
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 from measuring.costmodel import (Collective, Layout, Link, MeasuredNetwork, Profile, RingNetwork, Unit, collectives,
                                  predict)
 from measuring.profiling import load_profile
-from mpi_launch import REPO_ROOT, check_ok, mpiexec
+from mpi_launch import REPO_ROOT, check_ok, child_env, mpiexec
 
 pytestmark = pytest.mark.one_mpi  # the cost model's arithmetic and bookkeeping, not the MPI library
 
@@ -28,7 +27,7 @@ PREDICT = REPO_ROOT / "experiments" / "predict.py"
 
 def run_predict(*args, timeout=600, launcher=()):
     return subprocess.run([*launcher, sys.executable, str(PREDICT), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT)))
+                          timeout=timeout, env=child_env())
 
 
 def small_profile(root_numel=10, block_numel=7, blocks=2) -> Profile:

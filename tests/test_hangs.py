@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_launch import REPO_ROOT, WORKERS, check_ok, mpiexec, run_mpi
+from mpi_launch import WORKERS, check_ok, child_env, mpiexec, run_mpi
 
 from fsdp_mpi.communication import collective_log
 from fsdp_mpi.communication.collective_log import CollectiveLog, timeout_from_environment
@@ -98,7 +98,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
 
 def test_sigterm_to_the_launcher_ends_every_rank(tmp_path):
     out = tmp_path / "out.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+    env = child_env()
     launcher = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(WORKERS / "hangs.py"), str(out), "forever"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -1,14 +1,13 @@
 """Each rank keeps exactly 1/N of every unit's padded parameters; gathered memory lives only while used."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from mpi_launch import REPO_ROOT, check_ok, mpiexec, run_mpi
+from mpi_launch import REPO_ROOT, check_ok, child_env, mpiexec, run_mpi
 
 from fsdp_mpi_models.gpt2 import GPT2LMHeadModel, gpt2_config
 
@@ -105,7 +104,7 @@ print(applied, (resident() - before) / 2**20)
 def test_freed_host_memory_is_kept_for_reuse_unless_turned_off(value, tunables, kept):
     """Turned off by FSDP_MPI_REUSE_HOST_MEMORY=0, and left to the user who tunes malloc (64 MiB is above
     that 32 MiB threshold, so glibc maps and unmaps it)."""
-    env = dict(os.environ, FSDP_MPI_REUSE_HOST_MEMORY=value, GLIBC_TUNABLES=tunables, PYTHONPATH=str(REPO_ROOT))
+    env = child_env(FSDP_MPI_REUSE_HOST_MEMORY=value, GLIBC_TUNABLES=tunables)
     result = subprocess.run([sys.executable, "-c", RETAINED_AFTER_FREE], env=env, capture_output=True, text=True,
                             timeout=120)
     check_ok(result)
@@ -123,7 +122,7 @@ def test_big_model_breaks_the_training_peak_down_by_kind(optimizer, state_per_sh
     (momentum: one fp32 value per sharded parameter, stateless SGD none), and every step's resident size is shown."""
     with torch.device("meta"):
         parameters = GPT2LMHeadModel(gpt2_config("gpt2-seed")).num_parameters()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    env = child_env()
     result = subprocess.run([mpiexec(), "-n", "2", sys.executable, "experiments/big_model.py", "--model", "gpt2-seed",
                              "--optimizer", optimizer, "--steps", "3", "--seq-len", "16"],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
