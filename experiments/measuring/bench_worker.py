@@ -29,7 +29,7 @@ from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
 from training.startup import allow_tf32
 from training.strategies import PRECISIONS, Prepared, compression_from_option, node_placement, prepare, torch_amp
 
-from fsdp_mpi import Communicator, ShardingStrategy
+from fsdp_mpi import Communicator, ShardingStrategy, abort_job_on_uncaught_exception
 
 
 def arguments():
@@ -217,6 +217,8 @@ def gradient_bytes(model) -> int:
 def main() -> None:
     args = arguments()
     comm = Communicator()
+    if comm.world_size > 1:  # a rank that raises ends the job, rather than leaving the others in a collective
+        abort_job_on_uncaught_exception(comm.mpi_comm)
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     if args.device == "cuda":

@@ -127,13 +127,17 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
         return Prepared(replicated, _unknown_comm_seconds, clip_torch, replicated.no_sync, shards_gradients=False,
                         scaler=torch_scaler, all_reduce_max=comm.all_reduce_max_float, autocast=autocast)
     if strategy == "torch-fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        # On the run's device: fully_shard's default mesh takes the accelerator whenever one is visible, so a
+        # CPU run on a GPU machine would put rank k on GPU k (and fail where there are fewer GPUs than ranks).
+        mesh = init_device_mesh(device.type, (comm.world_size,))
         for module in model.modules():
             if isinstance(module, block_class):
-                fully_shard(module, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True,
                         scaler=torch_scaler, all_reduce_max=comm.all_reduce_max_float)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
