@@ -18,6 +18,23 @@ os.environ["OMP_NUM_THREADS"] = "1"
 mpi4py.rc.initialize = False
 mpi4py.rc.finalize = False
 
+# Nor CUDA: after that, no forked child (a one_rank test's) can use CUDA ("initialization error"). A test that
+# starts CUDA in pytest's process fails, named, instead of the next one_rank test on a machine with a GPU.
+CUDA_IN_PYTEST = ("this test initialised CUDA in pytest's own process, where a later one_rank test's forked child "
+                  "cannot use it: mark it one_rank (its body then runs in that child)")
+
+
+@pytest.fixture(autouse=True)
+def _cuda_left_to_children(request):
+    def cuda_initialised() -> bool:
+        return "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
+
+    before = cuda_initialised()
+    yield
+    if not before and cuda_initialised() and not request.node.get_closest_marker("one_rank"):
+        pytest.fail(CUDA_IN_PYTEST)
+
+
 # Tests import the mpiexec launcher, and the experiments' modules as the scripts do (top level).
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "experiments"))

@@ -94,6 +94,7 @@ class _CopiesBack:
         self.waited = True
 
 
+@pytest.mark.one_rank  # in a child: on a machine with a GPU the host buffers are pinned, which starts CUDA
 def test_a_cpu_collective_staged_after_a_device_one_waits_for_its_copies_back():
     """FSDP_MPI_FORCE_STAGING=1 on a GPU machine: the host buffers a CPU tensor is staged through may still be
     read by the last device collective's copies back, so the CPU one waits for them too (and only once)."""
