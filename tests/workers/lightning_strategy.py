@@ -59,7 +59,8 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch, _index):
         inputs, targets = batch
-        return nn.functional.mse_loss(self.net(inputs).float(), targets)
+        # Under bf16-mixed the root unit casts the whole batch, targets too: both sides in fp32 (docs/api.md)
+        return nn.functional.mse_loss(self.net(inputs).float(), targets.float())
 
     def train_dataloader(self):
         """Lightning would put in a shuffling DistributedSampler; this one keeps the order (from the strategy's
