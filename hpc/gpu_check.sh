@@ -80,11 +80,12 @@ cat "$out/machine.txt"
 run pytest-gpu 150 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
 
 # README's test command, the whole suite, on the GPU machine (issue 44): its tests spread over parallel workers
-# (pytest-xdist, in the test extra; FSDP_MPI_TEST_WORKERS of them, default 4, each test up to 4 ranks), so that it
-# fits one call of a machine lent for minutes. Not in the quick form unless named: `... gpu_check.sh pytest-all`.
+# (pytest-xdist, in the test extra; FSDP_MPI_TEST_WORKERS of them, default 8, each test up to 4 ranks), so that it
+# fits one call of a machine lent for minutes: 8 workers on an H200 node's 16 cores took 504 s, 300 of them one
+# test's timeout. Not in the quick form unless named: `... gpu_check.sh pytest-all`.
 if [ "$quick" != 1 ] || [[ "$only" == *" pytest-all "* ]]; then
     workers=()
-    $PY -c "import xdist" 2> /dev/null && workers=(-n "${FSDP_MPI_TEST_WORKERS:-4}")
+    $PY -c "import xdist" 2> /dev/null && workers=(-n "${FSDP_MPI_TEST_WORKERS:-8}")
     run pytest-all 540 $PY -m pytest -rs "${workers[@]}" -p no:cacheprovider --junitxml="$out/pytest-all.xml"
 fi
 
