@@ -29,7 +29,7 @@ def child_env(**variables: str) -> dict[str, str]:
     and what PYTHONPATH had after it (a cluster's module system, an install under a prefix, as hpc/gpu_check.sh
     makes, put packages there), then `variables`."""
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONUNBUFFERED="1", **variables)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **variables}
 
 
 def run_mpi(worker: str | Path, nprocs: int, *args: str, timeout: float = 240,

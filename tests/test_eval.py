@@ -10,8 +10,8 @@ import sys
 from unittest import mock
 
 import pytest
+from experiment_runs import EXPERIMENTS, QUICK, launch, needs_data, read_rows
 from mpi_launch import check_ok
-from test_experiments import EXPERIMENTS, QUICK, launch, needs_data, read_rows
 
 from training.results import EVAL_COLUMNS
 

@@ -92,7 +92,7 @@ def test_a_run_resumed_on_the_gpu_continues_bit_for_bit(tmp_path):
     """BERT, with dropout, on 2 ranks sharing the GPU and checkpointed every step. Resumed from the checkpoint one
     step before the end, its last step draws the masks the run never stopped drew (the CUDA generators come back
     with the checkpoint) and ends in the same parameters, AdamW state and schedule, bit for bit."""
-    from test_experiments import launch
+    from experiment_runs import launch
     from test_resume_experiments import BERT, BERT_TOTAL_STEPS, assert_same_training_state, step_directories
 
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -112,7 +112,7 @@ def test_a_run_resumed_on_the_gpu_continues_bit_for_bit(tmp_path):
 def test_run_gpt2_trains_on_the_gpu_on_two_ranks_sharing_it(tmp_path):
     """The main experiment as a GPU user runs it, with 2 ranks on the first GPU (bf16 mixed precision): it
     finishes, its CSV says cuda, and the loss falls from about ln 65 (a uniform guess over the characters)."""
-    from test_experiments import QUICK, launch, read_rows
+    from experiment_runs import QUICK, launch, read_rows
 
     check_ok(launch("run_gpt2.py", 2, *on_the_gpu(QUICK), "--precision", "bf16-mixed", "--out-dir", tmp_path,
                     env=FIRST_GPU))

@@ -14,10 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from experiment_runs import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
 from mpi_launch import check_ok, mpiexec
 from training.resume import FORMAT, STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT, ResumeError, RunCheckpoints
 from test_checkpoint import assert_same_parameters_and_optimizer_state
-from test_experiments import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
 
 from fsdp_mpi import consolidate_checkpoint
 
