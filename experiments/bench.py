@@ -35,10 +35,12 @@ On a GPU (``--device cuda``, each rank on the GPU of its place on its node;
 several ranks may share one): steps are timed to the GPU's end of the step, MFU
 is against the GPU's published dense peak for the compute dtype
 (``results.PUBLISHED_DENSE_PEAK_FLOPS``; measured where the GPU is not listed)
-counting each GPU in use once, ``peak_gpu_mb`` is the busiest rank's peak GPU
-memory, and ``hidden_fraction`` is the share of fsdp-mpi's time in collectives
-that its step does not add to plain torch's, ``1 - beyond_plain_s / mpi_blocked_s``
-(0: nothing overlaps; 1: all of it is hidden). DDP and FSDP2 use nccl there,
+counting each GPU in use once, ``issued_s`` is when the host had handed the
+whole step to the GPU, before waiting for it to finish (close to ``step_s``: the
+step is bound by the host, not the GPU; on a CPU they are one), ``peak_gpu_mb``
+is the busiest rank's peak GPU memory, and ``hidden_fraction`` is the share
+of fsdp-mpi's time in collectives that its step does not add to plain torch's,
+``1 - beyond_plain_s / mpi_blocked_s`` (0: nothing overlaps; 1: all of it is hidden). DDP and FSDP2 use nccl there,
 which needs a GPU per rank: with fewer GPUs their rows say they were not run.
 
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
@@ -84,11 +86,11 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precis
 REPLICATED = ("plain", "ddp", "lightning-ddp")
 BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
 # what bench_worker reports per run (peak_gpu_mb: on a GPU; PARTS: fsdp-mpi's step, part by part)
-MEASURED = ["step_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb", "peak_gpu_mb",
-            "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step", *PARTS]
+MEASURED = ["step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb",
+            "peak_gpu_mb", "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step", *PARTS]
 FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio",
           "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "scaling_efficiency", "scaling_efficiency_min",
-          "scaling_efficiency_max", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
+          "scaling_efficiency_max", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
           "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s", "beyond_plain_s",
           "hidden_fraction", *PARTS, "note"]
 
@@ -231,7 +233,7 @@ def print_table(rows: list[dict]) -> None:
         return f"{number(row[field])} ({number(row[field + '_min'])}-{number(row[field + '_max'])})"
 
     columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)",
-               "scaling efficiency (min-max)", "tokens/s", "MFU",
+               "scaling efficiency (min-max)", "tokens/s", "MFU", "issued s/step",
                "CPU s/step", "model state MB", "peak RSS MB", "peak GPU MB", "comm MB/step", "link MB/step", "blocked in MPI s",
                "beyond plain s", "hidden", "note"]
     print("| " + " | ".join(columns) + " |")
@@ -239,7 +241,7 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         cells = [row["strategy"], row["precision"], str(row["ranks"]), spread(row, "step_s"),
                  spread(row, "fsdp_mpi_ratio"), spread(row, "scaling_efficiency"), number(row.get("tokens_per_s")),
-                 number(row.get("mfu")),
+                 number(row.get("mfu")), number(row.get("issued_s")),
                  number(row.get("cpu_s")), number(row.get("model_state_mb"), 4), number(row.get("peak_rss_mb"), 4),
                  number(row.get("peak_gpu_mb"), 4), number(row.get("comm_mb_per_step"), 4),
                  number(row.get("link_mb_per_step"), 4),

@@ -64,11 +64,14 @@ def train_step(prepared: Prepared, optimizer, batch) -> None:
 
 def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, device: torch.device,
                 breakdown: StepBreakdown | None = None):
-    """Per step after warm-up: (slowest rank's wall time, busiest rank's CPU time, this rank's time blocked
-    in MPI, its bytes moved by collectives, the slowest rank's step in ``breakdown.PARTS`` if a
-    `breakdown` is installed). fsdp-mpi trains over `comm` itself, so the step's figures are read
-    before the timing's own collectives on it."""
-    times, cpu, blocked, moved, parts = [], [], [], [], []
+    """Per step after warm-up: (slowest rank's wall time, the latest rank's time to issue the step, busiest
+    rank's CPU time, this rank's time blocked in MPI, its bytes moved by collectives, the slowest rank's step in
+    ``breakdown.PARTS`` if a `breakdown` is installed). fsdp-mpi trains over `comm` itself, so the step's
+    figures are read before the timing's own collectives on it.
+
+    A step is issued when the host has handed all of it to the device, before waiting for the GPU to run it
+    (on a CPU: the step itself). Issued close to its wall time, a GPU step is bound by the host, not the GPU."""
+    times, issued, cpu, blocked, moved, parts = [], [], [], [], [], []
     for _ in range(args.warmup + args.steps):
         comm.barrier()
         mpi_before, bytes_before = prepared.comm_seconds(), prepared.comm_bytes()
@@ -76,19 +79,22 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, 
             breakdown.start_step()
         cpu_start, start = time.process_time(), time.perf_counter()
         train_step(prepared, optimizer, batch)
+        issued_seconds = time.perf_counter() - start
         if device.type == "cuda":  # the step has ended when the GPU has run it
             torch.cuda.synchronize(device)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         recorded = breakdown.end_step() if breakdown else None
         blocked.append(prepared.comm_seconds() - mpi_before)
         moved.append(prepared.comm_bytes() - bytes_before)
-        every_rank = comm.all_gather_object(seconds)
-        times.append(max(every_rank))
+        every_rank = comm.all_gather_object((seconds, issued_seconds))
+        seconds_by_rank = [each for each, _ in every_rank]
+        times.append(max(seconds_by_rank))
+        issued.append(max(each for _, each in every_rank))
         cpu.append(max(comm.all_gather_object(cpu_seconds)))
         if breakdown:
             mine = breakdown.parts(recorded, seconds, blocked[-1], comm)
-            parts.append(comm.all_gather_object(mine)[every_rank.index(times[-1])])
-    return times[args.warmup:], cpu[args.warmup:], blocked[args.warmup:], moved[args.warmup:], parts[args.warmup:]
+            parts.append(comm.all_gather_object(mine)[seconds_by_rank.index(times[-1])])
+    return tuple(measured[args.warmup:] for measured in (times, issued, cpu, blocked, moved, parts))
 
 
 # torch.distributed's collectives and the argument that holds the full buffer (an all-gather's output,
@@ -239,6 +245,7 @@ def main() -> None:
     link_bytes, breakdown, parts = None, None, []
     if args.strategy == "lightning-ddp":
         times, cpu, optimizer, measured = lightning_steps(model, batch, args, comm)
+        issued = times  # Lightning runs on the CPU here, where a step is issued when it ends
         blocked, moved = [float("nan")], [gradient_bytes(model)]
     else:
         if args.strategy == "plain":
@@ -269,7 +276,8 @@ def main() -> None:
         if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
             with counting_torch_collectives() as torch_bytes:
                 train_step(prepared, optimizer, batch)
-        times, cpu, blocked, moved, parts = timed_steps(prepared, optimizer, batch, args, comm, device, breakdown)
+        times, issued, cpu, blocked, moved, parts = timed_steps(prepared, optimizer, batch, args, comm, device,
+                                                                breakdown)
         link_bytes = node_link_bytes_per_step(prepared, optimizer, batch, comm)
         if args.strategy == "torch-fsdp":
             moved = torch_bytes
@@ -288,7 +296,8 @@ def main() -> None:
                 "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]),
                 "sharding_strategy": sharding if args.strategy == "fsdp-mpi" else None,
                 "precision": args.precision, "ranks": comm.world_size, "parameters": parameters,
-                "step_s": step, "step_times_s": times, "cpu_s": statistics.median(cpu), "tokens_per_s": tokens_per_s,
+                "step_s": step, "step_times_s": times, "issued_s": statistics.median(issued),
+                "cpu_s": statistics.median(cpu), "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12,
                 "mfu": tokens_per_s * flops_per_token / job_peak,
                 "peak_rss_mb": rss, "peak_gpu_mb": gpu_mb if on_gpu else None,
