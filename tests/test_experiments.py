@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from experiment_runs import EXPERIMENTS, QUICK, launch, needs_data, read_rows
-from mpi_launch import check_ok
+from mpi_launch import check_ok, child_env
 
 from training.results import COLUMNS, STEP_COLUMNS
 
@@ -268,6 +268,13 @@ torch.cuda.device_count = lambda: int(os.environ["FAKE_CUDA_DEVICES"])
 """
 
 
+def fake_gpus(folder, count: int) -> dict:
+    """The variables that make a launch's torch report `count` GPUs (FAKE_GPUS, written into `folder`)."""
+    (folder / "sitecustomize.py").write_text(FAKE_GPUS)
+    return {"PYTHONPATH": os.pathsep.join([str(folder), child_env()["PYTHONPATH"]]),
+            "FAKE_CUDA_DEVICES": str(count)}
+
+
 @pytest.mark.one_mpi
 @needs_data
 def test_a_run_on_gpus_gets_past_set_up_with_each_rank_on_its_node_local_gpu(tmp_path):
@@ -275,10 +282,8 @@ def test_a_run_on_gpus_gets_past_set_up_with_each_rank_on_its_node_local_gpu(tmp
     it runs before the others, and the job hung silently. Now set-up ends, rank 0 names every rank's device,
     and the job fails promptly at its first CUDA call, which a CPU build of torch cannot make: selecting each
     rank's GPU (torch.cuda.set_device, before anything else touches CUDA)."""
-    (tmp_path / "sitecustomize.py").write_text(FAKE_GPUS)
-    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     result = launch("run_gpt2.py", 2, *QUICK, "--device", "cuda", "--out-dir", tmp_path, timeout=90,
-                    env={"PYTHONPATH": python_path, "FAKE_CUDA_DEVICES": "2", "FSDP_MPI_TIMEOUT": "30"})
+                    env={**fake_gpus(tmp_path, 2), "FSDP_MPI_TIMEOUT": "30"})
     assert "devices: rank 0 cuda:0, rank 1 cuda:1\n" in result.stdout, result.stdout + result.stderr
     assert result.returncode != 0 and "torch.cuda.set_device(device)" in result.stderr, result.stderr
     assert not list(tmp_path.glob("*.csv"))
@@ -288,10 +293,8 @@ def test_a_run_on_gpus_gets_past_set_up_with_each_rank_on_its_node_local_gpu(tmp
 @needs_data
 def test_nccl_strategies_refuse_two_ranks_on_one_gpu(tmp_path):
     """torch's nccl cannot put two ranks on one GPU: the run says so in set-up instead of failing inside torch."""
-    (tmp_path / "sitecustomize.py").write_text(FAKE_GPUS)
-    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     result = launch("run_gpt2.py", 2, *QUICK, "--device", "cuda", "--strategy", "ddp", "--out-dir", tmp_path,
-                    timeout=90, env={"PYTHONPATH": python_path, "FAKE_CUDA_DEVICES": "1", "FSDP_MPI_TIMEOUT": "30"})
+                    timeout=90, env={**fake_gpus(tmp_path, 1), "FSDP_MPI_TIMEOUT": "30"})
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "ddp communicates through nccl, which cannot share a GPU between ranks: this node runs 2 ranks on 1 " \
            "visible GPU(s)" in result.stderr, result.stderr
