@@ -75,9 +75,8 @@ import tempfile
 from pathlib import Path
 
 from measuring import figures, launch
-from measuring.bench_worker import median_of_known
-from measuring.breakdown import PARTS
-from training.strategies import compression_from_option
+from measuring.reported import PARTS, median_of_known
+from training.compression_option import compression_formats
 
 from measuring import bench_models
 
@@ -383,7 +382,7 @@ def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[t
             parser.error(f"unknown strategy {name!r}")
         for token in compressed:
             try:
-                compression_from_option(token.removeprefix(COMPRESSION))
+                compression_formats(token.removeprefix(COMPRESSION))
             except ValueError as error:
                 parser.error(f"{item!r}: {error}")
         if base == "lightning-ddp" and args.device == "cuda":

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mpi_launch import REPO_ROOT, check_ok, mpiexec, run_mpi
+from mpi_launch import REPO_ROOT, check_ok, child_env, mpiexec, run_mpi
 
 pytestmark = pytest.mark.one_mpi  # the benchmark's harness, not the MPI library
 
@@ -149,6 +149,19 @@ def test_bad_arguments_are_refused_with_their_reason(capsys):
     assert result.returncode == 2 and "unknown strategy 'horovod'" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_the_launchers_start_no_mpi():
+    """bench.py (and predict.py, network_report.py, compare.py) start no rank of their own: they launch ranks or
+    read results. Importing MPI would start it in them, a one-rank job of their own, where some clusters' MPI
+    expects every MPI process to come from its launcher: checking a plan, compressed options included, must not."""
+    check = ("import sys, bench, compare, network_report, predict\n"
+             "bench.arguments(['--strategies', 'plain,fsdp-mpi+comm=int8/bf16:bf16-mixed'])\n"
+             "print(sorted(name for name in ('mpi4py.MPI', 'fsdp_mpi') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT / "experiments", env=child_env(),
+                            capture_output=True, text=True, timeout=120)
+    check_ok(result)
+    assert result.stdout.strip() == "[]"
+
+
 def test_bench_comm_times_four_paths_per_size_and_operation(tmp_path):
     out = tmp_path / "comm.csv"
     command = [mpiexec(), "-n", "2", sys.executable, str(BENCH_COMM), "--sizes-mb", "0.0625,0.25", "--rounds", "2",
@@ -271,7 +284,7 @@ def test_the_breakdown_figure_keeps_the_longest_strategy_name_and_everything_els
     labels are wrapped now, and every text lies inside the figure (its layout, not its pixels)."""
     import bench
     from measuring import figures
-    from measuring.breakdown import PARTS
+    from measuring.reported import PARTS
 
     longest = "+".join(["fsdp-mpi", *bench.OVERLAP, bench.COMPILE, bench.THROUGH_MPI, max(bench.SHARDING, key=len),
                         bench.COMPRESSION + "int8/bf16"])

@@ -23,7 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from measuring import bench_models
-from measuring.breakdown import PARTS, StepBreakdown
+from measuring.breakdown import StepBreakdown
+from measuring.reported import PARTS, median_of_known
 from training.recipe import adamw
 from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
 from training.startup import allow_tf32
@@ -207,12 +208,6 @@ def node_link_bytes_per_step(prepared: Prepared, optimizer, batch, comm: Communi
     sent = bytes_each_node_sends(lambda: train_step(prepared, optimizer, batch), comm,
                                  first_on_node=comm.split(None).rank == 0)
     return sum(sent) / len(sent)
-
-
-def median_of_known(values: list) -> float | None:
-    """The median of the values that were measured; None if none was (or there were none)."""
-    known = [value for value in values if value is not None]
-    return statistics.median(known) if known else None
 
 
 def gradient_bytes(model) -> int:

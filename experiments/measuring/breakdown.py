@@ -27,12 +27,10 @@ import time
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.timing_points import GRADIENT_ASSEMBLY, HOOK, add_listener
 
-PARTS = ("compute_s", "gradient_assembly_s", "hooks_own_s", "mpi_waiting_s", "mpi_moving_s")
-
 
 class StepBreakdown:
     """Accumulates, per step, the seconds in the lifecycle's hooks and in gradient assembly, and the
-    collectives entered; ``parts`` turns them into the step's parts (``PARTS``)."""
+    collectives entered; ``parts`` turns them into the step's parts (``reported.PARTS``)."""
 
     def __init__(self):
         self.hook_seconds = 0.0
@@ -78,7 +76,7 @@ class StepBreakdown:
 
     @staticmethod
     def parts(recorded: tuple, step_seconds: float, mpi_seconds: float, comm: Communicator) -> dict:
-        """This rank's step in PARTS, from ``end_step()``'s record (collective: every rank calls it)."""
+        """This rank's step in ``reported.PARTS``, from ``end_step()``'s record (collective: every rank calls it)."""
         hook_seconds, assembly_seconds, entries = recorded
         every_rank = comm.all_gather_object((socket.gethostname(), entries))
         waiting = None

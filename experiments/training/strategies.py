@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from training.compression_option import compression_formats
+
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
                       ShardedGradScaler, clip_grad_norm_)
 
@@ -82,19 +84,10 @@ def build_model(task, seed: int, comm: Communicator):
     return model
 
 
-COMPRESSION_FORMATS = ("none", "bf16", "int8")
-
-
 def compression_from_option(text: str) -> Compression | None:
     """``--comm-compression WEIGHTS[/GRADIENTS]`` as a ``fsdp_mpi.Compression`` (None: none); one format names
     both. Raises ValueError, naming the choices, for anything else."""
-    formats = text.split("/")
-    if len(formats) == 1:
-        formats *= 2
-    if len(formats) != 2 or not set(formats) <= set(COMPRESSION_FORMATS):
-        raise ValueError(f"--comm-compression {text!r}: expected WEIGHTS or WEIGHTS/GRADIENTS, each one of "
-                         f"{', '.join(COMPRESSION_FORMATS)} (e.g. int8/bf16)")
-    weights, gradients = (None if f == "none" else f for f in formats)
+    weights, gradients = compression_formats(text)
     return Compression(weights=weights, gradients=gradients) if weights or gradients else None
 
 
