@@ -40,8 +40,9 @@ whole step to the GPU, before waiting for it to finish (close to ``step_s``: the
 step is bound by the host, not the GPU; on a CPU they are one), ``peak_gpu_mb``
 is the busiest rank's peak GPU memory, and ``hidden_fraction`` is the share
 of fsdp-mpi's time in collectives that its step does not add to plain torch's,
-``1 - beyond_plain_s / mpi_blocked_s`` (0: nothing overlaps; 1: all of it is hidden). DDP and FSDP2 use nccl there,
-which needs a GPU per rank: with fewer GPUs their rows say they were not run.
+``1 - beyond_plain_s / mpi_blocked_s`` (0: nothing overlaps; 1: all of it is
+hidden). DDP and FSDP2 use nccl there, which needs a GPU per rank: with fewer
+GPUs their rows say they were not run.
 
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).

@@ -67,7 +67,7 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, 
                 breakdown: StepBreakdown | None = None):
     """Per step after warm-up: (slowest rank's wall time, the latest rank's time to issue the step, busiest
     rank's CPU time, this rank's time blocked in MPI, its bytes moved by collectives, the slowest rank's step in
-    ``breakdown.PARTS`` if a `breakdown` is installed). fsdp-mpi trains over `comm` itself, so the step's
+    ``reported.PARTS`` if a `breakdown` is installed). fsdp-mpi trains over `comm` itself, so the step's
     figures are read before the timing's own collectives on it.
 
     A step is issued when the host has handed all of it to the device, before waiting for the GPU to run it
