@@ -52,6 +52,8 @@ def main() -> None:
                                               "state per parameter; sgd: momentum, 4 bytes; sgd-stateless: none")
     parser.add_argument("--steps", type=int, default=3, help="from the third on, step k+1's memory is compared "
                                                                  "with step k's")
+    parser.add_argument("--warmup", type=int, default=0, help="steps before the training peak is measured (the "
+                                                               "peak of a settled step, not of the first ones)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--checkpoint-dir", type=Path)
@@ -97,6 +99,8 @@ def main() -> None:
     vocab = model.config.vocab_size
     step_times, resident_after_step = [], []
     for step in range(args.steps):
+        if step == args.warmup > 0:
+            reset_peak_resident()
         tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(step))
         start = time.perf_counter()
         if step == 0:
@@ -111,7 +115,8 @@ def main() -> None:
         resident_after_step.append(resident_bytes() / MIB)
     per_param = 4 + 4 + state_bytes  # parameter, gradient, optimizer state
     budget = per_param * shard_mib / 4
-    record(f"{args.steps} training steps ({args.optimizer})", baseline + budget,
+    measured = f"steps {args.warmup + 1}-{args.steps}" if args.warmup else f"{args.steps} training steps"
+    record(f"{measured} ({args.optimizer})", baseline + budget,
            f"baseline + {per_param} B x parameters / N = {budget:.0f} (+ activations, gathered units); "
            f"loss {loss.item():.3f}, last step {step_times[-1]:.1f} s")
     peak = rows[-1][1]

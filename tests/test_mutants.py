@@ -68,6 +68,7 @@ KILLED_SAVE = "tests/test_checkpoint.py::test_a_rank_killed_while_saving_leaves_
 TRUNCATED = "tests/test_checkpoint.py::test_a_damaged_file_is_named[truncate]"
 PERSISTENT = "tests/test_memory.py::test_persistent_parameters_are_one_shard_per_rank[2]"
 PREFETCH = "tests/test_memory.py::test_forward_prefetch_gathers_the_next_unit_while_one_computes"
+STEP_PEAK = "tests/test_memory.py::test_a_steps_peak_holds_the_computing_unit_and_what_prefetch_started[no_prefetch-0]"
 RECOMPUTED = "tests/test_memory.py::test_a_forward_recomputed_in_backward_gathers_nothing_more"
 CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows"
 VOCABULARY = "tests/test_models.py::test_the_padded_vocabulary_never_shows_in_logits_loss_samples_or_gradients"
@@ -137,6 +138,10 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "if len(cleared) == len(holding):", "if False:", [NO_SYNC]),
     "wrapper names leak into named_parameters": (
         "fsdp_mpi/sharding/fully_sharded.py", "yield original_name(name), param", "yield name, param", [NAMES]),
+    "every forward's views keep the first step's autograd node": (
+        "fsdp_mpi/sharding/flat_param.py", "if new_forward and self.requires_grad and torch.is_grad_enabled():",
+        "if new_forward and self.requires_grad and torch.is_grad_enabled() and self._full_views[0].grad_fn is None:",
+        [STEP_PEAK]),
     "gathered views stay after reshard": (
         "fsdp_mpi/sharding/flat_param.py", "            namespace.pop(attribute, None)", "            pass", [NAMES]),
     "forced staging copies nothing through the host": (

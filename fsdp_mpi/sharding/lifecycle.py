@@ -158,7 +158,7 @@ class ShardedUnit:
         if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:
             upcoming._start_unshard()
         for handle in self.handles:
-            handle.use_full_views()
+            handle.use_full_views(new_forward=True)
         self.state = TrainingState.FORWARD
 
     def _pre_forward_of_part(self, part: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -263,7 +263,7 @@ class ShardedUnit:
         """Gathered for backward, showing the full views that autograd saved in forward."""
         self._unshard()
         for handle in self.handles:
-            handle.use_full_views()
+            handle.use_full_views(new_forward=False)
         self.state = TrainingState.BACKWARD
 
     def _to_idle(self, reshard: bool = True) -> None:

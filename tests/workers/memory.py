@@ -1,10 +1,12 @@
 """Checks where parameter memory is held: shards only at rest, one unit (plus its ancestors) while computing."""
 
 import gc
+import os
 import weakref
 
 import torch
-from common import gpt_batch, local_part, output_path, write_json
+from common import ResidualBlock, gpt_batch, local_part, output_path, write_json
+from mpi4py import MPI
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
@@ -67,6 +69,59 @@ def gathers_in_backward_under_checkpointing(comm: Communicator, inputs, targets)
         gathered.clear()
     FlatParamHandle._allocate_full_storage = allocate
     return steps
+
+
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident size now (VmRSS), or its peak since the last ``reset_peak()`` (VmHWM)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
+
+
+def reset_peak() -> int:
+    """Restarts the kernel's peak-resident counter at the present size, and returns that size."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return resident_bytes()
+
+
+class Stack(torch.nn.Module):
+    """Units much larger than their activations (one row a rank): what a step holds at its peak is weights and
+    gradients, and the root's own parameters (a one-output head) are negligible."""
+
+    def __init__(self, blocks: int = 8, width: int = 512):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(ResidualBlock(width) for _ in range(blocks)))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x)).square().mean()
+
+
+def peak_of_a_step(comm: Communicator, prefetch: bool) -> dict:
+    """The resident size that a training step adds at its peak, in forward and in backward, measured by the
+    kernel (VmHWM, reset before each) on the third step, with one unit's gathered bytes to say how many units'
+    worth that is. The launch sets glibc's mmap threshold, so that every tensor's memory is returned to the kernel
+    when freed and the peak is what was allocated at once. Gradients accumulate from step to step (no zero_grad),
+    so that the sharded gradient is held at rest and a step adds only what it frees again."""
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(Stack(), comm=comm, auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}),
+                                     forward_prefetch=prefetch, backward_prefetch=prefetch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(comm.rank))
+    for _ in range(2):  # the first step records the order and makes the views; the second reaches steady state
+        model(x).backward()
+        optimizer.step()
+    rest = reset_peak()
+    loss = model(x)
+    forward_peak = resident_bytes("VmHWM") - rest
+    rest = reset_peak()
+    loss.backward()
+    backward_peak = resident_bytes("VmHWM") - rest
+    unit = next(m for m in model.modules()
+                if isinstance(m, FullyShardedDataParallel) and isinstance(m.module, ResidualBlock))
+    peaks = MPI.COMM_WORLD.allgather((forward_peak, backward_peak))
+    return {"unit_bytes": sum(h.padded_numel * h.full_flat.element_size() for h in unit.handles),
+            "forward_peak": max(peak for peak, _ in peaks), "backward_peak": max(peak for _, peak in peaks)}
 
 
 if __name__ == "__main__":
@@ -146,7 +201,11 @@ if __name__ == "__main__":
     freed = held_with_dropped - live_tensor_bytes()  # which collects garbage first
     dropped_model = {"handles_alive": sum(ref() is not None for ref in handles_of_dropped), "bytes_freed": freed}
 
+    step_peaks = ({"no_prefetch": peak_of_a_step(comm, prefetch=False), "prefetch": peak_of_a_step(comm, prefetch=True)}
+                  if os.path.exists("/proc/self/clear_refs") else None)  # Linux's, to reset the peak
+
     write_json(output_path(), {
+        "step_peaks": step_peaks,
         "dropped_model": dropped_model,
         "during_no_sync": during_no_sync,
         "after_sync": after_sync,
