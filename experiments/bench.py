@@ -38,7 +38,8 @@ is against the GPU's published dense peak for the compute dtype
 counting each GPU in use once, ``issued_s`` is when the host had handed the
 whole step to the GPU, before waiting for it to finish (close to ``step_s``: the
 step is bound by the host, not the GPU; on a CPU they are one), ``peak_gpu_mb``
-is the busiest rank's peak GPU memory, and ``hidden_fraction`` is the share
+is the busiest rank's peak GPU memory (torch's allocator's, plus the node
+transport's slots, which it does not see), and ``hidden_fraction`` is the share
 of fsdp-mpi's time in collectives that its step does not add to plain torch's,
 ``1 - beyond_plain_s / mpi_blocked_s`` (0: nothing overlaps; 1: all of it is
 hidden). DDP and FSDP2 use nccl there, which needs a GPU per rank: with fewer

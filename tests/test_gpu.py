@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from mpi_launch import check_ok, run_mpi
+from test_node_transport import check_node_edges
 
 from fsdp_mpi import consolidate_checkpoint
 
@@ -53,6 +54,15 @@ def test_each_rank_makes_a_cuda_context_on_its_own_gpu_only(tmp_path):
     out = tmp_path / "gpu-collectives.json"
     check_ok(run_mpi("collectives.py", 2, out, "--device", "cuda", timeout=300))
     assert json.loads(out.read_text())["cuda/no CUDA context on another rank's GPU"]
+
+
+def test_the_node_transports_edges_on_the_gpu(tmp_path):
+    """workers/node_edges.py with 4 ranks sharing the first GPU: 3 ranks with a sum on a side stream, HYBRID_SHARD
+    with both groups on device memory at once, the slots given back and counted, the current device kept, and
+    CUDA IPC refused on rank 1 alone (issue 66)."""
+    out = tmp_path / "node-edges.json"
+    check_ok(run_mpi("node_edges.py", 4, out, "--device", "cuda", timeout=300, env=FIRST_GPU))
+    check_node_edges(json.loads(out.read_text()), "cuda")
 
 
 def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing_on_the_gpu(tmp_path):

@@ -44,9 +44,9 @@ def test_uneven_steps_end_with_the_watchdog_report_after_the_timeout(tmp_path):
     # rank 1 has left: it answers no question from rank 0's watchdog, which asks a quarter of the timeout early
     assert f"No answer within {timeout / 4:g} s from {socket.gethostname()} (rank 1: some of its ranks)" in report
     # What it waits in (the next step's first gather: the root unit), and the history before it.
-    assert "in collective #49 all_gather of unit '<root>', sending 6,208 float32" in report, report
-    assert "#47 reduce_scatter of unit '<root>'" in report and "not finished" in report
-    assert "#48 all_reduce of unit '<which parameters got gradients>'" in report
+    assert "in collective #50 all_gather of unit '<root>', sending 6,208 float32" in report, report
+    assert "#48 reduce_scatter of unit '<root>'" in report and "not finished" in report
+    assert "#49 all_reduce of unit '<which parameters got gradients>'" in report
     assert elapsed < timeout + START_UP_SECONDS, f"took {elapsed:.0f} s"
 
 
@@ -64,8 +64,8 @@ def test_verify_mode_names_the_ranks_and_units_that_diverge(tmp_path):
     result, elapsed = run_timed("unit_order", 3, tmp_path / "out.json")
     assert result.returncode != 0
     assert "CollectiveMismatchError: ranks are entering different collectives" in result.stderr
-    assert "ranks 0, 2: #6 all_gather of unit 'blocks.0', sending 24 float32" in result.stderr
-    assert "rank 1: #6 all_gather of unit 'blocks.1', sending 24 float32" in result.stderr
+    assert "ranks 0, 2: #7 all_gather of unit 'blocks.0', sending 24 float32" in result.stderr
+    assert "rank 1: #7 all_gather of unit 'blocks.1', sending 24 float32" in result.stderr
     assert elapsed < START_UP_SECONDS, f"took {elapsed:.0f} s"
 
 

@@ -60,6 +60,16 @@ COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_clo
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
 NODE_FILES = "tests/test_node_transport.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
+NODE_FILES_NAMED = NODE_FILES.replace("[normal]", "[named]")
+NODE_FILES_KILL_IN_GROWTH = NODE_FILES.replace("[normal]", "[kill-in-growth]")
+OWN_READ = ("tests/test_device_slots.py::"
+            "test_a_rank_waits_for_every_ranks_read_of_a_slot_its_own_included_before_writing_it_again")
+UNMAP_THEN_FREE = ("tests/test_device_slots.py::"
+                   "test_growth_frees_a_slot_only_after_every_rank_has_finished_with_it_and_unmapped_it")
+GIVE_BACK = "tests/test_device_slots.py::test_close_gives_the_device_memory_back_and_the_memory_column_counts_it_until_then"
+EVENT_FILE = ("tests/test_device_slots.py::"
+              "test_the_drivers_event_file_is_removed_at_exit_and_before_an_abort_even_when_opening_the_events_fails")
+CURRENT_DEVICE = "tests/test_device_slots.py::test_the_runtime_calls_on_the_named_gpu_and_leaves_the_threads_current_device_as_it_was"
 QUEUE_WAIT = "tests/test_device_paths.py::test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error"
 WORKER_ORDER = "tests/test_device_paths.py::test_the_worker_runs_collectives_one_at_a_time_in_the_order_started"
 CROSS_ENTROPY = "tests/test_cross_entropy.py::test_loss_and_gradient_are_torchs_on_the_fp32_logits"
@@ -233,7 +243,30 @@ MUTANTS = {
     "the host slots' file is left in /dev/shm": (
         "fsdp_mpi/communication/shared_slots.py",
         "os.unlink(path)  # every rank has mapped it, or failed: the memory lives as long as the mappings",
-        "pass", [NODE_FILES]),
+        "pass", [NODE_FILES_NAMED]),
+    "the host slots' memory is a named file even where it need not be": (
+        "fsdp_mpi/communication/shared_slots.py", 'descriptor = os.memfd_create("fsdp_mpi-slots", os.MFD_CLOEXEC)',
+        'raise OSError("no memfd")', [NODE_FILES_KILL_IN_GROWTH]),
+    "a rank rewrites its slot before its own read of it is done (on a GPU: its own event)": (
+        "fsdp_mpi/communication/shared_slots.py", "        for events in self._reads_by_rank.values():",
+        "        for events in [e for r, e in self._reads_by_rank.items() if r != self.rank]:", [OWN_READ]),
+    "a rank frees its device slots before its peers have unmapped them": (
+        "fsdp_mpi/communication/shared_slots.py",
+        "        _agree(self.mpi_comm, unmap_peers)\n        _agree(self.mpi_comm, free_own)",
+        "        free_own()\n        _agree(self.mpi_comm, unmap_peers)", [UNMAP_THEN_FREE]),
+    "closing the device slots gives nothing back": (
+        "fsdp_mpi/communication/shared_slots.py", "if self._allocation is None and not self._opened:", "if True:",
+        [GIVE_BACK]),
+    "the driver's event file is left when opening the peers' events fails": (
+        "fsdp_mpi/communication/shared_slots.py",
+        "        _remove_the_drivers_event_file_at_exit()\n        handles = mpi_comm.allgather",
+        "        handles = mpi_comm.allgather", [EVENT_FILE]),
+    "the node's memory grows at the first large collective, not when the model is wrapped": (
+        "fsdp_mpi/sharding/fully_sharded.py", "            _reserve_node_memory(self._unit.context.units, _groups)",
+        "            pass", [NODE_FILES]),
+    "a CUDA call leaves the thread on another GPU": (
+        "fsdp_mpi/communication/cuda_ipc.py", "            self._library.cudaSetDevice(previous.value)",
+        "            pass", [CURRENT_DEVICE]),
     "a quantizer that ignores the scale": (
         "fsdp_mpi/communication/compression.py", "codes = (blocks / divisors).round_()", "codes = blocks.clone().round_()",
         [INT8_ROUND_TRIP]),

@@ -21,19 +21,25 @@ def segments_made_by(job_prefix: str) -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith(job_prefix)}
 
 
-@pytest.mark.parametrize("mode", ["normal", "raise", "kill"])
+@pytest.mark.parametrize("mode", ["normal", "named", "raise", "kill", "kill-in-growth"])
 def test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds(mode, tmp_path):
+    """Whether the memory is made with no name (memfd) or, where that is refused, as a named file, and whether a
+    rank ends normally, raises, is killed in a collective or while the slots grow (opening the new memory, the
+    moment a named file exists)."""
     out = tmp_path / "out.json"
     start = time.monotonic()
     result = run_mpi("node_files.py", 3 if mode == "normal" else 2, out, mode, timeout=START_UP_SECONDS + 60)
     elapsed = time.monotonic() - start
     job_prefix = (tmp_path / "out.json.prefix").read_text()  # "fsdp_mpi-<rank 0's pid>-", written at its start
     assert job_prefix.startswith("fsdp_mpi-") and segments_made_by(job_prefix) == set()
-    if mode == "normal":
+    if mode in ("normal", "named"):
         check_ok(result)
         report = json.loads(out.read_text())
         assert report["routes"] == {"cpu": "node"} and report["sums_right"]
         assert report["listed_while_running"] == []  # unlinked as soon as every rank had mapped it
+        assert report["mapped"] == [1, 0]  # close() gave the memory back; a collective after it worked
+        # Wrapping grew the slots to the unit's whole buffer at once, not to its largest tensor (1,088 bytes).
+        assert report["wrapped"]["capacity"] >= report["wrapped"]["unit_bytes"] >= 108_800  # 27,200 parameters, padded
         return
     assert result.returncode != 0 and not out.exists()
     assert elapsed < START_UP_SECONDS + 15, f"the job took {elapsed:.0f} s to end after rank 1 failed"
@@ -41,11 +47,12 @@ def test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds(mo
         assert "rank 1 fails on purpose" in result.stderr
 
 
-class _RankZeroOfTwo:
-    """The node communicator as rank 0 of 2 sees it, alone in this process: barriers are recorded, not met."""
+class RankZeroOfTwo:
+    """The node communicator as rank 0 of 2 sees it, alone in this process: collectives are recorded, not met.
+    The peer's contribution to an allgather is this rank's own, or the error that `peer_error` says it reported."""
 
     def __init__(self, calls: list):
-        self.calls = calls
+        self.calls, self.peer_error = calls, None
 
     def Get_rank(self):
         return 0
@@ -55,6 +62,10 @@ class _RankZeroOfTwo:
 
     def Barrier(self):
         self.calls.append("barrier")
+
+    def allgather(self, value):
+        self.calls.append("allgather")
+        return [value, self.peer_error if self.peer_error is not None else value]
 
 
 class _RecordingSlots:
@@ -97,7 +108,7 @@ def test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn():
     alternate, a rank writes a slot only after waiting for the peers' reads of it, and reads the peers' only
     after the barrier and after waiting for their writes."""
     calls = []
-    transport = NodeTransport(_RankZeroOfTwo(calls), _RecordingSlots(calls))
+    transport = NodeTransport(RankZeroOfTwo(calls), _RecordingSlots(calls))
     full = torch.zeros(10)
     transport.all_gather(full, torch.arange(5.0))  # two values per exchange: 3 exchanges
     exchanges = [[("wait for the peers' reads", s), ("write", s), ("mark written", s), "barrier",
@@ -111,3 +122,27 @@ def test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn():
     assert [call for call in calls if call[0] in ("write", "read")] == [("write", 1), ("read", 1, 1),
                                                                          ("write", 0), ("read", 1, 0)]
     assert shard.tolist() == [1 + 101, 2 + 100]  # this rank's row, then rank 1's, summed in rank order
+
+
+def node_edges_report(tmp_path, *device: str) -> dict:
+    out = tmp_path / "node-edges.json"
+    check_ok(run_mpi("node_edges.py", 4, out, *device, timeout=START_UP_SECONDS + 120))
+    return json.loads(out.read_text())
+
+
+def check_node_edges(report: dict, kind: str) -> None:
+    """What workers/node_edges.py reports, on the CPU or (test_gpu.py) on a GPU: every check true, the node
+    transport taken by three ranks and by both groups of HYBRID_SHARD, and where rank 1 refused to share memory,
+    another route, the same on every rank, with the sum right."""
+    three = report["three ranks"]
+    assert three.pop("routes") == {kind: "node"}
+    assert all(three.values()), three
+    hybrid = report["hybrid"]
+    assert hybrid["shard group"] == hybrid["replica group"] == {kind: "node"} and hybrid["replicas equal"]
+    assert all(report["give back"].values()), report["give back"]
+    refused = report["refused on rank 1"]
+    assert len(set(refused["routes"])) == 1 and refused["routes"][0] != "node" and refused["sum"]
+
+
+def test_three_ranks_hybrid_groups_giving_back_and_one_rank_refusing_on_the_node_transport(tmp_path):
+    check_node_edges(node_edges_report(tmp_path, "--device", "cpu"), "cpu")

@@ -281,7 +281,8 @@ def main() -> None:
     state_bytes = max(comm.all_gather_object(model_state_bytes(measured, optimizer)))
     rss = max(comm.all_gather_object(peak_rss_mb()))
     on_gpu = device.type == "cuda"
-    gpu_mb = max(comm.all_gather_object(torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else 0))
+    gpu_bytes = torch.cuda.max_memory_allocated(device) + comm.device_bytes_outside_torch() if on_gpu else 0
+    gpu_mb = max(comm.all_gather_object(gpu_bytes / 2**20))  # torch's peak and the node transport's slots
     blocked_median = statistics.median(comm.all_gather_object(statistics.median(blocked)))
     if comm.rank == 0:
         step = statistics.median(times)

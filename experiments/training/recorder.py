@@ -55,7 +55,9 @@ class RunRecorder:
         self.comm.all_reduce_sum_(torch.from_numpy(step_loss_sums))  # in place: the tensor shares its memory
         samples, seconds = sum(tally.step_samples), tally.seconds
         train_loss = float(step_loss_sums.sum()) / samples  # a Python float: rows go into checkpoints
-        peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        # On a GPU, torch's peak plus the node transport's slots, which torch's allocator does not see.
+        peak_memory = (torch.cuda.max_memory_allocated(device) + self.comm.device_bytes_outside_torch()
+                       if device.type == "cuda" else None)
         per_rank = self.comm.all_gather_object([peak_rss_mb(), state_bytes / 2**20, (peak_memory or 0) / 2**20,
                                                tally.comm_seconds])
         maxima = [max(column) for column in zip(*per_rank)]  # the busiest rank

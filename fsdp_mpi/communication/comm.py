@@ -32,6 +32,7 @@ from fsdp_mpi.communication.mpi_buffers import (MAX_ELEMENTS_PER_MESSAGE, SUM_IN
                                                 check_full_and_shard, wait_for_producer)
 from fsdp_mpi.communication.routes import STAGING_CHUNK_BYTES, Route, Routes, staging_chunk_numel
 from fsdp_mpi.communication.settings import FORCE_STAGING, NODE_TRANSPORT, VERIFY, read_flag
+from fsdp_mpi.communication.shared_slots import device_bytes_held_by_slots
 from fsdp_mpi.communication.staging import StagedCollectives
 from fsdp_mpi.communication.started import Pending, start_all_gather, start_reduce_scatter
 
@@ -95,6 +96,23 @@ class Communicator:
         """How tensors on `device` travel between the ranks here (``routes.py``). Collective the first time for
         each kind of tensor, which chooses the route; then kept."""
         return self._routes.of(self, device)
+
+    def reserve(self, device: torch.device, nbytes: int) -> None:
+        """Prepares, at set-up, for collectives on `device` of up to `nbytes` in their full buffer (collective): chooses
+        the route, and grows the node transport's memory now, not at the first large collective of a step."""
+        self._routes.reserve(self, device, nbytes)
+
+    @staticmethod
+    def device_bytes_outside_torch() -> int:
+        """Device memory this process holds for node transports (this communicator's and every other's), which
+        ``torch.cuda.max_memory_allocated`` does not count: their slots are allocated outside torch's allocator."""
+        return device_bytes_held_by_slots()
+
+    def close(self) -> None:
+        """Gives back the node transport's memory, on the device and on the host (collective: every rank
+        calls it). A later collective opens it again. Dropping a communicator gives nothing back: device memory
+        that peers may still read cannot be freed without them."""
+        self._routes.close(self)
 
     @property
     def routes(self) -> dict[str, str]:

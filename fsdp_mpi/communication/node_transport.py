@@ -10,7 +10,8 @@ a GPU (device-to-device copies, at the GPU's bandwidth).
 
 A collective is cut into *exchanges* of at most one slot each. One exchange::
 
-    wait until the peers have read my slot s        GPU: their events      host: implied (below)
+    wait until every rank has read my slot s        GPU: their events      host: implied (below)
+      (this one too: a sum reads its own slot, perhaps on another stream)
     write my contribution into my slot s
     mark slot s written                             GPU: my event
     MPI barrier                                     every rank has written (host order)
@@ -43,7 +44,11 @@ DEVICE_EXCHANGE_BYTES = 64 * 2**20
 
 def open_node_transport(mpi_comm, device: torch.device, exchange_bytes: int | None = None):
     """A ``NodeTransport`` for `device`'s tensors if every rank of `mpi_comm` is on this node and the node's
-    memory can be shared, else None; and one line saying which, and why. Collective over `mpi_comm`."""
+    memory can be shared, else None; and one line saying which, and why. Collective over `mpi_comm`.
+
+    A GPU named without an index (``cuda``) is the current one, as torch reads it."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, mpi_comm.Get_rank())
     on_this_node = node.Get_size()
     if on_this_node != mpi_comm.Get_size():
@@ -73,6 +78,17 @@ class NodeTransport:
         self.node_comm, self.slots = node_comm, slots
         self.rank, self.world = node_comm.Get_rank(), node_comm.Get_size()
         self._next_slot = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Grows the slots now (collective) to what a collective whose full buffer (every rank's part) has
+        `nbytes` needs, so that they do not grow in the middle of a step, near its peak of memory: a
+        reduce-scatter writes all of it into a slot, or the slot's limit of it per exchange."""
+        self.slots.ensure(min(nbytes, self.slots.limit))
+
+    def close(self) -> None:
+        """Gives the slots and the node's communicator back (collective)."""
+        self.slots.close()
+        self.node_comm.Free()
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """full (W * S,) <- every rank's shard (S,), in rank order."""

@@ -69,6 +69,20 @@ class Routes:
         self.chosen[kind], self.reasons[kind] = (Route.STAGED if staged else Route.DIRECT), why
         return self.chosen[kind]
 
+    def reserve(self, comm, device: torch.device, nbytes: int) -> None:
+        """Chooses `device`'s route (collective) and, where it is the node transport, grows its slots for a
+        collective whose full buffer has `nbytes`."""
+        if comm.world_size > 1 and self.of(comm, device) is Route.NODE:
+            with in_mpi(comm, "reserve node memory"):
+                self.node_transports[device.type].reserve(nbytes)
+
+    def close(self, comm) -> None:
+        """Gives back what the node transports hold (collective); a later collective chooses its route again."""
+        for kind, transport in list(self.node_transports.items()):
+            with in_mpi(comm, "close node transport"):
+                transport.close()
+            del self.node_transports[kind], self.chosen[kind], self.reasons[kind]
+
     def describe(self, comm, device: torch.device) -> str:
         """How `device`'s tensors travel between `comm`'s ranks, and why (for a run's log). Collective: it
         chooses the route if no collective has yet."""

@@ -109,6 +109,8 @@ class FullyShardedDataParallel(nn.Module):
                                  compression)
         if deferred and not nested_in_wrap:
             materialize_into_shards(module, self._unit.context.units, param_init_fn, comm, sync_module_states)
+        if not nested_in_wrap:
+            _reserve_node_memory(self._unit.context.units, _groups)
 
     def forward(self, *args, **kwargs):
         """Calls the wrapped module; its unit's hooks gather the parameters around the call."""
@@ -244,6 +246,20 @@ def _set_up_the_tree(module: nn.Module, comm: Communicator, groups: ShardGroups,
         _broadcast_module_states(module, comm)
     if mixed_precision.buffer_dtype is not None:
         _cast_floating_buffers(module, mixed_precision.buffer_dtype)
+
+
+def _reserve_node_memory(units, groups: ShardGroups) -> None:
+    """Grows the node transport's memory at set-up to what the largest unit's collectives need (collective), so
+    that it does not grow in the first backward, near the step's peak: a reduce-scatter takes the unit's whole
+    padded buffer, an all-reduce over the replicas its shard."""
+    handles = [handle for unit in units for handle in unit.handles]
+    if not handles:
+        return
+    largest = max(handles, key=lambda h: h.padded_numel * max(h.param_dtype.itemsize, h.reduce_dtype.itemsize))
+    itemsize = max(largest.param_dtype.itemsize, largest.reduce_dtype.itemsize)
+    groups.shard.reserve(largest.shard.device, largest.padded_numel * itemsize)
+    if groups.replicas is not None:
+        groups.replicas.reserve(largest.shard.device, largest.shard_numel * itemsize)
 
 
 def _check_compression(compression: Compression | None, mixed_precision: MixedPrecision) -> None:
