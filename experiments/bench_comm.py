@@ -15,6 +15,9 @@ reduce-scatter through these paths, on the same ranks:
   (``FSDP_MPI_NODE_TRANSPORT=0``): MPI moves the bytes, straight from the
   tensors' memory, or staged through pinned host buffers for device tensors
   when MPI is not CUDA-aware;
+- ``fsdp-mpi+staged`` (device tensors, where MPI is CUDA-aware, as Intel MPI is
+  with ``I_MPI_OFFLOAD=1``): staged through pinned host buffers all the same
+  (``FSDP_MPI_FORCE_STAGING=1``), beside the direct route of ``fsdp-mpi+mpi``;
 - ``mpi4py``: ``Allgather`` and ``Reduce_scatter_block`` (sum) on numpy arrays
   in host memory (on the CPU, views of the same memory): what this MPI itself
   moves;
@@ -47,7 +50,7 @@ from training.strategies import init_torch_distributed, node_placement
 
 from fsdp_mpi import Communicator
 
-PATHS = ("fsdp-mpi", "fsdp-mpi+mpi", "mpi4py", "gloo")
+PATHS = ("fsdp-mpi", "fsdp-mpi+mpi", "fsdp-mpi+staged", "mpi4py", "gloo")
 OPERATIONS = ("all_gather", "reduce_scatter")
 # torch 2.13 renamed the tensor collectives; older releases have only the old names
 _GLOO_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -164,11 +167,16 @@ def main() -> int:
               "experiments/bench_comm.py", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    device, paths = torch.device("cpu"), PATHS
+    device, skipped = torch.device("cpu"), {"fsdp-mpi+staged"}
     if args.device == "cuda":
-        device, paths = torch.device("cuda", node_placement(comm)[0] % torch.cuda.device_count()), PATHS[:-1]
+        device, skipped = torch.device("cuda", node_placement(comm)[0] % torch.cuda.device_count()), {"gloo"}
         torch.cuda.set_device(device)
     comms = {"fsdp-mpi": comm, "fsdp-mpi+mpi": Communicator(node_transport=False)}
+    if device.type == "cuda" and comm.cuda_aware:  # +mpi hands MPI device memory: staging is a path of its own
+        comms["fsdp-mpi+staged"] = Communicator(force_staging=True)
+    else:
+        skipped.add("fsdp-mpi+staged")  # the same as +mpi (device tensors), or not a GPU path at all
+    paths = tuple(path for path in PATHS if path not in skipped)
     routes = {path: communicator.describe_route(device) for path, communicator in comms.items()}  # collective
     if device.type == "cpu":
         init_torch_distributed(comm, device)  # gloo

@@ -18,6 +18,11 @@
 #       # README's test command, the whole suite, on parallel workers (pytest-xdist): at most 9 minutes
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh bench-mfu-blocks
 #       # gpt2-medium with each block compiled, plain torch beside fsdp-mpi, and FSDP2: named only
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh impi-direct
+#       # Intel MPI reading device memory itself (I_MPI_OFFLOAD=1): the collectives and the variants on its direct
+#       # route, bit for bit the node transport's; node transport, direct and staged GB/s; GPT-2's step by route.
+#       # Needs a trimmed Intel MPI (hpc/trim_impi.sh) in FSDP_MPI_IMPI (default .gpu/impi, or its .tar.xz). Named
+#       # only, about 4 minutes
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -112,6 +117,28 @@ if [ "$quick" = 1 ]; then
     awk '/^\| strategy \| precision/ {table = 1} table && /^$/ {table = 0; print ""} table' \
         "$out"/bench-mfu-*.log "$out"/bench-bert.log 2> /dev/null | tee "$out/mfu.md"
 fi
+# Intel MPI as a CUDA-aware MPI (issue 59), named only: its own launcher and library (hpc/impi_env.sh) with GPU
+# offload on, in a subshell, so that what follows runs under the MPI the check started with.
+if [[ "$only" == *" impi-direct "* ]]; then
+    impi="${FSDP_MPI_IMPI:-.gpu/impi}"
+    [ -d "$impi" ] || [ ! -f "$impi.tar.xz" ] || tar -xJf "$impi.tar.xz" -C "$(dirname "$impi")"
+    (
+        source hpc/impi_env.sh "$impi"
+        export I_MPI_OFFLOAD=1 mpiexec="$impi/bin/mpiexec"
+        only="$only impi-gpu-lane impi-bench-comm impi-gpt2 "
+        $PY -c "from fsdp_mpi.communication.gpu_support import describe_device_path as d, mpi_is_cuda_aware as a; print(d(a(), False))" \
+            > "$out/impi-machine.txt" 2>&1
+        cat "$out/impi-machine.txt"
+        run impi-gpu-lane 100 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py \
+            -k "collectives_on_the_gpu or staging_chunking"
+        run impi-bench-comm 60 "$mpiexec" -n 2 $PY experiments/bench_comm.py --device cuda --sizes-mb 1,16,256 \
+            --rounds 3 --repeats 5 --out "$out/impi-bench-comm.csv"
+        run impi-gpt2 80 $PY experiments/bench.py --device cuda --model gpt2 --seq-len 1024 --batch-size 16 \
+            --same-global-batch --ranks 2 --steps 5 --warmup 2 --rounds 1 --out "$out/impi-gpt2.csv" \
+            --strategies plain:bf16-mixed@1,fsdp-mpi:bf16-mixed,fsdp-mpi+mpi:bf16-mixed
+    )
+fi
+
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.
 run bench-comm-gpu 60 "$mpiexec" -n 2 $PY experiments/bench_comm.py --device cuda --sizes-mb 256 --rounds 3 \
     --repeats 5 --out "$out/bench-comm.csv"

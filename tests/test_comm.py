@@ -3,10 +3,12 @@
 import copy
 import ctypes
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from mpi_launch import check_ok, run_mpi
+from mpi_launch import check_ok, child_env, run_mpi
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.gpu_support import HostStagingBuffers, mpi_is_cuda_aware
@@ -156,6 +158,8 @@ def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch
 
     monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
     monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary(kind, answer))
+    library = {"mpich": "MPICH Version: 5.0.2", "openmpi": "Open MPI v5.0.11", "neither": "Another MPI 1.0"}[kind]
+    monkeypatch.setattr(gpu_support, "library_name", lambda: library)  # whatever MPI runs the test
     assert gpu_support.mpi_is_cuda_aware() is aware
     line = gpu_support.describe_device_path(cuda_aware=aware, force_staging=False)
     assert ("straight to the CUDA-aware MPI" in line) is aware and ("staged" in line) is not aware
@@ -165,6 +169,39 @@ def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch
     monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "1")  # the user's word wins, and the line says so
     assert gpu_support.mpi_is_cuda_aware() is True
     assert "FSDP_MPI_CUDA_AWARE=1)" in gpu_support.describe_device_path(cuda_aware=True, force_staging=False)
+
+
+@pytest.mark.parametrize("offload,aware", [(None, False), ("0", False), ("1", True)])
+def test_under_intel_mpi_the_log_line_says_what_its_gpu_offload_would_change(monkeypatch, offload, aware):
+    """Intel MPI reads device memory only with I_MPI_OFFLOAD=1 (its query answers 0 otherwise): the line names
+    that setting, not FSDP_MPI_CUDA_AWARE, and every route line says where it stands."""
+    from fsdp_mpi.communication import gpu_support
+
+    monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
+    monkeypatch.delenv("I_MPI_OFFLOAD", raising=False)
+    if offload is not None:
+        monkeypatch.setenv("I_MPI_OFFLOAD", offload)
+    monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary("mpich", int(aware)))
+    monkeypatch.setattr(gpu_support, "library_name", lambda: "Intel(R) MPI Library 2021.18.1 for Linux* OS")
+    line = gpu_support.describe_device_path(cuda_aware=gpu_support.mpi_is_cuda_aware(), force_staging=False)
+    assert line.startswith("device buffers go straight" if aware else "device buffers are staged")
+    assert ("set I_MPI_OFFLOAD=1 in mpiexec's environment" in line) is not aware
+    assert "FSDP_MPI_CUDA_AWARE" not in line
+    note = gpu_support.intel_offload_note()
+    assert note.startswith("Intel(R) MPI Library 2021.18.1")
+    assert note.endswith("it reads device memory itself" if aware else "I_MPI_OFFLOAD=1 lets it read them itself")
+    monkeypatch.setattr(gpu_support, "library_name", lambda: "MPICH Version:      5.0.2")
+    assert gpu_support.intel_offload_note() == ""
+
+
+def test_intel_mpis_gpu_offload_without_a_cuda_driver_is_refused_before_mpi_starts():
+    """Intel MPI's MPI_Init dies of a segmentation fault with I_MPI_OFFLOAD=1 where the CUDA driver does not
+    load; importing fsdp_mpi says so first, under any MPI (only Intel MPI reads the variable)."""
+    env = child_env(I_MPI_OFFLOAD="1", I_MPI_OFFLOAD_CUDA_LIBRARY="/no/such/libcuda.so")
+    result = subprocess.run([sys.executable, "-c", "import fsdp_mpi"], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "I_MPI_OFFLOAD=1 asks Intel MPI to read GPU memory, but /no/such/libcuda.so does not load" in result.stderr
 
 
 @pytest.mark.parametrize("rank,printed", [(0, 1), (1, 0)])
@@ -193,6 +230,6 @@ def test_collectives_on_several_ranks_for_every_dtype(nprocs, tmp_path):
     # (collectives x dtypes + 16-bit sums in fp32 for the 2 16-bit dtypes) x route (direct MPI, staged, node
     # transport) x chunking, + the route taken, + device buffers handed to MPI, + started staged collectives
     # returning before the partner joins (the communication thread), + a started 16-bit reduce-scatter handed to
-    # it in fp32
-    assert len(report) == (7 * 4 + 2) * 3 * 2 + 6 + 4 * 2 + 4 + 1
+    # it in fp32, + the route line's word on Intel MPI's GPU offload
+    assert len(report) == (7 * 4 + 2) * 3 * 2 + 6 + 4 * 2 + 4 + 1 + 1
     assert [name for name, ok in report.items() if not ok] == []

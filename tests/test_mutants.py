@@ -69,6 +69,8 @@ UNMAP_THEN_FREE = ("tests/test_device_slots.py::"
 GIVE_BACK = "tests/test_device_slots.py::test_close_gives_the_device_memory_back_and_the_memory_column_counts_it_until_then"
 EVENT_FILE = ("tests/test_device_slots.py::"
               "test_the_drivers_event_file_is_removed_at_exit_and_before_an_abort_even_when_opening_the_events_fails")
+INTEL_HINT = "tests/test_comm.py::test_under_intel_mpi_the_log_line_says_what_its_gpu_offload_would_change"
+OFFLOAD_REFUSED = "tests/test_comm.py::test_intel_mpis_gpu_offload_without_a_cuda_driver_is_refused_before_mpi_starts"
 CURRENT_DEVICE = "tests/test_device_slots.py::test_the_runtime_calls_on_the_named_gpu_and_leaves_the_threads_current_device_as_it_was"
 QUEUE_WAIT = "tests/test_device_paths.py::test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error"
 WORKER_ORDER = "tests/test_device_paths.py::test_the_worker_runs_collectives_one_at_a_time_in_the_order_started"
@@ -264,6 +266,11 @@ MUTANTS = {
     "the node's memory grows at the first large collective, not when the model is wrapped": (
         "fsdp_mpi/sharding/fully_sharded.py", "            _reserve_node_memory(self._unit.context.units, _groups)",
         "            pass", [NODE_FILES]),
+    "Intel MPI's line gives the generic hint, not its offload setting": (
+        "fsdp_mpi/communication/gpu_support.py", "    elif is_intel_mpi():", "    elif False:", [INTEL_HINT]),
+    "Intel MPI's offload without a CUDA driver is left to crash MPI_Init": (
+        "fsdp_mpi/communication/launcher.py", 'if os.environ.get(INTEL_MPI_OFFLOAD, "").strip() in ("", "0"):',
+        "if True:", [OFFLOAD_REFUSED]),
     "a CUDA call leaves the thread on another GPU": (
         "fsdp_mpi/communication/cuda_ipc.py", "            self._library.cudaSetDevice(previous.value)",
         "            pass", [CURRENT_DEVICE]),

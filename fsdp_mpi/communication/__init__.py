@@ -5,3 +5,7 @@ Read in this order: settings -> timing_points -> abort -> liveness -> collective
 -> routes -> started -> comm -> compression.
 Nothing here knows about modules, parameters or units.
 """
+
+from fsdp_mpi.communication.launcher import refuse_offload_without_a_cuda_driver
+
+refuse_offload_without_a_cuda_driver()  # before any module here imports mpi4py, which starts MPI

@@ -1,18 +1,20 @@
 """Whether MPI can read GPU memory, which path device buffers take, and the host buffers used when it cannot.
 
-A CUDA-aware MPI (most cluster builds of Open MPI, MPICH and Cray MPICH) takes
-device pointers directly. Others need every device tensor copied to host memory
+A CUDA-aware MPI (most cluster builds of Open MPI, MPICH and Cray MPICH, and
+Intel MPI with ``I_MPI_OFFLOAD=1``) takes device pointers directly. Others need every device tensor copied to host memory
 first (``staging.py``); page-locked ("pinned") host buffers make those copies
 fast and asynchronous, and keeping them between steps avoids re-pinning memory
 on every collective.
 """
 
 import ctypes
+import os
 import sys
 
 import torch
 from mpi4py import MPI
 
+from fsdp_mpi.communication.launcher import INTEL_MPI_CUDA_LIBRARY, INTEL_MPI_OFFLOAD
 from fsdp_mpi.communication.settings import CUDA_AWARE, FORCE_STAGING, read_flag
 
 
@@ -49,17 +51,42 @@ def mpi_is_cuda_aware() -> bool:
     return override if override is not None else library_cuda_support()[0]
 
 
+def library_name() -> str:
+    """The MPI library's first line of its version: "Intel(R) MPI Library 2021.18.1 for Linux* OS", say."""
+    return MPI.Get_library_version().splitlines()[0].strip()
+
+
+def is_intel_mpi() -> bool:
+    return library_name().startswith("Intel(R) MPI")
+
+
+def intel_offload_note() -> str:
+    """Under Intel MPI, what its GPU offload is set to and what it changes (for every route line); else ""."""
+    if not is_intel_mpi():
+        return ""
+    offload = os.environ.get(INTEL_MPI_OFFLOAD, "").strip() or "unset"
+    if offload not in ("unset", "0"):
+        return f"{library_name()}, {INTEL_MPI_OFFLOAD}={offload}: it reads device memory itself"
+    return (f"{library_name()}, {INTEL_MPI_OFFLOAD} {'unset' if offload == 'unset' else '=0'}: device buffers "
+            f"would be staged through the host; {INTEL_MPI_OFFLOAD}=1 lets it read them itself")
+
+
 def describe_device_path(cuda_aware: bool, force_staging: bool) -> str:
-    """One line for a log: how device buffers reach this MPI, and why."""
-    library = MPI.Get_library_version().splitlines()[0].strip()
+    """One line for a log: how device buffers reach this MPI, and why, and what would change it."""
     supported, answer = library_cuda_support()
     override = read_flag(CUDA_AWARE)
-    why = f"{library}: {answer}" + (f"; {CUDA_AWARE.name}={int(override)}" if override is not None else "")
+    why = f"{library_name()}: {answer}" + (f"; {CUDA_AWARE.name}={int(override)}" if override is not None else "")
     if force_staging:
         return f"device buffers are staged through pinned host memory ({FORCE_STAGING.name}=1; {why})"
     if cuda_aware:
         return f"device buffers go straight to the CUDA-aware MPI ({why})"
-    hint = "" if supported or override is not None else f"; set {CUDA_AWARE.name}=1 if your MPI is built with CUDA"
+    if supported or override is not None:
+        hint = ""
+    elif is_intel_mpi():
+        hint = (f"; set {INTEL_MPI_OFFLOAD}=1 in mpiexec's environment for Intel MPI to read device memory itself "
+                f"(and {INTEL_MPI_CUDA_LIBRARY}=<path> if the CUDA driver's library is not libcuda.so)")
+    else:
+        hint = f"; set {CUDA_AWARE.name}=1 if your MPI is built with CUDA"
     return f"device buffers are staged through pinned host memory: MPI is not CUDA-aware ({why}{hint})"
 
 

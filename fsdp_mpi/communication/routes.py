@@ -16,7 +16,7 @@ from enum import Enum
 import torch
 
 from fsdp_mpi.communication.bookkeeping import in_mpi
-from fsdp_mpi.communication.gpu_support import describe_device_path
+from fsdp_mpi.communication.gpu_support import describe_device_path, intel_offload_note
 from fsdp_mpi.communication.node_transport import NodeTransport, open_node_transport
 from fsdp_mpi.communication.settings import FORCE_STAGING, NODE_TRANSPORT
 
@@ -84,17 +84,20 @@ class Routes:
             del self.node_transports[kind], self.chosen[kind], self.reasons[kind]
 
     def describe(self, comm, device: torch.device) -> str:
-        """How `device`'s tensors travel between `comm`'s ranks, and why (for a run's log). Collective: it
-        chooses the route if no collective has yet."""
+        """How `device`'s tensors travel between `comm`'s ranks, and why (for a run's log), with what Intel MPI's
+        GPU offload is set to where that is the MPI. Collective: it chooses the route if no collective has yet."""
         if comm.world_size == 1:
             return ("one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves gradients as "
                     "they are)")
         route, why = self.of(comm, device), self.reasons[device.type]
+        if route is not Route.NODE and device.type == "cuda":  # names the library and what would change it
+            return f"{describe_device_path(comm.cuda_aware, comm.force_staging)}; not through shared memory: {why}"
         if route is Route.NODE:
-            return f"{why} ({NODE_TRANSPORT.name}=0: through MPI instead)"
-        through_mpi = (describe_device_path(comm.cuda_aware, comm.force_staging) if device.type == "cuda"
-                       else "host buffers go to MPI")
-        return f"{through_mpi}; not through shared memory: {why}"
+            line = f"{why} ({NODE_TRANSPORT.name}=0: through MPI instead)"
+        else:
+            line = f"host buffers go to MPI; not through shared memory: {why}"
+        note = intel_offload_note()
+        return f"{line}; {note}" if note else line
 
 
 def runs_on_the_communication_thread(route: Route | None, tensor: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from common import output_path, take_device_argument, write_json
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.background import threads_may_call_mpi_at_once
+from fsdp_mpi.communication.gpu_support import is_intel_mpi, mpi_is_cuda_aware
 from fsdp_mpi.communication.mpi_buffers import BIT_TYPES, DeviceBuffer
 
 S = 5
@@ -141,11 +142,12 @@ def dtypes_handed_to_the_worker(comm: Communicator, dtype: torch.dtype) -> list 
 
 
 def on_the_gpu(device: torch.device) -> dict:
-    """Device tensors through the node transport (CUDA IPC) and the staged path, on the GPU of each rank's place
-    on its node (ranks may share one): the closed forms, whole and in exchanges of 16 bytes, collectives
-    started on the communication thread, and 64 MiB of random values, bit for bit the same both ways."""
+    """Device tensors through the node transport (CUDA IPC), the staged path and, where MPI is CUDA-aware (Intel
+    MPI with I_MPI_OFFLOAD=1), straight to MPI, on the GPU of each rank's place on its node (ranks may share one):
+    the closed forms, whole and in exchanges of 16 bytes, collectives started on the communication thread, and
+    64 MiB of random values, bit for bit the node transport's on every other route."""
     report, results = {}, {}
-    for route in ("node", "staged"):
+    for route in ("node", "staged", *(("direct",) if mpi_is_cuda_aware() else ())):
         for chunk in (None, 16):
             comm = Communicator(force_staging=route == "staged", node_transport=route == "node")
             if chunk:
@@ -162,8 +164,9 @@ def on_the_gpu(device: torch.device) -> dict:
         comm.all_gather_into(gathered, full[:numel].clone())
         comm.reduce_scatter_sum(shard, full)
         results[route] = (gathered, shard)
-    report["cuda/64 MiB node == staged, bit for bit"] = all(comm.all_gather_object(
-        all(torch.equal(a, b) for a, b in zip(results["node"], results["staged"]))))
+    for route in [route for route in results if route != "node"]:  # in one order on every rank
+        report[f"cuda/64 MiB node == {route}, bit for bit"] = all(comm.all_gather_object(
+            all(torch.equal(a, b) for a, b in zip(results["node"], results[route]))))
     # After all that, on the communication thread too: a CUDA context on this rank's GPU only (each costs about
     # 0.5 GiB of the GPU it is on; with one GPU for all ranks there is no other).
     others = [index for index in range(torch.cuda.device_count())
@@ -197,6 +200,9 @@ if __name__ == "__main__":
     report["a started 16-bit reduce-scatter reaches the worker in fp32"] = all(staged.all_gather_object(
         dtypes_handed_to_the_worker(staged, torch.bfloat16)
         == ([torch.float32, torch.float32] if threads_may_call_mpi_at_once() else None)))
+    line = comm.describe_route(torch.device("cpu"))
+    report["the route line says what I_MPI_OFFLOAD would change, under Intel MPI alone"] = (
+        "I_MPI_OFFLOAD unset: device buffers would be staged through the host" in line) is is_intel_mpi()
     report["sum_and_max_of_floats"] = [comm.all_reduce_sum_float(comm.rank + 0.5),
                                        comm.all_reduce_max_float(-comm.rank)]
     write_json(output_path(), report)
