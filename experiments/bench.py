@@ -5,7 +5,7 @@
 Every strategy trains the same GPT-2 (or BERT: ``--model bert-base``, pre-training with
 its masked-LM head on the 15% masked tokens, ``measuring/bench_models.py``) on the same synthetic tokens with the same
 per-rank batch, threads and glibc allocator setting (fsdp-mpi's memory reuse,
-fsdp_mpi/communication/host_memory.py; ``--malloc-as-shipped`` gives it to fsdp-mpi alone, as
+fsdp_mpi/sharding/host_memory.py; ``--malloc-as-shipped`` gives it to fsdp-mpi alone, as
 a user would run them). A shared machine drifts by more than the differences
 between strategies, so a strategy is only compared with the others of its
 round: each of ``--rounds`` rounds runs every strategy once, in an order
@@ -58,6 +58,8 @@ compiling is not timed; the rows' MFU then sets compiled and eager side by side.
 or int8).
 ``fsdp-mpi+mpi`` moves the node's bytes through MPI instead of the memory its
 ranks share (``FSDP_MPI_NODE_TRANSPORT=0``), as before the node transport.
+``fsdp-mpi+flat`` sends a group that spans nodes through one flat ring instead
+of in two levels (``FSDP_MPI_TWO_LEVEL=0``).
 ``fsdp-mpi+SHARD_GRAD_OP`` (or any sharding strategy) runs fsdp-mpi with that
 strategy in place of ``--sharding-strategy``, so that several share the rounds.
 Where the ranks span several hosts (``FSDP_MPI_MPIEXEC`` names a launcher that
@@ -109,6 +111,7 @@ COMPILE_WHOLE = "compile_whole"  # plain+compile_whole, fsdp-mpi+compile_whole: 
 COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/GRADIENTS]
 COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
 THROUGH_MPI = "mpi"  # fsdp-mpi+mpi: the node's ranks exchange through MPI, not shared memory (FSDP_MPI_NODE_TRANSPORT=0)
+FLAT = "flat"  # fsdp-mpi+flat: a group spanning nodes in one flat ring, not in two levels (FSDP_MPI_TWO_LEVEL=0)
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 
@@ -140,6 +143,8 @@ def run_one(spec: str, ranks: int, args) -> dict:
         env = launch.environment(OMP_NUM_THREADS=str(args.threads))
         if THROUGH_MPI in overlap:
             env["FSDP_MPI_NODE_TRANSPORT"] = "0"
+        if FLAT in overlap:
+            env["FSDP_MPI_TWO_LEVEL"] = "0"
         if not args.malloc_as_shipped:
             env["GLIBC_TUNABLES"] = MALLOC_REUSE
         print(f"-- {spec} on {ranks} rank(s)", flush=True)
@@ -376,7 +381,7 @@ def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[t
         compressed = [token for token in overlap if token.startswith(COMPRESSION)]
         overlap = [token for token in overlap if token not in compressed]
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
-                or not set(overlap) <= {*OVERLAP, *SHARDING, *COMPILING, THROUGH_MPI} \
+                or not set(overlap) <= {*OVERLAP, *SHARDING, *COMPILING, THROUGH_MPI, FLAT} \
                 or (set(overlap) - set(COMPILING) and base != "fsdp-mpi") or len(set(overlap) & set(SHARDING)) > 1 \
                 or len(set(overlap) & set(COMPILING)) > 1 \
                 or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi")) \

@@ -15,10 +15,10 @@ Read them in that order (each subpackage's docstring orders its files); last, li
 public API.
 """
 
-from fsdp_mpi.communication.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.communication.bookkeeping import CollectiveMismatchError
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
+from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.sharding.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.sharding.lifecycle import TrainingState
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision

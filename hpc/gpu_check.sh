@@ -23,6 +23,10 @@
 #       # route, bit for bit the node transport's; node transport, direct and staged GB/s; GPT-2's step by route.
 #       # Needs a trimmed Intel MPI (hpc/trim_impi.sh) in FSDP_MPI_IMPI (default .gpu/impi, or its .tar.xz). Named
 #       # only, about 4 minutes
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh two-level
+#       # 4 ranks sharing the GPU as 2 emulated nodes of 2 (FSDP_MPI_EMULATED_NODE_SIZE=2): the collectives in two
+#       # levels on device memory (node transport inside, MPI staged across), and GPT-2's step in two levels
+#       # against one flat staged ring. Named only, about 3 minutes
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -137,6 +141,16 @@ if [[ "$only" == *" impi-direct "* ]]; then
             --same-global-batch --ranks 2 --steps 5 --warmup 2 --rounds 1 --out "$out/impi-gpt2.csv" \
             --strategies plain:bf16-mixed@1,fsdp-mpi:bf16-mixed,fsdp-mpi+mpi:bf16-mixed
     )
+fi
+
+# Two levels on a GPU (issue 60), named only: 4 ranks on the GPU as 2 emulated nodes of 2.
+if [[ "$only" == *" two-level "* ]]; then
+    only="$only two-level-collectives two-level-gpt2 "
+    run two-level-collectives 100 env FSDP_MPI_EMULATED_NODE_SIZE=2 "$mpiexec" -n 4 $PY tests/workers/collectives.py \
+        "$out/two-level-collectives.json" --device cuda
+    run two-level-gpt2 120 env FSDP_MPI_EMULATED_NODE_SIZE=2 $PY experiments/bench.py --device cuda --model gpt2 \
+        --seq-len 1024 --batch-size 16 --same-global-batch --ranks 4 --steps 4 --warmup 2 --rounds 1 \
+        --out "$out/two-level-gpt2.csv" --strategies fsdp-mpi:bf16-mixed,fsdp-mpi+flat:bf16-mixed
 fi
 
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.

@@ -9,7 +9,7 @@ from mpi_launch import REPO_ROOT, child_env
 from torch import nn
 
 from fsdp_mpi import FullyShardedDataParallel, ShardingStrategy
-from fsdp_mpi.communication.launcher import LauncherMismatchError, check_launcher_agrees
+from fsdp_mpi.communication.failures.launcher import LauncherMismatchError, check_launcher_agrees
 
 
 def test_module_without_parameters():

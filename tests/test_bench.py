@@ -145,8 +145,26 @@ def test_bad_arguments_are_refused_with_their_reason(capsys):
             bench.arguments(argv)
         assert refused.value.code == 2 and message in capsys.readouterr().err, argv
     assert bench.arguments(["--strategies", "plain,fsdp-mpi@3"])[1] == [("plain", 1), ("fsdp-mpi", 3)]
+    assert bench.arguments(["--strategies", "fsdp-mpi+flat,fsdp-mpi+mpi+flat"])[1] == [("fsdp-mpi+flat", 2),
+                                                                                       ("fsdp-mpi+mpi+flat", 2)]
     result = run_bench("--strategies", "horovod")
     assert result.returncode == 2 and "unknown strategy 'horovod'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_flat_and_through_mpi_set_their_variables_for_the_run(monkeypatch):
+    """fsdp-mpi+flat runs with FSDP_MPI_TWO_LEVEL=0 (groups spanning nodes in one flat ring), +mpi with
+    FSDP_MPI_NODE_TRANSPORT=0; a plain fsdp-mpi run with neither."""
+    import bench
+    launched = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, env, **_: launched.append(env) or
+                        subprocess.CompletedProcess(command, 1, "", "stopped here"))
+    args = bench.arguments(["--strategies", "fsdp-mpi"])[0]
+    for spec in ("fsdp-mpi", "fsdp-mpi+flat", "fsdp-mpi+mpi"):
+        bench.run_one(spec, 4, args)
+    settings = [{name: env.get(name) for name in ("FSDP_MPI_TWO_LEVEL", "FSDP_MPI_NODE_TRANSPORT")} for env in launched]
+    assert settings == [{"FSDP_MPI_TWO_LEVEL": None, "FSDP_MPI_NODE_TRANSPORT": None},
+                        {"FSDP_MPI_TWO_LEVEL": "0", "FSDP_MPI_NODE_TRANSPORT": None},
+                        {"FSDP_MPI_TWO_LEVEL": None, "FSDP_MPI_NODE_TRANSPORT": "0"}]
 
 
 def test_the_launchers_start_no_mpi():

@@ -91,9 +91,12 @@ def test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_mod
         for count in measured:  # never fewer bytes than the payload; more only by the headers
             assert link["predicted"] <= count <= link["predicted"] * (1 + LINK_OVERHEAD), (strategy, link)
     # HYBRID_SHARD sends only the replicas' all-reduce between nodes: the same bytes as NO_SHARD's
-    # all-reduce of the whole model, under half of FULL_SHARD's
-    assert result["link_bytes"]["HYBRID_SHARD"]["predicted"] == result["link_bytes"]["NO_SHARD"]["predicted"]
-    assert result["link_bytes"]["HYBRID_SHARD"]["predicted"] < result["link_bytes"]["FULL_SHARD"]["predicted"] / 2
+    # all-reduce of the whole model. FULL_SHARD in two levels sends (n - 1) / n of each unit per collective
+    # across: 3/2 of HYBRID_SHARD's on 2 nodes; in one flat ring over 4 ranks, 3/4 per gather and the whole
+    # unit per reduce-scatter (the root is gathered once: a little less than 5/2).
+    link = {strategy: counts["predicted"] for strategy, counts in result["link_bytes"].items()}
+    assert link["HYBRID_SHARD"] == link["NO_SHARD"]
+    assert link["FULL_SHARD"] <= 1.6 * link["HYBRID_SHARD"] < link["FULL_SHARD, one flat ring"]
 
 
 def check_placement(result: dict) -> None:

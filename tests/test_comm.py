@@ -8,12 +8,13 @@ import sys
 
 import pytest
 import torch
+from mpi4py import MPI
 from mpi_launch import check_ok, child_env, run_mpi
 
 from fsdp_mpi import Communicator
-from fsdp_mpi.communication.gpu_support import HostStagingBuffers, mpi_is_cuda_aware
-from fsdp_mpi.communication.routes import Route
+from fsdp_mpi.communication.routes import mpi_transport
 from fsdp_mpi.communication.settings import CUDA_AWARE, read_flag
+from fsdp_mpi.communication.transports.gpu_support import HostStagingBuffers, mpi_is_cuda_aware
 
 
 def test_cuda_awareness_can_be_overridden(monkeypatch):
@@ -96,7 +97,7 @@ def test_one_rank_makes_no_mpi_call(param_dtype):
     """A group of one rank trains (wrap, forward, backward, clipping, loss scaling, state dict) without
     a single MPI call or staged copy, and in fp32 exactly as plain torch does."""
     from fsdp_mpi import FSDP, MixedPrecision, ModuleWrapPolicy, ShardedGradScaler, clip_grad_norm_
-    from fsdp_mpi.communication.collective_log import PROCESS_LOG
+    from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 
     comm = Communicator(OneRankThatRefusesCollectives(), force_staging=True)
     torch.manual_seed(0)
@@ -128,11 +129,16 @@ def test_one_rank_makes_no_mpi_call(param_dtype):
 
 @pytest.mark.one_rank
 def test_device_tensors_are_staged_unless_mpi_is_cuda_aware():
-    on_device = torch.empty(4, device="meta")  # any tensor outside host memory
-    assert Communicator(cuda_aware=False).route(on_device.device) is Route.STAGED
-    assert Communicator(cuda_aware=True).route(on_device.device) is not Route.STAGED
-    assert Communicator(cuda_aware=False).route(torch.device("cpu")) is not Route.STAGED
-    assert Communicator(cuda_aware=True, force_staging=True).route(torch.device("cpu")) is Route.STAGED
+    """Where MPI carries a collective: direct where it can read the memory, else staged (forced on host memory
+    too, for the tests). One rank's communicator itself makes no MPI call, whatever it is told."""
+    on_device = torch.device("meta")  # any memory outside the host's
+
+    def route(device, **settings):
+        return mpi_transport(Communicator(**settings), MPI.COMM_WORLD, device).route
+    assert route(on_device, cuda_aware=False) == "staged" and route(on_device, cuda_aware=True) == "direct"
+    assert route(torch.device("cpu"), cuda_aware=False) == "direct"
+    assert route(torch.device("cpu"), cuda_aware=True, force_staging=True) == "staged"
+    assert Communicator(force_staging=True).transport(on_device).route == "one rank"
 
 
 class FakeMpiLibrary:
@@ -154,7 +160,7 @@ class FakeMpiLibrary:
 @pytest.mark.parametrize("kind,answer,aware", [("mpich", 1, True), ("mpich", 0, False), ("openmpi", 1, True),
                                                ("openmpi", 0, False), ("neither", 0, False)])
 def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch, kind, answer, aware):
-    from fsdp_mpi.communication import gpu_support
+    from fsdp_mpi.communication.transports import gpu_support
 
     monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
     monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary(kind, answer))
@@ -175,7 +181,7 @@ def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch
 def test_under_intel_mpi_the_log_line_says_what_its_gpu_offload_would_change(monkeypatch, offload, aware):
     """Intel MPI reads device memory only with I_MPI_OFFLOAD=1 (its query answers 0 otherwise): the line names
     that setting, not FSDP_MPI_CUDA_AWARE, and every route line says where it stands."""
-    from fsdp_mpi.communication import gpu_support
+    from fsdp_mpi.communication.transports import gpu_support
 
     monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
     monkeypatch.delenv("I_MPI_OFFLOAD", raising=False)
@@ -206,7 +212,7 @@ def test_intel_mpis_gpu_offload_without_a_cuda_driver_is_refused_before_mpi_star
 
 @pytest.mark.parametrize("rank,printed", [(0, 1), (1, 0)])
 def test_the_device_path_is_printed_once_by_rank_0(capsys, monkeypatch, rank, printed):
-    from fsdp_mpi.communication import gpu_support
+    from fsdp_mpi.communication.transports import gpu_support
 
     monkeypatch.setattr(gpu_support, "_reported_device_path", False)
     for _ in range(3):  # every model a process wraps reports; the log gets the line once
@@ -221,10 +227,13 @@ def test_mismatched_buffers_are_refused():
         comm.all_gather_into(torch.empty(3), torch.empty(2))
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_collectives_on_several_ranks_for_every_dtype(nprocs, tmp_path):
+@pytest.mark.parametrize("nprocs,node_size", [(2, None), (3, None), (4, 2)], ids=["2", "3", "2x2"])
+def test_collectives_on_several_ranks_for_every_dtype(nprocs, node_size, tmp_path):
+    """On 2 and 3 ranks of one machine; and on 4 as 2 nodes of 2 (emulated), where every collective goes in two
+    levels, inside each node by each route (MPI, staged, the node's memory) and across nodes by MPI."""
     out = tmp_path / "collectives.json"
-    check_ok(run_mpi("collectives.py", nprocs, out))
+    check_ok(run_mpi("collectives.py", nprocs, out, env={"FSDP_MPI_EMULATED_NODE_SIZE": str(node_size)}
+                     if node_size else None))
     report = json.loads(out.read_text())
     assert report.pop("sum_and_max_of_floats") == [sum(r + 0.5 for r in range(nprocs)), 0.0]
     # (collectives x dtypes + 16-bit sums in fp32 for the 2 16-bit dtypes) x route (direct MPI, staged, node

@@ -17,7 +17,8 @@ from torch import nn
 from fsdp_mpi import Compression, FullyShardedDataParallel, MixedPrecision
 from fsdp_mpi.communication import compression
 from fsdp_mpi.communication.compression import (BFloat16Codec, Int8BlockCodec, compressed_all_reduce_sum_, dequantize_int8,
-                                  quantize_int8, sum_in_rank_order)
+                                  quantize_int8)
+from fsdp_mpi.communication.transports.sums import sum_in_rank_order
 
 U = torch.finfo(torch.float32).eps / 2
 BF16_U = torch.finfo(torch.bfloat16).eps / 2
@@ -120,22 +121,31 @@ def test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows
     into_bf16 = torch.empty(3, 1001, dtype=torch.bfloat16)
     codec.decode_into(into_bf16, wire)
     assert torch.equal(into_bf16, whole.bfloat16())
-    total = torch.empty(1001)
+    total, expected = torch.empty(1001), torch.empty(1001)
     codec.decode_sum_into(total, wire)
-    assert torch.equal(total, sum_in_rank_order(whole))
+    sum_in_rank_order(list(whole), expected)
+    assert torch.equal(total, expected)
 
 
 def test_received_chunks_are_summed_in_fp32_in_rank_order():
-    # Three ranks' decoded chunks, chosen so that the order of the additions and their precision show.
+    """sums.sum_in_rank_order, which every transport that adds ranks' parts itself and every compressed reduction
+    uses: three ranks' parts, chosen so that the order of the additions and their precision show."""
     rows = torch.tensor([[1.0, 2.0**24, 1.0, 1.0],
                          [2.0**-24, 1.0, 2.0**-24, 2.0**-8],
                          [2.0**-24, -(2.0**24), 3.0, 2.0**-8]])
-    total = sum_in_rank_order(rows)
+    total = torch.empty(4)
+    sum_in_rank_order(list(rows), total)
     in_rank_order = (rows[0] + rows[1]) + rows[2]  # each addition rounded to fp32
-    assert total.dtype == torch.float32 and torch.equal(total, in_rank_order)
+    assert torch.equal(total, in_rank_order)
     assert not torch.equal(in_rank_order, rows[0] + (rows[1] + rows[2]))  # the order shows in these values
     in_bf16 = (rows[0].bfloat16() + rows[1].bfloat16()) + rows[2].bfloat16()
     assert not torch.equal(in_rank_order, in_bf16.float())  # and so does a bf16 sum
+    # 16-bit parts into a 16-bit result: added in fp32, rounded once (256 + 1 + 1 is 258 in bf16; one at a time,
+    # 256 + 1 rounds back to 256 twice).
+    parts, summed = [torch.tensor([256.0]).bfloat16(), torch.tensor([1.0]).bfloat16(),
+                     torch.tensor([1.0]).bfloat16()], torch.empty(1, dtype=torch.bfloat16)
+    sum_in_rank_order(parts, summed)
+    assert summed.item() == 258.0
 
 
 def test_bad_compression_settings_are_named():
@@ -189,10 +199,13 @@ def test_one_rank_compresses_nothing():
 MODES = [f"{weights}/{gradients}" for weights in ("None", "bf16", "int8") for gradients in ("None", "bf16", "int8")]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2_ranks", "3_ranks"])
+@pytest.fixture(scope="module", params=[(3, None), (4, "2")], ids=["3_ranks", "2x2_ranks"])
 def report(request, tmp_path_factory):
+    """3 ranks of one machine (uneven shards), and 4 as 2 nodes of 2, where every collective goes in two levels."""
     out = tmp_path_factory.mktemp("compression") / "report.json"
-    check_ok(run_mpi("compression.py", request.param, out, timeout=600))
+    ranks, node_size = request.param
+    check_ok(run_mpi("compression.py", ranks, out, timeout=600,
+                     env={"FSDP_MPI_EMULATED_NODE_SIZE": node_size} if node_size else None))
     return json.loads(out.read_text())
 
 

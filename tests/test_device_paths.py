@@ -1,7 +1,7 @@
 """The GPU paths' host-side logic on its own, without a GPU (torch's CUDA calls faked where needed): the
-communication thread (background.py: the order it runs collectives in, what waiting for its queue waits for after
-an error, how many CUDA streams it makes, which started collectives it runs) and the staging pipeline's wait for the
-last collective's copies back (staging.py)."""
+communication thread (transports/worker.py: the order it runs collectives in, what waiting for its queue waits for
+after an error, how many CUDA streams it makes, which started collectives it runs) and the staging pipeline's wait
+for the last collective's copies back (transports/staged.py)."""
 
 import threading
 import time
@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdp_mpi.communication.background import CommunicationThread
-from fsdp_mpi.communication.routes import Route, runs_on_the_communication_thread
+from fsdp_mpi.communication.transports.direct import Direct
+from fsdp_mpi.communication.transports.node import NodeTransport
+from fsdp_mpi.communication.transports.staged import RING_SLOTS, Staged, StagedCollectives
+from fsdp_mpi.communication.transports.worker import CommunicationThread
 
 pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
 
@@ -58,10 +60,13 @@ def test_started_collectives_of_device_memory_run_on_the_communication_thread_on
     """Staged, through the node, and direct (a CUDA-aware MPI, before which the host waits for the stream that
     produced the tensor): on the worker, so the main thread's host runs on ahead; host memory is staged there
     only, other routes start (or complete) on the caller."""
-    on_the_worker = {(device, route): runs_on_the_communication_thread(route, SimpleNamespace(is_cuda=device == "cuda"))
-                     for device in ("cpu", "cuda") for route in Route}
-    assert on_the_worker == {(device, route): device == "cuda" or route is Route.STAGED
-                             for device in ("cpu", "cuda") for route in Route}
+    two_ranks = SimpleNamespace(Get_rank=lambda: 0, Get_size=lambda: 2)  # no MPI in pytest's own process
+    transports = [Staged(two_ranks, 2**20, 2**31 - 1), Direct(two_ranks, 2**31 - 1),
+                  NodeTransport(two_ranks, slots=None)]
+    on_the_worker = {(device, transport.route): transport.runs_started_on_the_worker(
+                     SimpleNamespace(is_cuda=device == "cuda")) for device in ("cpu", "cuda") for transport in transports}
+    assert on_the_worker == {(device, route): device == "cuda" or route == "staged"
+                             for device in ("cpu", "cuda") for route in ("staged", "direct", "node")}
 
 
 class _FakeEvent:
@@ -98,7 +103,6 @@ class _CopiesBack:
 def test_a_cpu_collective_staged_after_a_device_one_waits_for_its_copies_back():
     """FSDP_MPI_FORCE_STAGING=1 on a GPU machine: the host buffers a CPU tensor is staged through may still be
     read by the last device collective's copies back, so the CPU one waits for them too (and only once)."""
-    from fsdp_mpi.communication.staging import StagedCollectives
 
     staged = StagedCollectives()
     staged._host_buffers_read = copies_back = _CopiesBack()
@@ -113,7 +117,6 @@ def test_the_staging_ring_holds_three_chunks_whatever_the_message():
     """Every staged collective, its message 3 ranks x 1000 elements cut into chunks of 64, gives its closed form
     (MPI's part faked as 3 ranks holding the same values, output first), through host slots of 3 chunks each, not
     a message."""
-    from fsdp_mpi.communication.staging import RING_SLOTS, StagedCollectives
 
     staged, world, numel, chunk = StagedCollectives(), 3, 1000, 64
     shard = torch.arange(numel, dtype=torch.float32)

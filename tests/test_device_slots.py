@@ -9,9 +9,10 @@ import pytest
 import torch
 from test_node_transport import RankZeroOfTwo
 
-from fsdp_mpi.communication import abort, node_transport, shared_slots
-from fsdp_mpi.communication.cuda_ipc import CudaIpcError, CudaOutOfMemory, CudaRuntime, bytes_at
-from fsdp_mpi.communication.shared_slots import DeviceSlots, SharedSlotsError
+from fsdp_mpi.communication.failures import abort
+from fsdp_mpi.communication.transports import node as node_transport, shared_slots
+from fsdp_mpi.communication.transports.cuda_ipc import CudaIpcError, CudaOutOfMemory, CudaRuntime, bytes_at
+from fsdp_mpi.communication.transports.shared_slots import DeviceSlots, SharedSlotsError
 
 DEVICE = torch.device("cuda", 1)
 

@@ -38,11 +38,15 @@ def test_every_model_trains_as_on_one_process(nprocs, tmp_path):
 
 
 @pytest.mark.one_mpi  # the sharding layer's logic; under a second MPI, the collectives worker checks every path it takes
-def test_four_ranks_with_empty_parts(tmp_path):
-    """On 4 ranks some parameters have no elements on some ranks (0-element sharded views)."""
+def test_four_ranks_as_two_nodes_with_empty_parts(tmp_path):
+    """On 4 ranks some parameters have no elements on some ranks (0-element sharded views); the 4 ranks act as 2
+    nodes of 2 (FSDP_MPI_EMULATED_NODE_SIZE), so every collective goes in two levels: FULL_SHARD, SHARD_GRAD_OP,
+    bf16, accumulation (compressed: test_compression.py's 2 x 2 runs)."""
     out = tmp_path / "equivalence.json"
-    check_ok(run_mpi("equivalence.py", 4, out, "mlp,gpt2"))
-    check_equivalence(json.loads(out.read_text()))
+    check_ok(run_mpi("equivalence.py", 4, out, "nodes", env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"}))
+    results = json.loads(out.read_text())
+    assert "gpt2/adamw/none/SHARD_GRAD_OP" in results and "gpt2/adamw/sharded/bf16" in results
+    check_equivalence(results)
 
 
 @pytest.mark.one_mpi  # the sharding layer's handling of these models; their collectives are the matrix's

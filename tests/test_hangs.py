@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from mpi_launch import WORKERS, check_ok, child_env, mpiexec, run_mpi
 
-from fsdp_mpi.communication import collective_log
-from fsdp_mpi.communication.collective_log import CollectiveLog, timeout_from_environment
-from fsdp_mpi.communication.settings import TIMEOUT
+from fsdp_mpi.communication.failures import collective_log
+from fsdp_mpi.communication.failures.collective_log import CollectiveLog
+from fsdp_mpi.communication.settings import TIMEOUT, read_seconds
 
 # MPI start-up, importing torch and building the model take a few seconds per rank on a loaded 2-core machine.
 START_UP_SECONDS = 30
@@ -134,14 +134,14 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("value, seconds", [("", 600.0), ("0", 0.0), ("2.5", 2.5)])
 def test_timeout_variable(monkeypatch, value, seconds):
     monkeypatch.setenv(TIMEOUT.name, value)
-    assert timeout_from_environment() == seconds
+    assert read_seconds(TIMEOUT) == seconds
 
 
 @pytest.mark.parametrize("value", ["-1", "ten", "nan"])
 def test_a_bad_timeout_is_refused_with_the_variable_named(monkeypatch, value):
     monkeypatch.setenv(TIMEOUT.name, value)
     with pytest.raises(ValueError, match=f"{TIMEOUT.name}='{value}'"):
-        timeout_from_environment()
+        read_seconds(TIMEOUT)
 
 
 def test_the_log_keeps_only_the_last_records_in_order():

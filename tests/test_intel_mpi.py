@@ -42,7 +42,7 @@ def test_the_trimmed_copy_carries_mpiexec_and_the_library_for_mpi4py_and_is_smal
                "seen = comm.all_gather_object((full.tolist(), MPI.Get_library_version().split()[0], "
                "{line.split()[-1] for line in open('/proc/self/maps') if 'libmpi.so' in line})); "
                "comm.rank or print(seen)")
-    env = child_env(PATH=f"/usr/bin:/bin")  # only the copy's mpiexec, from impi_env.sh
+    env = child_env(PATH="/usr/bin:/bin")  # only the copy's mpiexec, from impi_env.sh
     result = subprocess.run(["bash", "-c", f'source hpc/impi_env.sh "{copy}" && mpiexec -n 2 "{sys.executable}" '
                                            f'-c "{program}"'], cwd=REPO_ROOT, env=env, capture_output=True,
                             text=True, timeout=240)

@@ -136,9 +136,22 @@ CORE_LAYERS = ("communication", "sharding", ("loop", "files"))
 
 
 def reading_order(package: Path) -> list[str]:
+    """The modules of `package` in the order its docstring gives ("Read in this order: a -> b/ -> c"), a
+    subpackage's (``b/``) in its own order in its place: ["a", "b.x", "b.y", "c"]. Every module of the
+    package and its subpackages must be listed."""
     docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
-    listed = docstring.split("Read in this order:")[1].split(".")[0]
-    return [name.strip() for name in listed.replace("\n", " ").split("->")]
+    listed = [name.strip() for name in docstring.split("Read in this order:")[1].split(".")[0]
+              .replace("\n", " ").split("->")]
+    order = []
+    for name in listed:
+        if name.endswith("/"):
+            order += [f"{name[:-1]}.{inner}" for inner in reading_order(package / name[:-1])]
+        else:
+            order.append(name)
+    modules = sorted(".".join(path.relative_to(package).with_suffix("").parts) for path in package.rglob("*.py")
+                     if path.stem != "__init__")
+    assert sorted(order) == modules, f"{package.relative_to(REPO_ROOT)}'s reading order lists {order}, not {modules}"
+    return order
 
 
 def test_fsdp_mpi_layers_import_downwards_in_their_reading_order():
@@ -146,12 +159,10 @@ def test_fsdp_mpi_layers_import_downwards_in_their_reading_order():
     for level, layers in enumerate(CORE_LAYERS):
         for layer in (layers,) if isinstance(layers, str) else layers:
             order = reading_order(CORE / layer)
-            files = sorted(path.stem for path in (CORE / layer).glob("*.py") if path.stem != "__init__")
-            assert sorted(order) == files, f"fsdp_mpi/{layer}/__init__.py's reading order lists {order}, not {files}"
             rank.update({f"fsdp_mpi.{layer}.{name}": (level, layer, position) for position, name in enumerate(order)})
     wrong = []
     for name, (level, layer, position) in rank.items():
-        path = CORE / layer / f"{name.rsplit('.', 1)[1]}.py"
+        path = CORE.joinpath(*name.split(".")[1:]).with_suffix(".py")
         for imported in imported_names(path, REPO_ROOT) & set(rank):
             its_level, its_layer, its_position = rank[imported]
             if not (its_level < level or (its_layer == layer and its_position < position)):

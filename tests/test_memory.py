@@ -108,7 +108,7 @@ def test_no_sync_holds_full_gradients_until_the_synced_backward(tmp_path):
 # Allocates and touches 64 MiB, frees it, and prints how much of it the process still holds.
 RETAINED_AFTER_FREE = """
 import os, torch
-from fsdp_mpi.communication.host_memory import keep_freed_host_memory_for_reuse
+from fsdp_mpi.sharding.host_memory import keep_freed_host_memory_for_reuse
 applied = keep_freed_host_memory_for_reuse()
 resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = resident()

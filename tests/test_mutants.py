@@ -23,12 +23,13 @@ REPO = Path(__file__).parent.parent
 STATE = "tests/test_state_dict.py::test_state_dicts_summon_and_wrap_time_broadcast_across_ranks"
 STATE_ON_3 = f"{STATE}[3]"  # what only several ranks show
 SWITCHES = "tests/test_switches.py"
-EQUIVALENCE = "tests/test_equivalence.py::test_four_ranks_with_empty_parts"
+EQUIVALENCE = "tests/test_equivalence.py::test_four_ranks_as_two_nodes_with_empty_parts"
 KNOWN_ANSWER = "tests/test_equivalence.py::test_linear_regression_reaches_the_least_squares_answer_for_any_rank_count"
 MEMORY = "tests/test_memory.py::test_only_the_computing_unit_holds_gathered_parameters"
 NO_SYNC = "tests/test_memory.py::test_no_sync_holds_full_gradients_until_the_synced_backward"
 COLLECTIVES = "tests/test_comm.py::test_collectives_on_several_ranks_for_every_dtype"
-COLLECTIVES_ON_3 = f"{COLLECTIVES}[3]"  # a sum of 2 rounds once whatever its precision: 3 ranks tell them apart
+COLLECTIVES_ON_3 = f"{COLLECTIVES}[3]"
+COLLECTIVES_2X2 = f"{COLLECTIVES}[2x2]"  # 4 ranks as 2 nodes of 2: every collective in two levels  # a sum of 2 rounds once whatever its precision: 3 ranks tell them apart
 NAMES = "tests/test_equivalence.py::test_wrapped_models_generate_and_show_original_names"
 STAGING_VARIABLE = "tests/test_comm.py::test_force_staging_variable_is_read_and_one_rank_stages_nothing"
 MIXED = "tests/test_mixed_precision.py"
@@ -56,7 +57,7 @@ COST_COLLECTIVES = "tests/test_costmodel.py::test_each_strategy_issues_the_colle
 EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
 INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_half_a_step_of_each_blocks_absmax"
 CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
-COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[2_ranks]"
+COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[3_ranks]"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
 NODE_FILES = "tests/test_node_transport.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
@@ -100,7 +101,7 @@ MUTANTS = {
     "resume leaves the random generators alone": (
         "fsdp_mpi/files/checkpoint.py", '_set_rng_states(state["rng"][comm.rank])', "pass", [RESUME]),
     "checksums not verified": (
-        "fsdp_mpi/files/checkpoint.py", 'if _sha256(path) != expected["sha256"]:', "if False:", [DAMAGE]),
+        "fsdp_mpi/files/checkpoint.py", 'if sha256(path) != expected["sha256"]:', "if False:", [DAMAGE]),
     "summon never writes back": (
         "fsdp_mpi/sharding/flat_param.py", "self.shard.copy_(full[self.shard_offset:self.shard_offset + self.shard_numel])",
         "pass", [STATE]),
@@ -157,10 +158,10 @@ MUTANTS = {
     "gathered views stay after reshard": (
         "fsdp_mpi/sharding/flat_param.py", "            namespace.pop(attribute, None)", "            pass", [NAMES]),
     "forced staging copies nothing through the host": (
-        "fsdp_mpi/communication/routes.py", 'staged = comm.force_staging or (kind != "cpu" and not comm.cuda_aware)',
-        'staged = kind != "cpu" and not comm.cuda_aware', [COLLECTIVES]),
+        "fsdp_mpi/communication/routes.py", 'if comm.force_staging or (device.type != "cpu" and not comm.cuda_aware):',
+        'if device.type != "cpu" and not comm.cuda_aware:', [COLLECTIVES]),
     "staged chunks land in the wrong place": (
-        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(full_by_rank[:, a:b],",
+        "fsdp_mpi/communication/transports/staged.py", "pipeline.copy_in(full_by_rank[:, a:b],",
         "pipeline.copy_in(full_by_rank[:, :b - a],", [COLLECTIVES]),
     "parameters no rank used keep a zero gradient": (
         "fsdp_mpi/sharding/lifecycle.py", "            self._drop_gradients_no_rank_used()", "            pass", [UNUSED]),
@@ -176,15 +177,15 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_param.py", "            self.shard_grad += shard_grad", "            self.shard_grad = shard_grad",
         [EQUIVALENCE]),
     "one rank gathers through MPI": (
-        "fsdp_mpi/communication/comm.py", "        if self.world_size == 1:\n            _copy_unless_same(full, shard)",
-        "        if False:\n            _copy_unless_same(full, shard)", [ONE_RANK]),
+        "fsdp_mpi/communication/routes.py", "        if comm.world_size == 1:\n            return OneRank(),",
+        "        if False:\n            return OneRank(),", [ONE_RANK]),
     "started staged collectives complete before start returns": (
         "fsdp_mpi/communication/comm.py",
         "self.communication_thread = CommunicationThread() if threads_may_call_mpi_at_once() else None",
         "self.communication_thread = None", [COLLECTIVES]),
     "FSDP_MPI_FORCE_STAGING is ignored": (
-        "fsdp_mpi/communication/comm.py", "bool(read_flag(FORCE_STAGING)) if force_staging is None", "False if force_staging is None",
-        [STAGING_VARIABLE]),
+        "fsdp_mpi/communication/comm.py", "read_flag(FORCE_STAGING) if force_staging is None",
+        "False if force_staging is None", [STAGING_VARIABLE]),
     "the loss scaler decides on each rank alone": (
         "fsdp_mpi/loop/grad_scaler.py", "self.comm.all_reduce_max_float(float(found_here)) > 0", "found_here", [MIXED]),
     "state dicts save the masters rounded to the compute dtype": (
@@ -192,27 +193,31 @@ MUTANTS = {
         "        self.comm.all_gather_into(full, self.shard, self.unit_name)\n"
         "        return full.to(self.param_dtype or full.dtype).to(full.dtype)\n", [MIXED]),
     "freed host memory goes back to the kernel": (
-        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if True:", [HOST_MEMORY_KEPT]),
+        "fsdp_mpi/sharding/host_memory.py", 'if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
+        "if True:", [HOST_MEMORY_KEPT]),
     "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (
-        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK,
-        "if \"glibc.malloc.\" in os.environ.get(\"GLIBC_TUNABLES\", \"\"):", [HOST_MEMORY_OFF]),
+        "fsdp_mpi/sharding/host_memory.py", 'if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
+        'if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):', [HOST_MEMORY_OFF]),
     "the user's malloc tunables are overridden": (
-        "fsdp_mpi/communication/host_memory.py", REUSE_CHECK, "if read_flag(REUSE_HOST_MEMORY) is False:",
-        [HOST_MEMORY_USERS]),
+        "fsdp_mpi/sharding/host_memory.py", 'if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
+        "if read_flag(REUSE_HOST_MEMORY) is False:", [HOST_MEMORY_USERS]),
     "the watchdog never fires": (
-        "fsdp_mpi/communication/collective_log.py", "if waited >= timeout - asking:", "if False:", [WATCHDOG]),
+        "fsdp_mpi/communication/failures/collective_log.py", "if waited >= timeout - asking:",
+        "if False:", [WATCHDOG]),
     "no rank answers the watchdog's question": (
-        "fsdp_mpi/communication/liveness.py", "while self._question.Test():", "while False:", [STALLED]),
+        "fsdp_mpi/communication/failures/liveness.py", "while self._question.Test():",
+        "while False:", [STALLED]),
     "verify mode compares nothing": (
         "fsdp_mpi/communication/bookkeeping.py", "if extremes[0] == -extremes[1]:", "if True:", [UNIT_ORDER]),
     "verify mode ignores which unit": (
-        "fsdp_mpi/communication/collective_log.py", 'return f"{self.sequence}|{self.operation}|{self.unit}|',
+        "fsdp_mpi/communication/failures/collective_log.py", 'return f"{self.sequence}|{self.operation}|{self.unit}|',
         'return f"{self.sequence}|{self.operation}|', [UNIT_ORDER]),
     "even_batches stops only the rank that ran out": (
         "fsdp_mpi/loop/even_batches.py", "if comm.all_reduce_min_float(float(has_batch)) == 0.0:", "if not has_batch:",
         [EVEN_BATCHES]),
     "a launcher mismatch goes unnoticed": (
-        "fsdp_mpi/communication/launcher.py", "if value.isdigit() and int(value) > 1:", "if False:", [LAUNCHER]),
+        "fsdp_mpi/communication/failures/launcher.py", "if value.isdigit() and int(value) > 1:",
+        "if False:", [LAUNCHER]),
     "replicas never average their gradients": (
         "fsdp_mpi/sharding/collectives.py", "        if self.replicas is not None:\n            self.replicas.all_reduce_sum_(",
         "        if False:\n            self.replicas.all_reduce_sum_(", [STRATEGIES]),
@@ -229,50 +234,61 @@ MUTANTS = {
         "fsdp_mpi/communication/comm.py", "child.traffic, child.node_exchange_bytes = self.traffic, self.node_exchange_bytes",
         "child.node_exchange_bytes = self.node_exchange_bytes", [STRATEGIES]),
     "the node transport's reduce-scatter sums every peer's own row instead of this rank's": (
-        "fsdp_mpi/communication/node_transport.py",
-        "else _typed(peer(rank), full.dtype, self.world * (b - a)).view(self.world, b - a)[self.rank]",
-        "else _typed(peer(rank), full.dtype, self.world * (b - a)).view(self.world, b - a)[rank]", [COLLECTIVES]),
+        "fsdp_mpi/communication/transports/node.py", "else _blocks(peer(rank), parts.dtype, self.world, rows, b - a)[self.rank]",
+        "else _blocks(peer(rank), parts.dtype, self.world, rows, b - a)[rank]", [COLLECTIVES]),
     "the node transport's 16-bit sums accumulate in 16 bits": (
-        "fsdp_mpi/communication/node_transport.py",
-        "total = parts[0].to(torch.float32 if out.dtype in SUM_IN_FP32 else out.dtype, copy=True)",
+        "fsdp_mpi/communication/transports/sums.py", "total = parts[0].to(torch.float32 if summed_in_fp32(out.dtype) else out.dtype, copy=True)",
         "total = parts[0].clone()", [COLLECTIVES_ON_3]),
     "the node transport's exchanges all use slot 0": (
-        "fsdp_mpi/communication/node_transport.py", "slot, self._next_slot = self._next_slot, 1 - self._next_slot",
+        "fsdp_mpi/communication/transports/node.py", "slot, self._next_slot = self._next_slot, 1 - self._next_slot",
         "slot, self._next_slot = 0, 0", [NODE_PROTOCOL]),
     "a rank reads its peers' slots without waiting for their writes (on a GPU: their events)": (
-        "fsdp_mpi/communication/node_transport.py", "        slots.wait_until_written(slot)", "        pass",
-        [NODE_PROTOCOL]),
+        "fsdp_mpi/communication/transports/node.py", "        slots.wait_until_written(slot)",
+        "        pass", [NODE_PROTOCOL]),
     "the host slots' file is left in /dev/shm": (
-        "fsdp_mpi/communication/shared_slots.py",
-        "os.unlink(path)  # every rank has mapped it, or failed: the memory lives as long as the mappings",
+        "fsdp_mpi/communication/transports/shared_slots.py", "os.unlink(path)  # every rank has mapped it, or failed: the memory lives as long as the mappings",
         "pass", [NODE_FILES_NAMED]),
     "the host slots' memory is a named file even where it need not be": (
-        "fsdp_mpi/communication/shared_slots.py", 'descriptor = os.memfd_create("fsdp_mpi-slots", os.MFD_CLOEXEC)',
+        "fsdp_mpi/communication/transports/shared_slots.py", 'descriptor = os.memfd_create("fsdp_mpi-slots", os.MFD_CLOEXEC)',
         'raise OSError("no memfd")', [NODE_FILES_KILL_IN_GROWTH]),
     "a rank rewrites its slot before its own read of it is done (on a GPU: its own event)": (
-        "fsdp_mpi/communication/shared_slots.py", "        for events in self._reads_by_rank.values():",
+        "fsdp_mpi/communication/transports/shared_slots.py", "        for events in self._reads_by_rank.values():",
         "        for events in [e for r, e in self._reads_by_rank.items() if r != self.rank]:", [OWN_READ]),
     "a rank frees its device slots before its peers have unmapped them": (
-        "fsdp_mpi/communication/shared_slots.py",
-        "        _agree(self.mpi_comm, unmap_peers)\n        _agree(self.mpi_comm, free_own)",
+        "fsdp_mpi/communication/transports/shared_slots.py", "        _agree(self.mpi_comm, unmap_peers)\n        _agree(self.mpi_comm, free_own)",
         "        free_own()\n        _agree(self.mpi_comm, unmap_peers)", [UNMAP_THEN_FREE]),
     "closing the device slots gives nothing back": (
-        "fsdp_mpi/communication/shared_slots.py", "if self._allocation is None and not self._opened:", "if True:",
-        [GIVE_BACK]),
+        "fsdp_mpi/communication/transports/shared_slots.py", "if self._allocation is None and not self._opened:",
+        "if True:", [GIVE_BACK]),
     "the driver's event file is left when opening the peers' events fails": (
-        "fsdp_mpi/communication/shared_slots.py",
-        "        _remove_the_drivers_event_file_at_exit()\n        handles = mpi_comm.allgather",
+        "fsdp_mpi/communication/transports/shared_slots.py", "        _remove_the_drivers_event_file_at_exit()\n        handles = mpi_comm.allgather",
         "        handles = mpi_comm.allgather", [EVENT_FILE]),
     "the node's memory grows at the first large collective, not when the model is wrapped": (
         "fsdp_mpi/sharding/fully_sharded.py", "            _reserve_node_memory(self._unit.context.units, _groups)",
         "            pass", [NODE_FILES]),
     "Intel MPI's line gives the generic hint, not its offload setting": (
-        "fsdp_mpi/communication/gpu_support.py", "    elif is_intel_mpi():", "    elif False:", [INTEL_HINT]),
+        "fsdp_mpi/communication/transports/gpu_support.py", "    elif is_intel_mpi():",
+        "    elif False:", [INTEL_HINT]),
     "Intel MPI's offload without a CUDA driver is left to crash MPI_Init": (
-        "fsdp_mpi/communication/launcher.py", 'if os.environ.get(INTEL_MPI_OFFLOAD, "").strip() in ("", "0"):',
+        "fsdp_mpi/communication/failures/launcher.py", 'if os.environ.get(INTEL_MPI_OFFLOAD, "").strip() in ("", "0"):',
         "if True:", [OFFLOAD_REFUSED]),
+    "two levels put each local rank's rows where another's go": (
+        "fsdp_mpi/communication/transports/placement.py",
+        "return rows.view(self.nodes, self.per_node, *rows.shape[1:]).transpose(0, 1)",
+        "return rows.view(self.per_node, self.nodes, *rows.shape[1:])", [COLLECTIVES_2X2]),
+    "two levels round a node's 16-bit sums before adding the nodes'": (
+        "fsdp_mpi/communication/transports/two_level.py",
+        "wide = torch.float32 if summed_in_fp32(shard.dtype) else shard.dtype", "wide = shard.dtype",
+        [COLLECTIVES_2X2]),
+    "a group that spans nodes goes in one flat ring": (
+        "fsdp_mpi/communication/routes.py", "if layout is None or not comm.two_level:", "if True:",
+        [COLLECTIVES_2X2]),
+    "the cost model sends a flat ring's bytes across nodes where two levels go": (
+        "experiments/measuring/costmodel.py",
+        'return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n * collective.widened,',
+        'return {"all_gather": (p - 1) / p, "reduce_scatter": (n - 1) / n * collective.widened,', [CLUSTER]),
     "a CUDA call leaves the thread on another GPU": (
-        "fsdp_mpi/communication/cuda_ipc.py", "            self._library.cudaSetDevice(previous.value)",
+        "fsdp_mpi/communication/transports/cuda_ipc.py", "            self._library.cudaSetDevice(previous.value)",
         "            pass", [CURRENT_DEVICE]),
     "a quantizer that ignores the scale": (
         "fsdp_mpi/communication/compression.py", "codes = (blocks / divisors).round_()", "codes = blocks.clone().round_()",
@@ -282,44 +298,45 @@ MUTANTS = {
     "the cost model prices int8 as uncompressed": (
         "experiments/measuring/costmodel.py", 'if form == "int8":', "if False:", [COMPRESSED_BYTES]),
     "codec chunks cut int8 blocks": (
-        "fsdp_mpi/communication/compression.py", "step = max(multiple, CHUNK_ELEMENTS // count // multiple * multiple)",
-        "step = max(1, CHUNK_ELEMENTS // count)", [CODEC_CHUNKS]),
+        "fsdp_mpi/communication/compression.py", "max(multiple, CHUNK_ELEMENTS // count // multiple * multiple)",
+        "max(1, CHUNK_ELEMENTS // count)", [CODEC_CHUNKS]),
     "compressed gradients summed in low precision": (
-        "fsdp_mpi/communication/compression.py", "    total = rows[0].clone()", "    total = rows[0].to(torch.bfloat16)",
-        [RANK_ORDER_SUM]),
+        "fsdp_mpi/communication/transports/sums.py", "total = parts[0].to(torch.float32 if summed_in_fp32(out.dtype) else out.dtype, copy=True)",
+        "total = parts[0].to(out.dtype, copy=True)", [RANK_ORDER_SUM]),
     "staged reduce-scatter sends every chunk's columns from the first chunk": (
-        "fsdp_mpi/communication/staging.py", "full_by_rank[:, a:b]),\n", "full_by_rank[:, :b - a]),\n", [COLLECTIVES]),
+        "fsdp_mpi/communication/transports/staged.py", "full_by_rank[:, a:b]),\n",
+        "full_by_rank[:, :b - a]),\n", [COLLECTIVES]),
     "staged all-to-all lands every chunk in the first columns": (
-        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(received_by_rank[:, a:b],",
+        "fsdp_mpi/communication/transports/staged.py", "pipeline.copy_in(received_by_rank[:, a:b],",
         "pipeline.copy_in(received_by_rank[:, :b - a],", [COLLECTIVES]),
     "staged in-place collectives copy the ring's first slot back for every chunk": (
-        "fsdp_mpi/communication/staging.py", "pipeline.copy_in(tensor[a:b], host(i, a, b))",
+        "fsdp_mpi/communication/transports/staged.py", "pipeline.copy_in(tensor[a:b], host(i, a, b))",
         "pipeline.copy_in(tensor[a:b], host(0, a, b))", [COLLECTIVES]),
     "every staged chunk goes through the ring's first slot": (
-        "fsdp_mpi/communication/staging.py", "slot = i % RING_SLOTS", "slot = 0", [COLLECTIVES]),
+        "fsdp_mpi/communication/transports/staged.py", "slot = i % RING_SLOTS",
+        "slot = 0", [COLLECTIVES]),
     "a reduce-scatter cut into messages sends the first message's columns each time": (
-        "fsdp_mpi/communication/comm.py",
-        "self._reduce_scatter_message(shard[start:stop], full_by_rank[:, start:stop].contiguous(), unit)",
-        "self._reduce_scatter_message(shard[start:stop], full_by_rank[:, :stop - start].contiguous(), unit)",
-        [COLLECTIVES]),
+        "fsdp_mpi/communication/transports/direct.py", "self.mpi.reduce_scatter(shard[a:b], full if whole else full_by_rank[:, a:b].contiguous())",
+        "self.mpi.reduce_scatter(shard[a:b], full if whole else full_by_rank[:, :b - a].contiguous())", [COLLECTIVES]),
     "broadcast_ through MPI sends rank 0's tensor whatever the root": (
-        "fsdp_mpi/communication/comm.py", "broadcast = partial(self._mpi_broadcast, root=root)",
-        "broadcast = partial(self._mpi_broadcast, root=0)", [COLLECTIVES]),
+        "fsdp_mpi/communication/transports/direct.py", "self.mpi.broadcast(flat[a:b], root)",
+        "self.mpi.broadcast(flat[a:b], 0)", [COLLECTIVES]),
     "after a failed collective the communication thread's later ones are not waited for": (
-        "fsdp_mpi/communication/background.py", "        wait(queued)\n", "", [QUEUE_WAIT]),
+        "fsdp_mpi/communication/transports/worker.py", "        wait(queued)\n",
+        "", [QUEUE_WAIT]),
     "a save removes the previous checkpoint before the new one is complete": (
         "fsdp_mpi/files/checkpoint.py", 'temporary = directory.with_name(directory.name + ".tmp")',
-        'temporary = directory.with_name(directory.name + ".tmp"); shutil.rmtree(directory, ignore_errors=True)',
+        'temporary = directory.with_name(directory.name + ".tmp"); __import__("shutil").rmtree(directory, True)',
         [KILLED_SAVE]),
     "the communication thread runs several collectives at once": (
-        "fsdp_mpi/communication/background.py", "ThreadPoolExecutor(max_workers=1,", "ThreadPoolExecutor(max_workers=3,",
-        [WORKER_ORDER]),
+        "fsdp_mpi/communication/transports/worker.py", "ThreadPoolExecutor(max_workers=1,",
+        "ThreadPoolExecutor(max_workers=3,", [WORKER_ORDER]),
     "a collective on the main thread does not wait for those handed to the worker": (
-        "fsdp_mpi/communication/background.py", "if not self._queued or threading.current_thread() is self._worker:",
+        "fsdp_mpi/communication/transports/worker.py", "if not self._queued or threading.current_thread() is self._worker:",
         "if True:", [WORKER_ORDER]),
     "a started 16-bit reduce-scatter is cast to fp32 by the worker": (
-        "fsdp_mpi/communication/started.py", "if route is Route.STAGED and shard.dtype in SUM_IN_FP32:", "if False:",
-        [COLLECTIVES]),
+        "fsdp_mpi/communication/comm.py", "            shard, full, finish = transport.widened_for_sum(shard, full)",
+        "            pass", [COLLECTIVES]),
     "a truncated file is not told from a corrupted one": (
         "fsdp_mpi/files/checkpoint.py", 'if path.stat().st_size != expected["bytes"]:', "if False:", [TRUNCATED]),
     "rank0_only state dicts are full on every rank": (

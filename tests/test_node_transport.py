@@ -1,4 +1,4 @@
-"""The node transport (fsdp_mpi/communication/node_transport.py) beyond the closed forms of test_comm.py: what it
+"""The node transport (fsdp_mpi/communication/transports/node.py) beyond the closed forms of test_comm.py: what it
 leaves in /dev/shm after a normal end, an exception and a kill, how fast a failed rank ends the job, how it is
 chosen and how it falls back. Training on it is the equivalence suite's default on one machine."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from mpi_launch import check_ok, run_mpi
 
-from fsdp_mpi.communication.node_transport import NodeTransport
+from fsdp_mpi.communication.transports.node import NodeTransport
 
 START_UP_SECONDS = 30  # MPI start-up and importing torch on a loaded 2-core machine
 

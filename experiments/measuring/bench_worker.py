@@ -249,8 +249,9 @@ def main() -> None:
             prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
                                 all_reduce_max=float, autocast=autocast)  # one process: its own value
         else:
-            options = {name: True for name in mechanisms  # +mpi: bench.py set FSDP_MPI_NODE_TRANSPORT=0
-                       if name not in ("compile", "compile_whole", "mpi", sharding) and not name.startswith("comm=")}
+            options = {name: True for name in mechanisms  # +mpi, +flat: bench.py set their variables
+                       if name not in ("compile", "compile_whole", "mpi", "flat", sharding)
+                       and not name.startswith("comm=")}
             for name in mechanisms:
                 if name.startswith("comm="):  # fsdp-mpi+comm=int8/bf16
                     options["compression"] = compression_from_option(name.removeprefix("comm="))

@@ -80,6 +80,7 @@ class Layout:
     nodes: int
     ranks_per_node: int
     group_size: int | None = None  # HYBRID_SHARD's shard group (default: a node)
+    two_level: bool = True  # a group of every rank spanning nodes goes in two levels (FSDP_MPI_TWO_LEVEL)
 
     @property
     def ranks(self) -> int:
@@ -110,6 +111,8 @@ class Collective:
     bytes: int  # the full buffer: gathered, or reduced before scattering, or all-reduced
     group: int  # ranks taking part
     spans_nodes: bool
+    widened: float = 1.0  # a sum of 16-bit values: 2, fp32 on the wire where two levels send partial sums
+    levels: tuple[int, int] | None = None  # (n nodes, k ranks each) where it goes in two levels
 
 
 def padded(unit: Unit, group: int) -> int:
@@ -138,6 +141,12 @@ def collectives(profile: Profile, layout: Layout) -> list[Collective]:
     group_leaves = layout.spans_nodes(g)
     replicas_leave = layout.spans_nodes(r, stride=g)
     issued = []
+
+    def levels(group: int, spans: bool) -> tuple[int, int] | None:
+        """(n, k) where a collective over `group` ranks goes in two levels: every rank, across nodes of k > 1."""
+        two_level = group == layout.ranks and spans and layout.two_level and layout.ranks_per_node > 1
+        return (layout.nodes, layout.ranks_per_node) if two_level else None
+
     regathers = layout.strategy != "SHARD_GRAD_OP"
 
     def weights(elements: int) -> int:
@@ -147,28 +156,34 @@ def collectives(profile: Profile, layout: Layout) -> list[Collective]:
         return wire_bytes(elements, profile.gradient_format, profile.grad_bytes, profile.block_size)
 
     compressed_gradients = profile.gradient_format != "none"
+    in_group, in_replicas = levels(g, group_leaves), levels(r, replicas_leave)
     for unit in profile.units:
         if g > 1:
             issued.append(Collective("forward", "all_gather", unit.name, g * weights(padded(unit, g) // g), g,
-                                     group_leaves))
+                                     group_leaves, levels=in_group))
     for unit in reversed(profile.units):
         shard = padded(unit, g) // g
         if g > 1 and regathers and not unit.is_root:
-            issued.append(Collective("backward", "all_gather", unit.name, g * weights(shard), g, group_leaves))
+            issued.append(Collective("backward", "all_gather", unit.name, g * weights(shard), g, group_leaves,
+                                     levels=in_group))
         if g > 1:
             issued.append(Collective("backward", "all_to_all" if compressed_gradients else "reduce_scatter",
-                                     unit.name, g * gradients(shard), g, group_leaves))
+                                     unit.name, g * gradients(shard), g, group_leaves,
+                                     widened=1.0 if compressed_gradients else 4 / profile.grad_bytes,
+                                     levels=in_group))
         if r > 1 and compressed_gradients:
             chunk = -(-shard // r)
-            issued += [Collective("backward", operation, unit.name, r * gradients(chunk), r, replicas_leave)
+            issued += [Collective("backward", operation, unit.name, r * gradients(chunk), r, replicas_leave,
+                                  levels=in_replicas)
                        for operation in ("all_to_all", "all_gather")]
         elif r > 1:
             issued.append(Collective("backward", "all_reduce", unit.name, shard * profile.grad_bytes, r,
-                                     replicas_leave))
+                                     replicas_leave, levels=in_replicas))
     if layout.ranks > 1:
+        spans = layout.spans_nodes(layout.ranks)
         issued.append(Collective("backward", "all_reduce", "<which parameters got gradients>",
-                                 4 * sum(unit.tensors for unit in profile.units), layout.ranks,
-                                 layout.spans_nodes(layout.ranks)))
+                                 4 * sum(unit.tensors for unit in profile.units), layout.ranks, spans,
+                                 levels=levels(layout.ranks, spans)))
     return issued
 
 
@@ -177,16 +192,29 @@ def node_link_bytes(collective: Collective, layout: Layout) -> float:
     `collective`, counting every group that issues it at once: one group of all the ranks, or, for
     HYBRID_SHARD's replicas, one group per place on a node (a rank on every node).
 
-    It follows how MPICH moves the large buffers of a step, as counted on the emulated cluster's
-    links (hpc/cluster, docs/clusters.md): a ring all-gather (one neighbour of each node's ranks
-    is on the next node: (p - 1) / p of the buffer crosses each node's link once), a reduce-scatter by
-    pairwise exchange (each rank sends its peers' blocks straight to them: k (p - k) / p of the buffer
-    per node with k of the p ranks on it; an all-to-all likewise), and a node-aware all-reduce (reduced within the node,
-    exchanged between the nodes' leaders, as a ring all-reduce of n nodes moves 2 (n - 1) / n).
+    A group of every rank on n nodes of k > 1 goes in two levels (fsdp_mpi's ``transports/two_level.py``):
+    across the nodes only the k groups of one rank per node exchange, each 1/k of the buffer, so a node sends
+    (n - 1) / n of it for an all-gather, a reduce-scatter (whose partial sums travel in fp32: ``widened``)
+    and each half of an all-reduce (a reduce-scatter, then an all-gather, of the buffer padded to the ranks);
+    an all-to-all moves what a flat one does, k (n - 1) / n.
+
+    In one flat ring (``two_level=False``) it follows how MPICH moves the large buffers of a step, as counted
+    on the emulated cluster's links (hpc/cluster, docs/clusters.md): a ring all-gather (one neighbour of each
+    node's ranks is on the next node: (p - 1) / p of the buffer crosses each node's link once), a
+    reduce-scatter by pairwise exchange (each rank sends its peers' blocks straight to them: k (p - k) / p of
+    the buffer per node with k of the p ranks on it; an all-to-all likewise), and a node-aware all-reduce
+    (reduced within the node, exchanged between the nodes' leaders, as a ring all-reduce of n nodes moves
+    2 (n - 1) / n).
     """
     if not collective.spans_nodes:
         return 0.0
     size, n, k = collective.bytes, layout.nodes, layout.ranks_per_node
+    if collective.levels is not None:
+        p = layout.ranks
+        if collective.operation == "all_reduce":  # of fp32 elements, padded to a multiple of the ranks
+            size = -(-size // (4 * p)) * 4 * p
+        return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n * collective.widened,
+                "all_to_all": k * (n - 1) / n, "all_reduce": 2 * (n - 1) / n}[collective.operation] * size
     if collective.group == layout.ranks:
         p = layout.ranks
         return {"all_gather": (p - 1) / p, "reduce_scatter": k * (p - k) / p, "all_to_all": k * (p - k) / p,
@@ -240,16 +268,27 @@ class RingNetwork:
     A ring of p ranks takes p - 1 steps per pass and moves (p - 1) / p of the
     buffer through each rank: all-gather and reduce-scatter make one pass,
     all-reduce two. A ring that leaves the node runs at the slower link's speed.
+    A collective in two levels (``Collective.levels``: n nodes of k ranks) is a ring
+    of k inside each node over the buffer, then one of n across the nodes over
+    1/k of it (k rings at once, one per local rank; an all-to-all's across the
+    nodes carries the whole buffer).
     """
 
     intra: Link
     inter: Link
 
     def seconds(self, collective: Collective) -> float:
-        link = self.inter if collective.spans_nodes else self.intra
         passes = 2 if collective.operation == "all_reduce" else 1
-        p = collective.group
-        return passes * ((p - 1) * link.latency_s + (p - 1) / p * collective.bytes / link.bytes_per_s)
+        if collective.levels is not None:  # a ring inside each node over the buffer, one across over 1/k of it
+            n, k = collective.levels
+            across = collective.bytes * collective.widened / (1 if collective.operation == "all_to_all" else k)
+            return passes * (self._ring(self.intra, k, collective.bytes) + self._ring(self.inter, n, across))
+        return passes * self._ring(self.inter if collective.spans_nodes else self.intra, collective.group,
+                                   collective.bytes)
+
+    @staticmethod
+    def _ring(link: Link, ranks: int, size: float) -> float:
+        return (ranks - 1) * link.latency_s + (ranks - 1) / ranks * size / link.bytes_per_s
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 from training.options import UsageError
 
 from fsdp_mpi import Communicator
-from fsdp_mpi.communication.launcher import LauncherMismatchError
+from fsdp_mpi.communication.failures.launcher import LauncherMismatchError
 
 
 def communicator_for_the_run(prog: str) -> Communicator | None:

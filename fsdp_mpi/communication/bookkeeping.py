@@ -6,8 +6,8 @@ entering the same collective (``verify_every_rank_enters``). The time a rank is
 blocked in MPI, and the bytes each operation moves, add up in its ``Traffic``.
 
 `comm` below is the ``Communicator`` making the call: these functions read its
-rank, timeout, verify mode, traffic and communication thread, and count its
-collectives, but make no collective of their own beyond verify mode's check.
+rank, timeout, verify mode and traffic, and count its collectives, but make no
+collective of their own beyond verify mode's check.
 """
 
 import hashlib
@@ -20,7 +20,7 @@ import numpy
 import torch
 from mpi4py import MPI
 
-from fsdp_mpi.communication.collective_log import PROCESS_LOG, CollectiveRecord
+from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG, CollectiveRecord
 from fsdp_mpi.communication.settings import VERIFY
 
 
@@ -43,11 +43,10 @@ def in_mpi(comm, operation: str, sent: torch.Tensor | None = None, unit: str = "
     """Every MPI call runs inside this, as ``with in_mpi(comm, ...) as record``.
 
     `sent` is the tensor this rank contributes (its size and dtype are logged); `unit` names the sharded unit
-    the collective serves. A nonblocking call passes ``finishes=False``: its ``Pending.wait()`` completes the
-    record (``waiting_in_mpi``).
+    the collective serves. A nonblocking call passes ``finishes=False``: its ``InFlight.wait()`` completes the
+    record (``waiting_in_mpi``). The communicator has first made what it handed to its communication thread
+    finish, so that its collectives enter MPI in program order.
     """
-    if comm.communication_thread is not None:  # what was handed to the communication thread goes first
-        comm.communication_thread.wait_for_all()
     if sent is not None:
         numel, dtype = sent.numel(), _dtype_name(sent.dtype)
     record = PROCESS_LOG.begin(comm.collectives_started, operation, unit, numel, dtype)

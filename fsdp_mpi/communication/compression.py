@@ -39,7 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fsdp_mpi.communication.comm import Communicator, Pending
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.transports.chunks import chunk_bounds
+from fsdp_mpi.communication.transports.in_flight import InFlight
+from fsdp_mpi.communication.transports.sums import sum_in_rank_order
 
 MODES = (None, "bf16", "int8")
 INT8_LEVELS = 127  # codes in [-127, 127]: symmetric, so -x quantizes to -(code of x)
@@ -125,22 +128,10 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block_size: int) 
     return blocks.view(count, -1)[:, :numel]
 
 
-def sum_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
-    """(R, k) fp32 -> (k,) fp32: rows[0] + rows[1] + ... added one row at a time, in fp32.
-
-    A fixed order: the same bits run after run, whatever order the messages arrived in.
-    """
-    total = rows[0].clone()
-    for row in rows[1:]:
-        total += row
-    return total
-
-
 def column_chunks(count: int, numel: int, multiple: int = 1) -> list[tuple[int, int]]:
     """Column ranges [start, stop) of rows (count, numel), about CHUNK_ELEMENTS values each, every start a
     multiple of `multiple` (an int8 block never straddles two chunks)."""
-    step = max(multiple, CHUNK_ELEMENTS // count // multiple * multiple)
-    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+    return chunk_bounds(numel, max(multiple, CHUNK_ELEMENTS // count // multiple * multiple)) if numel else []
 
 
 class ChunkedDecoding:
@@ -162,10 +153,10 @@ class ChunkedDecoding:
             rows[:, start:stop] = self.decode_columns(wire, numel, start, stop)
 
     def decode_sum_into(self, total: torch.Tensor, wire: torch.Tensor) -> None:
-        """total (k,) <- the sum of the rows `wire` encodes, added in fp32 in rank order."""
+        """total (k,) <- the sum of the rows `wire` encodes, added in fp32 in rank order (``sums.py``)."""
         numel = total.numel()
         for start, stop in column_chunks(wire.shape[0], numel, self.column_multiple):
-            total[start:stop] = sum_in_rank_order(self.decode_columns(wire, numel, start, stop))
+            sum_in_rank_order(list(self.decode_columns(wire, numel, start, stop)), total[start:stop])
 
 
 class BFloat16Codec(ChunkedDecoding):
@@ -231,37 +222,23 @@ def codec(mode: str | None, block_size: int) -> Codec | None:
 # ----------------------------------------------------------------- collectives
 
 
-class CompressedAllGather:
-    """full (W * S,), any float dtype <- every rank's shard (S,), carried by `codec`.
-
-    With `start_only`, the all-gather is started (a prefetch) and ``wait()`` completes it;
-    either way ``wait()`` decodes, once.
-    """
-
-    def __init__(self, comm: Communicator, full: torch.Tensor, shard: torch.Tensor, codec: Codec, unit: str,
-                 start_only: bool = False):
-        self.full, self.codec, self.shard_numel, self.world_size = full, codec, shard.numel(), comm.world_size
-        wire = codec.encode(shard.view(1, -1)).view(-1)  # (wire_bytes(S),)
-        self.gathered = torch.empty(comm.world_size * wire.numel(), dtype=torch.uint8, device=shard.device)
-        self.pending: Pending | None = None
-        if start_only:
-            self.pending = comm.start_all_gather_into(self.gathered, wire, unit)
-        else:
-            comm.all_gather_into(self.gathered, wire, unit)
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        if self.gathered is not None:
-            self.codec.decode_into(self.full.view(self.world_size, -1), self.gathered.view(self.world_size, -1))
-            self.gathered = None
+def start_compressed_all_gather(comm: Communicator, full: torch.Tensor, shard: torch.Tensor, codec: Codec,
+                                unit: str = "") -> InFlight:
+    """full (W * S,), any float dtype <- every rank's shard (S,), carried by `codec`: the encoded all-gather is
+    started (a prefetch), and ``wait()`` completes it and decodes."""
+    wire = codec.encode(shard.view(1, -1)).view(-1)  # (wire_bytes(S),)
+    gathered = torch.empty(comm.world_size * wire.numel(), dtype=torch.uint8, device=shard.device)
+    in_flight = comm.start_all_gather_into(gathered, wire, unit)
+    return in_flight.then(lambda: codec.decode_into(full.view(comm.world_size, -1), gathered.view(comm.world_size, -1)))
 
 
 def compressed_all_gather(comm: Communicator, full: torch.Tensor, shard: torch.Tensor, codec: Codec,
                           unit: str = "") -> None:
     """full (W * S,) <- every rank's shard (S,), in rank order, each encoded by `codec` and decoded."""
-    CompressedAllGather(comm, full, shard, codec, unit).wait()
+    wire = codec.encode(shard.view(1, -1)).view(-1)
+    gathered = torch.empty(comm.world_size * wire.numel(), dtype=torch.uint8, device=shard.device)
+    comm.all_gather_into(gathered, wire, unit)
+    codec.decode_into(full.view(comm.world_size, -1), gathered.view(comm.world_size, -1))
 
 
 def compressed_reduce_scatter_sum(comm: Communicator, shard: torch.Tensor, full: torch.Tensor, codec: Codec,

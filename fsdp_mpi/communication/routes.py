@@ -1,114 +1,125 @@
-"""How each kind of tensor travels between a communicator's ranks, chosen once, and on which thread a started
-collective runs.
+"""Which transport each kind of memory takes between a communicator's ranks: chosen once, with its reason.
 
-A group of one rank makes no MPI call at all (``comm.py``). Otherwise each kind of
-tensor (host or device memory) takes one ``Route``, chosen at the communicator's
-first collective on such a tensor and kept: through memory the node's ranks share
-where every rank is on this node (``node_transport.py``), else MPI reads the tensor
-where it is (direct), or, where MPI cannot read that memory or staging is forced,
-through pinned host buffers in chunks (``staging.py``). Staging can be forced for
-CPU tensors too, so that tests exercise that path without a GPU.
+The choice, at the communicator's first collective on a kind of tensor (host or
+device memory; collective then, since every rank is in the same first collective
+on that kind), and kept:
+
+    one rank                                        one_rank: no MPI call
+    every rank on this node                         node: memory the ranks share (unless the node transport is
+                                                    off, or sharing is refused: then MPI)
+    ranks on several nodes, the same number on      two-level: inside each node (the node transport, or MPI),
+    each, in blocks or round robin                  across nodes MPI (unless FSDP_MPI_TWO_LEVEL=0)
+    otherwise                                       MPI, one flat ring
+
+and MPI is direct where it can read the memory (host memory; device memory if
+CUDA-aware), else staged through pinned host buffers (also where staging is
+forced, which tests use to run that path without a GPU). Each choice keeps the
+line that says what was chosen and why, printed once by the first model wrapped.
 """
-
-from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
 from fsdp_mpi.communication.bookkeeping import in_mpi
-from fsdp_mpi.communication.gpu_support import describe_device_path, intel_offload_note
-from fsdp_mpi.communication.node_transport import NodeTransport, open_node_transport
-from fsdp_mpi.communication.settings import FORCE_STAGING, NODE_TRANSPORT
-
-# Staged messages move in chunks of this many bytes per rank, so that copies and MPI overlap.
-STAGING_CHUNK_BYTES = 4 * 2**20
-
-
-class Route(Enum):
-    """How one kind of tensor (host or device memory) travels between a communicator's ranks, chosen once
-    per communicator and device type, at its first collective on that kind of tensor."""
-
-    NODE = "node"      # every rank on this node: through memory they share (node_transport.py); MPI synchronises
-    DIRECT = "direct"  # MPI reads the tensor where it is (host memory, or device memory if CUDA-aware)
-    STAGED = "staged"  # through pinned host buffers, in chunks (staging.py)
+from fsdp_mpi.communication.settings import NODE_TRANSPORT, TWO_LEVEL
+from fsdp_mpi.communication.transports.direct import Direct
+from fsdp_mpi.communication.transports.gpu_support import describe_device_path, intel_offload_note
+from fsdp_mpi.communication.transports.node import open_node_transport
+from fsdp_mpi.communication.transports.one_rank import OneRank
+from fsdp_mpi.communication.transports.placement import split_by_node, two_level_layout
+from fsdp_mpi.communication.transports.staged import Staged
+from fsdp_mpi.communication.transports.transport import Transport
+from fsdp_mpi.communication.transports.two_level import BlocksOverMpi, TwoLevel
 
 
-@dataclass
 class Routes:
-    """One communicator's routes so far, by device type ("cpu", "cuda"): each route, why it was chosen (for
-    the run's log), and the node transport where that is the route."""
+    """One communicator's transports so far, by device type ("cpu", "cuda"), and the line saying why each."""
 
-    chosen: dict[str, Route] = field(default_factory=dict)
-    reasons: dict[str, str] = field(default_factory=dict)
-    node_transports: dict[str, NodeTransport] = field(default_factory=dict)
+    def __init__(self):
+        self.transports: dict[str, Transport] = {}
+        self.lines: dict[str, str] = {}
 
-    def of(self, comm, device: torch.device) -> Route:
-        """How tensors on `device` travel between `comm`'s ranks: chosen at the first collective on such a
-        tensor (collective then: every rank is in the same first collective on this kind of tensor), then kept."""
-        route = self.chosen.get(device.type)
-        return route if route is not None else self._choose(comm, device)
+    def of(self, comm, device: torch.device) -> Transport:
+        """The transport of `device`'s tensors between `comm`'s ranks (collective the first time, then kept)."""
+        transport = self.transports.get(device.type)
+        if transport is None:
+            transport, self.lines[device.type] = self._choose(comm, device)
+            self.transports[device.type] = transport
+        return transport
 
-    def _choose(self, comm, device: torch.device) -> Route:
-        """Opens the node transport where it can, else MPI's route: direct, or staged where MPI cannot read
-        the memory."""
-        kind = device.type
-        if comm.world_size > 1 and comm.node_transport and kind in ("cpu", "cuda"):
-            with in_mpi(comm, "open_node_transport"):
-                transport, why = open_node_transport(comm.mpi_comm, device, comm.node_exchange_bytes)
-            if transport is not None:
-                self.node_transports[kind] = transport
-                self.chosen[kind], self.reasons[kind] = Route.NODE, why
-                return Route.NODE
-        elif comm.force_staging:
-            why = f"{FORCE_STAGING.name}=1"
-        elif not comm.node_transport:
-            why = f"{NODE_TRANSPORT.name}=0"
-        else:
-            why = "one rank" if comm.world_size == 1 else f"no shared memory for {kind} tensors"
-        staged = comm.force_staging or (kind != "cpu" and not comm.cuda_aware)
-        self.chosen[kind], self.reasons[kind] = (Route.STAGED if staged else Route.DIRECT), why
-        return self.chosen[kind]
+    def _choose(self, comm, device: torch.device) -> tuple[Transport, str]:
+        if comm.world_size == 1:
+            return OneRank(), ("one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves "
+                               "gradients as they are)")
+        with in_mpi(comm, "choose a route"):
+            node_comm = split_by_node(comm.mpi_comm)
+            if node_comm.Get_size() == comm.world_size:
+                transport, line = self._one_node(comm, node_comm, device)
+            else:
+                transport, line = self._several_nodes(comm, node_comm, device)
+        note = intel_offload_note()  # where the line does not already say what device buffers would do
+        if note and (device.type != "cuda" or transport.route == "node"):
+            line = f"{line}; {note}"
+        return transport, line
+
+    def _one_node(self, comm, node_comm, device: torch.device) -> tuple[Transport, str]:
+        if not comm.node_transport:
+            node_comm.Free()
+            return self._mpi(comm, comm.mpi_comm, device, f"not through shared memory: {NODE_TRANSPORT.name}=0")
+        transport, through = open_node_transport(node_comm, device, comm.node_exchange_bytes)
+        if transport is None:
+            node_comm.Free()
+            return self._mpi(comm, comm.mpi_comm, device, f"not through shared memory: {through}")
+        return transport, (f"the {comm.world_size} ranks of this node exchange through {through} "
+                           f"({NODE_TRANSPORT.name}=0: through MPI instead)")
+
+    def _several_nodes(self, comm, node_comm, device: torch.device) -> tuple[Transport, str]:
+        layout, how = two_level_layout(comm.mpi_comm, node_comm)
+        spanning = f"the ranks span several nodes ({node_comm.Get_size()} of {comm.world_size} on this one)"
+        if layout is None or not comm.two_level:
+            node_comm.Free()
+            why = f"{TWO_LEVEL.name}=0" if layout is not None else how
+            return self._mpi(comm, comm.mpi_comm, device, f"{spanning}, one flat ring: {why}")
+        across, across_line = self._mpi(comm, comm.mpi_comm.Split(layout.local, comm.rank), device, "", owned=True)
+        inside, inside_line = None, ""
+        if comm.node_transport:
+            inside, inside_line = open_node_transport(node_comm, device, comm.node_exchange_bytes)
+        if inside is None:
+            inside_line = (f"MPI ({NODE_TRANSPORT.name}=0)" if not comm.node_transport
+                           else f"MPI (the node's memory could not be shared: {inside_line})")
+            inside = BlocksOverMpi(self._mpi(comm, node_comm, device, "", owned=True)[0], node_comm.Get_size())
+        return TwoLevel(layout, inside, across), (
+            f"{spanning}: in two levels, {how}: inside each node through {inside_line}, across nodes "
+            f"{across_line.split(';')[0]} ({TWO_LEVEL.name}=0: one flat ring instead)")
+
+    def _mpi(self, comm, mpi_comm, device: torch.device, why: str, owned: bool = False) -> tuple[Transport, str]:
+        """MPI over `mpi_comm` (``mpi_transport``), and its line; `owned`: `mpi_comm` was made for it, and goes
+        with it."""
+        transport = mpi_transport(comm, mpi_comm, device)
+        transport.owned_comm = mpi_comm if owned else None
+        through = (describe_device_path(comm.cuda_aware, comm.force_staging) if device.type == "cuda"
+                   else "host buffers go to MPI" + (" through staging buffers" if comm.force_staging else ""))
+        return transport, f"{through}; {why}" if why else through
 
     def reserve(self, comm, device: torch.device, nbytes: int) -> None:
-        """Chooses `device`'s route (collective) and, where it is the node transport, grows its slots for a
-        collective whose full buffer has `nbytes`."""
-        if comm.world_size > 1 and self.of(comm, device) is Route.NODE:
+        """Chooses `device`'s transport (collective) and, where it has node memory, grows it for a collective
+        whose full buffer has `nbytes`."""
+        transport = self.of(comm, device)
+        if transport.makes_mpi_calls:
             with in_mpi(comm, "reserve node memory"):
-                self.node_transports[device.type].reserve(nbytes)
+                transport.reserve(nbytes)
 
     def close(self, comm) -> None:
-        """Gives back what the node transports hold (collective); a later collective chooses its route again."""
-        for kind, transport in list(self.node_transports.items()):
-            with in_mpi(comm, "close node transport"):
-                transport.close()
-            del self.node_transports[kind], self.chosen[kind], self.reasons[kind]
-
-    def describe(self, comm, device: torch.device) -> str:
-        """How `device`'s tensors travel between `comm`'s ranks, and why (for a run's log), with what Intel MPI's
-        GPU offload is set to where that is the MPI. Collective: it chooses the route if no collective has yet."""
-        if comm.world_size == 1:
-            return ("one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves gradients as "
-                    "they are)")
-        route, why = self.of(comm, device), self.reasons[device.type]
-        if route is not Route.NODE and device.type == "cuda":  # names the library and what would change it
-            return f"{describe_device_path(comm.cuda_aware, comm.force_staging)}; not through shared memory: {why}"
-        if route is Route.NODE:
-            line = f"{why} ({NODE_TRANSPORT.name}=0: through MPI instead)"
-        else:
-            line = f"host buffers go to MPI; not through shared memory: {why}"
-        note = intel_offload_note()
-        return f"{line}; {note}" if note else line
+        """Gives back what the transports hold (collective); a later collective chooses again."""
+        for kind, transport in list(self.transports.items()):
+            if transport.makes_mpi_calls:
+                with in_mpi(comm, "close a transport"):
+                    transport.close()
+            del self.transports[kind], self.lines[kind]
 
 
-def runs_on_the_communication_thread(route: Route | None, tensor: torch.Tensor) -> bool:
-    """Whether a started collective on `tensor` runs on the communication thread, where there is one: host work
-    that would otherwise hold the main thread. That is staging; queueing a node transfer's device copies behind
-    a barrier; and handing device memory to a CUDA-aware MPI, before which the host waits for the stream that
-    produced it: on the worker, the main thread goes on queueing the next units' kernels meanwhile.
-    `route` is None for a group of one rank, which makes no MPI call."""
-    return route is Route.STAGED or (tensor.is_cuda and route in (Route.NODE, Route.DIRECT))
-
-
-def staging_chunk_numel(tensor: torch.Tensor, chunk_bytes: int, max_elements_per_message: int) -> int:
-    """Elements per rank in one staged chunk of `tensor`: `chunk_bytes`, within MPI's count limit."""
-    return max(1, min(chunk_bytes // tensor.element_size(), max_elements_per_message))
+def mpi_transport(comm, mpi_comm, device: torch.device) -> Direct | Staged:
+    """MPI over `mpi_comm`, with `comm`'s settings: direct where it can read `device`'s memory (host memory,
+    device memory where MPI is CUDA-aware), else staged through pinned host buffers, as it is when forced."""
+    if comm.force_staging or (device.type != "cpu" and not comm.cuda_aware):
+        return Staged(mpi_comm, comm.staging_chunk_bytes, comm.max_elements_per_message)
+    return Direct(mpi_comm, comm.max_elements_per_message, comm.device_reductions_in_background)

@@ -5,7 +5,7 @@ The core marks two kinds:
 
     @timed(HOOK)                  around each hook of the unit lifecycle (``sharding/lifecycle.py``: gather
                                   before forward and backward, free after, reduce, the end of backward)
-    @timed(GRADIENT_ASSEMBLY)     around ``FullViews.backward`` (``sharding/flat_param.py``): the parameters'
+    @timed(GRADIENT_ASSEMBLY)     around ``FullViews.backward`` (``sharding/full_views.py``): the parameters'
                                   gradients concatenated into the flat gradient that is reduced
     collective_started(record)    each collective, as the collective log records it (``collective_log.py``)
 

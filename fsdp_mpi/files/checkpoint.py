@@ -29,17 +29,16 @@ the same masks and the run continues bit for bit. On another world size the
 generators are left as they are: that run continues statistically, not bitwise.
 """
 
-import hashlib
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.files.durable import file_info, prepare_empty, replace_directory, sha256, write_durably
 from fsdp_mpi.files.safetensors_file import write_safetensors
 from fsdp_mpi.sharding.state_dict import ShardedParameter, model_comm, persistent_buffers, sharded_parameters
 
@@ -75,7 +74,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     replicas = params[0].handle.replicas
     writes_elements = replicas is None or replicas.rank == 0
     temporary = directory.with_name(directory.name + ".tmp")
-    _on_every_rank(comm, lambda: _prepare_empty(temporary) if comm.rank == 0 else None)
+    _on_every_rank(comm, lambda: prepare_empty(temporary) if comm.rank == 0 else None)
 
     tensors = {f"param/{p.names[0]}": p.view.detach() for p in params}
     optimizer_state = None
@@ -102,7 +101,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
             state["optimizer"] = {"param_groups": optimizer_state["param_groups"], "scalars": merged}
         torch.save(state, temporary / STATE)
         files = {rank_file(rank): info for rank, info in enumerate(written)}
-        files[STATE] = _file_info(temporary / STATE)
+        files[STATE] = file_info(temporary / STATE)
         index = {
             "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "files": files,
             "parameters": {p.names[0]: {"aliases": list(p.names[1:]), "shape": list(p.slot.shape),
@@ -110,8 +109,8 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
                                         "pieces": pieces[i]} for i, p in enumerate(params)},
             "optimizer_keys": optimizer_state and optimizer_state["keys"],
         }
-        _write_durably(temporary / INDEX, json.dumps(index, indent=1).encode())
-        _replace_directory(temporary, directory)
+        write_durably(temporary / INDEX, json.dumps(index, indent=1).encode())
+        replace_directory(temporary, directory)
     _on_every_rank(comm, lambda: finish_on_rank_0() if comm.rank == 0 else None)
     return directory
 
@@ -302,7 +301,7 @@ class CheckpointReader:
         if path.stat().st_size != expected["bytes"]:
             raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the index says {expected['bytes']} "
                                   "(truncated or replaced)")
-        if _sha256(path) != expected["sha256"]:
+        if sha256(path) != expected["sha256"]:
             raise CheckpointError(f"{path}: contents differ from the index's sha256 (corrupted)")
         return path
 
@@ -329,55 +328,6 @@ def consolidate_checkpoint(directory: str | os.PathLike) -> dict:
             if per_element or name in state["optimizer"]["scalars"]:
                 optimizer["state"][name] = {**state["optimizer"]["scalars"].get(name, {}), **per_element}
     return {"model": model, "optimizer": optimizer, "extra": state["extra"]}
-
-
-# ----------------------------------------------------------------- files
-
-def _file_info(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _prepare_empty(directory: Path) -> None:
-    """An empty directory for a save, replacing what an interrupted save left there."""
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-
-
-def _replace_directory(complete: Path, target: Path) -> None:
-    """Renames `complete` to `target`; an existing `target` is moved aside first and removed last."""
-    aside = target.with_name(target.name + ".old")
-    if aside.exists():
-        shutil.rmtree(aside)
-    if target.exists():
-        target.rename(aside)
-    complete.rename(target)
-    _fsync_directory(target.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _listing(names: list[str], most: int = 8) -> str:

@@ -12,29 +12,17 @@ A reduction also averages over the replicas (HYBRID_SHARD, NO_SHARD), in its own
 kind (compressed or plain); a shard group of one rank still has replicas to
 average over. Every collective here is a sum: the handle scales the gradient
 (in backward, or by dividing the sum), never the collective.
+
+A started gather or reduction is an ``InFlight`` (``communication/transports/in_flight.py``), whatever runs it:
+``wait()`` completes it and returns its result (a reduction's shard of the gradient).
 """
 
 import torch
 
-from fsdp_mpi.communication.comm import Communicator, Pending
-from fsdp_mpi.communication.compression import (Codec, CompressedAllGather, compressed_all_reduce_sum_,
-                                                 compressed_reduce_scatter_sum)
-
-
-class Started:
-    """A collective a handle started; ``wait()`` completes it (once) and returns its result.
-
-    A collective that completed when started (one rank, a compressed reduction) has no `pending`.
-    """
-
-    def __init__(self, result: torch.Tensor | None = None, pending: Pending | None = None):
-        self.result, self.pending = result, pending
-
-    def wait(self) -> torch.Tensor | None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        return self.result
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.compression import (Codec, compressed_all_gather, compressed_all_reduce_sum_,
+                                                 compressed_reduce_scatter_sum, start_compressed_all_gather)
+from fsdp_mpi.communication.transports.in_flight import InFlight
 
 
 # ----------------------------------------------------------------- gathers: full (W * S,) <- every rank's shard (S,)
@@ -46,9 +34,9 @@ class LocalGather:
     def gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
         full.copy_(shard)
 
-    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> Started:
+    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
         self.gather(full, shard, unit)
-        return Started()
+        return InFlight()
 
 
 class PlainGather:
@@ -60,7 +48,7 @@ class PlainGather:
     def gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
         self.comm.all_gather_into(full, shard.to(full.dtype), unit)
 
-    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> Pending:
+    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
         return self.comm.start_all_gather_into(full, shard.to(full.dtype), unit)
 
 
@@ -71,10 +59,10 @@ class CompressedGather:
         self.comm, self.codec = comm, codec
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
-        CompressedAllGather(self.comm, full, shard, self.codec, unit).wait()
+        compressed_all_gather(self.comm, full, shard, self.codec, unit)
 
-    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> CompressedAllGather:
-        return CompressedAllGather(self.comm, full, shard, self.codec, unit, start_only=True)
+    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
+        return start_compressed_all_gather(self.comm, full, shard, self.codec, unit)
 
 
 def choose_gather(comm: Communicator, codec: Codec | None) -> LocalGather | PlainGather | CompressedGather:
@@ -99,9 +87,9 @@ class PlainReduction:
         self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), unit)
         return shard_grad
 
-    def start_reduce_scatter(self, full_grad: torch.Tensor, unit: str) -> Started:
+    def start_reduce_scatter(self, full_grad: torch.Tensor, unit: str) -> InFlight:
         shard_grad = _empty_shard(full_grad, self.comm)
-        return Started(shard_grad, self.comm.start_reduce_scatter_sum(shard_grad, full_grad.contiguous(), unit))
+        return self.comm.start_reduce_scatter_sum(shard_grad, full_grad.contiguous(), unit).then(None, shard_grad)
 
     def all_reduce_over_replicas(self, shard_grad: torch.Tensor, unit: str) -> None:
         if self.replicas is not None:
@@ -119,8 +107,8 @@ class CompressedReduction:
         compressed_reduce_scatter_sum(self.comm, shard_grad, full_grad.contiguous(), self.codec, unit)
         return shard_grad
 
-    def start_reduce_scatter(self, full_grad: torch.Tensor, unit: str) -> Started:
-        return Started(self.reduce_scatter(full_grad, unit))
+    def start_reduce_scatter(self, full_grad: torch.Tensor, unit: str) -> InFlight:
+        return InFlight(self.reduce_scatter(full_grad, unit))
 
     def all_reduce_over_replicas(self, shard_grad: torch.Tensor, unit: str) -> None:
         if self.replicas is not None:
@@ -136,8 +124,8 @@ class LocalReduction:
     def reduce_scatter(self, full_grad: torch.Tensor, unit: str) -> torch.Tensor:
         return full_grad
 
-    def start_reduce_scatter(self, full_grad: torch.Tensor, unit: str) -> Started:
-        return Started(full_grad)
+    def start_reduce_scatter(self, full_grad: torch.Tensor, unit: str) -> InFlight:
+        return InFlight(full_grad)
 
     def all_reduce_over_replicas(self, shard_grad: torch.Tensor, unit: str) -> None:
         self.over_replicas.all_reduce_over_replicas(shard_grad, unit)

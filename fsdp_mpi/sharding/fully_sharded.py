@@ -13,12 +13,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fsdp_mpi.communication.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
+from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception
+from fsdp_mpi.communication.transports.gpu_support import report_device_path_once
 from fsdp_mpi.sharding.deferred_init import is_deferred, materialize_into_shards
-from fsdp_mpi.communication.gpu_support import report_device_path_once
-from fsdp_mpi.communication.host_memory import keep_freed_host_memory_for_reuse
+from fsdp_mpi.sharding.host_memory import keep_freed_host_memory_for_reuse
 from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, modules_outside_units,
                                 original_name, units_with_names)
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision

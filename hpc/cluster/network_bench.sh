@@ -7,7 +7,8 @@
 #            on the cluster).
 # Starts and stops its own cluster.
 #
-#   bash hpc/cluster/network_bench.sh        (RATES="none 10gbit 1gbit" ROUNDS=3 WHAT="bench predict" OUT=results/network)
+#   bash hpc/cluster/network_bench.sh        (RATES="none 10gbit 1gbit" ROUNDS=3 WHAT="bench predict" OUT=results/network
+#                                             STRATEGIES=bench.py's list, fsdp-mpi+flat: FULL_SHARD in one flat ring)
 #
 # Extra arguments go to bench.py (e.g. --model gpt2-tiny --vocab-size 128 for a quick look).
 set -euo pipefail
@@ -28,7 +29,7 @@ for rate in $RATES; do
   if [[ " $WHAT " == *" bench "* ]]; then
     echo "=== bench, links limited to: $rate"
     bash "$HERE/cluster.sh" exec fmnode0 python experiments/bench.py --ranks 4 --rounds "${ROUNDS:-3}" "${MODEL[@]}" \
-      --strategies fsdp-mpi,fsdp-mpi+SHARD_GRAD_OP,fsdp-mpi+HYBRID_SHARD,fsdp-mpi+NO_SHARD,ddp,torch-fsdp \
+      --strategies "${STRATEGIES:-fsdp-mpi,fsdp-mpi+flat,fsdp-mpi+SHARD_GRAD_OP,fsdp-mpi+HYBRID_SHARD,fsdp-mpi+NO_SHARD,ddp,torch-fsdp}" \
       --out "$OUT/bench-$rate.csv" "$@"
   fi
   if [[ " $WHAT " == *" predict "* ]]; then

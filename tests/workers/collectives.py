@@ -11,11 +11,13 @@ import time
 
 import torch
 from common import output_path, take_device_argument, write_json
+from mpi4py import MPI
 
 from fsdp_mpi import Communicator
-from fsdp_mpi.communication.background import threads_may_call_mpi_at_once
-from fsdp_mpi.communication.gpu_support import is_intel_mpi, mpi_is_cuda_aware
-from fsdp_mpi.communication.mpi_buffers import BIT_TYPES, DeviceBuffer
+from fsdp_mpi.communication.settings import EMULATED_NODE_SIZE, read_count
+from fsdp_mpi.communication.transports.gpu_support import is_intel_mpi, mpi_is_cuda_aware
+from fsdp_mpi.communication.transports.mpi_buffers import BIT_TYPES, DeviceBuffer
+from fsdp_mpi.communication.transports.worker import threads_may_call_mpi_at_once
 
 S = 5
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,6 +98,7 @@ def started_while_the_partner_is_away(comm: Communicator, dtype: torch.dtype) ->
     start blocked). Then the same for a reduce-scatter.
     """
     side = comm.mpi_comm.Dup()
+    comm.transport(torch.device("cpu"))  # the route is chosen at the first collective on host memory, by all ranks
     n, r = comm.world_size, comm.rank
     everything = torch.arange(n * S, dtype=dtype)
     results = {}
@@ -131,14 +134,20 @@ def dtypes_handed_to_the_worker(comm: Communicator, dtype: torch.dtype) -> list 
         return None
     handed, start = [], comm.communication_thread.start
 
-    def recorded(collective, device):
-        handed.extend(arg.dtype for arg in collective.args if isinstance(arg, torch.Tensor))
-        return start(collective, device)
+    def recorded(collective, device, keep=()):  # keep: the buffers the collective works on
+        handed.extend(buffer.dtype for buffer in keep)
+        return start(collective, device, keep)
     comm.communication_thread.start = recorded
     shard = torch.empty(S, dtype=dtype)
     comm.start_reduce_scatter_sum(shard, torch.ones(comm.world_size * S, dtype=dtype)).wait()
     comm.communication_thread.start = start
     return handed if torch.equal(shard, torch.full((S,), float(comm.world_size), dtype=dtype)) else []
+
+
+def spans_nodes() -> bool:
+    """With FSDP_MPI_EMULATED_NODE_SIZE the ranks span nodes: every collective goes in two levels, inside each node
+    by the route a communicator is asked for (MPI, staged or the node's memory), across nodes by MPI."""
+    return (read_count(EMULATED_NODE_SIZE) or MPI.COMM_WORLD.Get_size()) < MPI.COMM_WORLD.Get_size()
 
 
 def on_the_gpu(device: torch.device) -> dict:
@@ -155,7 +164,8 @@ def on_the_gpu(device: torch.device) -> dict:
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype, device).items():
                     report[f"cuda/{what}/{name}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
-            report[f"cuda/route/{route}/chunk={chunk}"] = comm.routes == {"cuda": route}
+            expected = "two-level" if spans_nodes() else route
+            report[f"cuda/route/{route}/chunk={chunk}"] = comm.routes == {"cuda": expected}
         comm = Communicator(force_staging=route == "staged", node_transport=route == "node")  # whole chunks
         numel = 2**24 // comm.world_size  # 64 MiB of fp32 in all, per collective
         generator = torch.Generator(device).manual_seed(comm.rank)
@@ -190,16 +200,18 @@ if __name__ == "__main__":
                 for what, ok in check(comm, dtype).items():
                     report[f"{what}/{name}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
             report[f"host buffers used if and only if staged, shared memory if node/{route}/chunk={chunk}"] = (
-                bool(comm.staging_slots) is (route == "staged") and comm.routes == {"cpu": route})
+                bool(comm.staging_slots) is (route == "staged")
+                and comm.routes == {"cpu": "two-level" if spans_nodes() else route})
     for name, dtype in DTYPES.items():
         for what, ok in device_buffers(comm, dtype).items():
             report[f"{what}/{name}"] = all(comm.all_gather_object(ok))
     staged = Communicator(force_staging=True)
     for what, ok in started_while_the_partner_is_away(staged, torch.float32).items():
         report[f"{what}/staged"] = all(staged.all_gather_object(ok))
-    report["a started 16-bit reduce-scatter reaches the worker in fp32"] = all(staged.all_gather_object(
-        dtypes_handed_to_the_worker(staged, torch.bfloat16)
-        == ([torch.float32, torch.float32] if threads_may_call_mpi_at_once() else None)))
+    summed_by = torch.bfloat16 if spans_nodes() else torch.float32  # two levels sum 16-bit values in fp32 themselves
+    report["a started 16-bit reduce-scatter reaches the worker in fp32 where MPI sums it"] = all(
+        staged.all_gather_object(dtypes_handed_to_the_worker(staged, torch.bfloat16)
+                                 == ([summed_by, summed_by] if threads_may_call_mpi_at_once() else None)))
     line = comm.describe_route(torch.device("cpu"))
     report["the route line says what I_MPI_OFFLOAD would change, under Intel MPI alone"] = (
         "I_MPI_OFFLOAD unset: device buffers would be staged through the host" in line) is is_intel_mpi()

@@ -39,8 +39,8 @@ from common import (NestedMLP, ResidualBlock, bert_batch, gpt_batch, local_part,
 from gradients import compare_gradients, full_gradients, reference_gradients
 from torch import nn
 
-from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, clip_grad_norm_,
-                      full_state_dict)
+from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, ShardingStrategy,
+                      clip_grad_norm_, full_state_dict)
 
 STEPS = 3
 U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
@@ -326,6 +326,9 @@ COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("gpt2", "sgd", "no_s
                  ("gpt2", "adamw", "none", None, "one_rank_whole")]
 # On a GPU (``--device cuda``): one model in fp32 (TF32 off) and in bf16, against one process on the same GPU.
 GPU_RUNS = [("gpt2", "adamw", "none", None), ("gpt2", "adamw", "sharded", "bf16")]
+# Across (emulated) nodes, in two levels: the main runs of two models, and SHARD_GRAD_OP's (no backward gather).
+NODE_RUNS = [run_ for run_ in MAIN_RUNS if run_[0] in ("mlp", "gpt2")] + [("gpt2", "adamw", "none", None, None,
+                                                                          "SHARD_GRAD_OP")]
 
 if __name__ == "__main__":
     # argv: output path, then optionally "families", "compiled" or "gpu" (those runs), or model names (their
@@ -333,13 +336,17 @@ if __name__ == "__main__":
     device = take_device_argument()
     comm = Communicator()
     selected = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    named = {"families": FAMILY_RUNS, "compiled": COMPILED_RUNS, "gpu": GPU_RUNS}
+    named = {"families": FAMILY_RUNS, "compiled": COMPILED_RUNS, "gpu": GPU_RUNS, "nodes": NODE_RUNS}
     if selected is None:
         runs = MAIN_RUNS
     elif len(selected) == 1 and selected[0] in named:
         runs = named[selected[0]]
     else:
         runs = [run_ for run_ in MAIN_RUNS if run_[0] in selected]
-    results = {"/".join(filter(None, (m, o, a, p, *c))): run(m, o, a, comm, p and torch.bfloat16, *c, device=device)
-               for m, o, a, p, *c in runs}
+    results = {}
+    for m, o, a, p, *more in runs:  # more: compiled, then a sharding strategy's name
+        compiled, strategy = (more + [None, None])[:2]
+        wrap = {"sharding_strategy": ShardingStrategy[strategy]} if strategy else {}
+        results["/".join(filter(None, (m, o, a, p, compiled, strategy)))] = run(
+            m, o, a, comm, p and torch.bfloat16, compiled, device=device, **wrap)
     write_json(output_path(), results)

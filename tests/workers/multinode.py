@@ -1,6 +1,6 @@
 """Ranks on several hosts (hpc/cluster's nodes): where they are (node groups, HYBRID_SHARD's groups, the GPU
 each would take), training equal to one process under each strategy, and the bytes a step sends over each
-node's link against the cost model.
+node's link against the cost model, for FULL_SHARD in two levels (the default) and in one flat ring.
 
     cluster.sh exec fmnode0 mpiexec -hosts fmnode0:2,fmnode1:2 -launcher ssh -launcher-exec ssh.sh \
         python multinode.py OUT [placement]
@@ -33,8 +33,11 @@ from training.strategies import node_placement  # noqa: E402
 MODEL = gpt2_config("gpt2-tiny", vocab_size=2048, n_embd=128)
 
 
-def bytes_on_the_links(comm: Communicator, node: Communicator, strategy: ShardingStrategy) -> dict:
-    """One training step's bytes sent by each node and the cost model's prediction."""
+def bytes_on_the_links(comm: Communicator, node: Communicator, strategy: ShardingStrategy,
+                       two_level: bool = True) -> dict:
+    """One training step's bytes sent by each node and the cost model's prediction; `two_level`: a group that
+    spans the nodes goes in two levels (fsdp_mpi's default), else in one flat ring."""
+    comm = comm if two_level else Communicator(two_level=False)
     torch.manual_seed(0)
     model = FullyShardedDataParallel(GPT2LMHeadModel(MODEL), comm=comm, sharding_strategy=strategy,
                                      auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
@@ -47,7 +50,8 @@ def bytes_on_the_links(comm: Communicator, node: Communicator, strategy: Shardin
     step()  # a first step: connections between ranks are made on first use
     sent = bytes_each_node_sends(step, comm, first_on_node=node.rank == 0)
     units = cost_model_units(model)
-    layout = Layout(strategy.name, nodes=comm.world_size // node.world_size, ranks_per_node=node.world_size)
+    layout = Layout(strategy.name, nodes=comm.world_size // node.world_size, ranks_per_node=node.world_size,
+                    two_level=two_level)
     profile = Profile(units, optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0)
     return {"measured": sent,
             "predicted": step_link_bytes(profile, layout),
@@ -77,4 +81,6 @@ if __name__ == "__main__":
                                   for name in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")}
         results["link_bytes"] = {name: bytes_on_the_links(comm, node, ShardingStrategy[name])
                                  for name in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")}
+        results["link_bytes"]["FULL_SHARD, one flat ring"] = bytes_on_the_links(comm, node, ShardingStrategy.FULL_SHARD,
+                                                                                 two_level=False)
     write_json(output_path(), results)

@@ -14,7 +14,7 @@ import torch
 from common import ResidualBlock, output_path, take_device_argument, write_json
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
-from fsdp_mpi.communication import shared_slots
+from fsdp_mpi.communication.transports import shared_slots
 
 
 def side_stream(device: torch.device):
@@ -78,7 +78,7 @@ def give_back(comm: Communicator, device: torch.device) -> dict:
     held = Communicator()
     values = torch.ones(2**20, device=device)
     held.all_reduce_sum_(values)
-    slots = held._routes.node_transports[device.type].slots
+    slots = held.transport(device).slots
     counted, own = Communicator.device_bytes_outside_torch(), slots.device_bytes
     results = {"counted while held": counted >= own == (2 * slots.capacity if device.type == "cuda" else 0)}
     held.close()

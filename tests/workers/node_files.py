@@ -54,7 +54,7 @@ def slots_after_wrapping() -> dict:
     model = FullyShardedDataParallel(Layers(), comm=comm, auto_wrap_policy=ModuleWrapPolicy({Layers}))
     unit_bytes = max(h.padded_numel * 4 for m in model.modules() if isinstance(m, FullyShardedDataParallel)
                      for h in m.handles)
-    return {"unit_bytes": unit_bytes, "capacity": comm._routes.node_transports["cpu"].slots.capacity}
+    return {"unit_bytes": unit_bytes, "capacity": comm.transport(torch.device("cpu")).slots.capacity}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A communication thread per communicator, so that a staged collective started early runs behind compute.
 
-A staged collective (``staging.py``) is host work: copy chunks out, call MPI,
+A staged collective (``staged.py``) is host work: copy chunks out, call MPI,
 copy chunks back. Started on the main thread it would run to its end before the
 main thread could queue the next kernel, so a prefetch or an asynchronous
 reduce-scatter on that path would overlap nothing. Here ``start()`` hands the
@@ -11,8 +11,9 @@ inside their calls); ``wait()`` on the returned handle joins it.
 The ranks must still enter every collective of a communicator in the same
 order. The worker runs its collectives first come, first served, and a
 collective called on the main thread first waits for everything handed to the
-worker (``wait_for_all()``, called by every ``Communicator`` collective). So each
-rank issues its collectives in program order, whichever thread issues them.
+worker (``wait_for_all()``, which the ``Communicator`` calls before each of its
+collectives). So each rank issues its collectives in program order, whichever
+thread issues them.
 Two threads may then be inside MPI at once only on different communicators
 (a replica all-reduce beside a shard group's prefetch), which MPI allows at
 ``MPI_THREAD_MULTIPLE``; where the library gives less, nothing is handed over and
@@ -25,6 +26,8 @@ from typing import Callable
 
 import torch
 from mpi4py import MPI
+
+from fsdp_mpi.communication.transports.in_flight import InFlight
 
 
 def threads_may_call_mpi_at_once() -> bool:
@@ -47,7 +50,9 @@ class CommunicationThread:
         self._queued: list[Future] = []
         self._side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 
-    def start(self, collective: Callable[[], None], device: torch.device) -> "OnWorker":
+    def start(self, collective: Callable[[], None], device: torch.device, keep: tuple = ()) -> InFlight:
+        """Queues `collective` (`keep`: its buffers, held until it is waited for); the returned ``wait()``
+        completes it and every one queued before it, and on a GPU makes the caller's stream wait for its work."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_mpi communication")
         caller_stream = ready = side = None
@@ -62,7 +67,12 @@ class CommunicationThread:
         self._queued = [future for future in self._queued if not future.done() or future.exception() is not None]
         future = self._executor.submit(self._run, collective, ready, side)
         self._queued.append(future)
-        return OnWorker(future, caller_stream)
+
+        def joined() -> None:
+            done = future.result()
+            if done is not None:
+                caller_stream.wait_event(done)
+        return InFlight(steps=(joined,), keep=keep)
 
     def _run(self, collective: Callable[[], None], ready, side):
         self._worker = threading.current_thread()
@@ -88,15 +98,3 @@ class CommunicationThread:
         wait(queued)
         for future in queued:
             future.result()
-
-
-class OnWorker:
-    """One collective handed to the worker; ``wait()`` completes it and every one queued before it."""
-
-    def __init__(self, future: Future, caller_stream):
-        self._future, self._caller_stream = future, caller_stream
-
-    def wait(self) -> None:
-        done = self._future.result()
-        if done is not None:
-            self._caller_stream.wait_event(done)

@@ -23,20 +23,24 @@ caching allocator may reuse its memory as soon as the caller lets it go.
 
 On the CPU (``FSDP_MPI_FORCE_STAGING=1``, which the tests use to run this path
 without a GPU) the same chunks go through the same host buffers with plain copies.
+
+``Staged`` is the transport: MPI's part of each chunk is ``direct.MpiCalls`` on
+the host buffers, 16-bit values are summed through fp32 copies, and a started
+collective runs on the communication thread (host work end to end).
 """
 
+from functools import partial
 from typing import Callable
 
 import torch
 
-from fsdp_mpi.communication.gpu_support import HostStagingBuffers
+from fsdp_mpi.communication.transports.chunks import chunk_bounds, elements_per_chunk
+from fsdp_mpi.communication.transports.direct import MpiCalls
+from fsdp_mpi.communication.transports.gpu_support import HostStagingBuffers
+from fsdp_mpi.communication.transports.sums import summed_in_fp32
+from fsdp_mpi.communication.transports.transport import Transport, WidenedForMpi
 
 MpiStep = Callable[..., None]  # MPI's part for one chunk, on host buffers, the output first
-
-
-def chunk_bounds(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
-    """[start, stop) of consecutive chunks of at most `chunk_numel` elements covering `numel` (one if 0)."""
-    return [(start, min(start + chunk_numel, numel)) for start in range(0, max(numel, 1), chunk_numel)]
 
 
 RING_SLOTS = 3  # chunks in flight: one being copied out, one in MPI, one being copied back
@@ -167,23 +171,20 @@ class _Pipeline:
 
     def copy_out(self, host: torch.Tensor, source: torch.Tensor) -> Callable[[], None]:
         """Starts copying `source` into `host`; returns what waits until `host` holds it."""
-        if not self.cuda:
-            host.copy_(source)
-            return _nothing
-        with torch.cuda.stream(self.copy):
-            host.copy_(source, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.copy)
-        return copied.synchronize
+        return self._copy(host, source)
 
     def copy_in(self, target: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
         """Starts copying `host` into `target` (on the copy stream: the compute stream waits for it at the end);
         returns what waits until `host` has been read."""
+        return self._copy(target, host)
+
+    def _copy(self, target: torch.Tensor, source: torch.Tensor) -> Callable[[], None]:
+        """target <- source, on the copy stream for a CUDA tensor; returns what waits until it is done."""
         if not self.cuda:
-            target.copy_(host)
+            target.copy_(source)
             return _nothing
         with torch.cuda.stream(self.copy):
-            target.copy_(host, non_blocking=True)
+            target.copy_(source, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.copy)
         return copied.synchronize
@@ -194,3 +195,48 @@ class _Pipeline:
             copied_back.record(self.copy)
             self.compute.wait_event(copied_back)
             self.staged._host_buffers_read = copied_back
+
+
+class Staged(WidenedForMpi, Transport):
+    """Every collective through `pipeline`'s pinned host buffers, `chunk_bytes` per rank and chunk (within MPI's
+    count limit, `max_elements_per_message`)."""
+
+    route = "staged"
+
+    def __init__(self, mpi_comm, chunk_bytes: int, max_elements_per_message: int):
+        self.mpi, self.world = MpiCalls(mpi_comm), mpi_comm.Get_size()
+        self.pipeline = StagedCollectives()
+        self.chunk_bytes, self.max_elements = chunk_bytes, max_elements_per_message
+
+    def _chunk(self, tensor: torch.Tensor) -> int:
+        return elements_per_chunk(tensor.element_size(), self.chunk_bytes, max_elements=self.max_elements)
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        self.pipeline.all_gather(full, shard, self._chunk(shard), self.mpi.all_gather)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        shard, full, finish = self.widened_for_sum(shard, full)
+        self.pipeline.reduce_scatter(shard, full, self._chunk(shard), self.mpi.reduce_scatter)
+        if finish is not None:
+            finish()
+
+    def all_reduce(self, flat: torch.Tensor) -> None:
+        summed = flat.float() if summed_in_fp32(flat.dtype) else flat
+        self.pipeline.in_place(summed, self._chunk(summed), self.mpi.all_reduce, slot="all_reduce")
+        if summed is not flat:
+            flat.copy_(summed)
+
+    def all_to_all(self, received: torch.Tensor, sent: torch.Tensor) -> None:
+        self.pipeline.all_to_all(received, sent, self.world, self._chunk(sent), self.mpi.all_to_all)
+
+    def broadcast(self, flat: torch.Tensor, root: int) -> None:
+        rank = self.mpi.mpi_comm.Get_rank()
+        self.pipeline.in_place(flat, self._chunk(flat), partial(self.mpi.broadcast, root=root), send=rank == root,
+                               receive=rank != root, slot="broadcast")
+
+    def runs_started_on_the_worker(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    @property
+    def staging_slots(self) -> list[str]:
+        return self.pipeline.buffers.slots

@@ -2,7 +2,7 @@
 
 A CUDA-aware MPI (most cluster builds of Open MPI, MPICH and Cray MPICH, and
 Intel MPI with ``I_MPI_OFFLOAD=1``) takes device pointers directly. Others need every device tensor copied to host memory
-first (``staging.py``); page-locked ("pinned") host buffers make those copies
+first (``staged.py``); page-locked ("pinned") host buffers make those copies
 fast and asynchronous, and keeping them between steps avoids re-pinning memory
 on every collective.
 """
@@ -14,7 +14,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-from fsdp_mpi.communication.launcher import INTEL_MPI_CUDA_LIBRARY, INTEL_MPI_OFFLOAD
+from fsdp_mpi.communication.failures.launcher import INTEL_MPI_CUDA_LIBRARY, INTEL_MPI_OFFLOAD
 from fsdp_mpi.communication.settings import CUDA_AWARE, FORCE_STAGING, read_flag
 
 

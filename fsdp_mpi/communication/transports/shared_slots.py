@@ -1,10 +1,10 @@
 """Memory that every rank of a node maps: two exchange slots per rank, on the host or on the GPU.
 
-The node transport (``node_transport.py``) moves a collective's bytes through
+The node transport (``node.py``) moves a collective's bytes through
 these slots: a rank writes its contribution into its own slot, and, once every
 rank has written, reads what it needs from the slots (its peers', and for a sum
 its own). Two slots per rank, used in turn, let one barrier per exchange
-suffice (see ``node_transport``).
+suffice (see ``node.py``).
 
     rank 0: [slot 0][slot 1]   rank 1: [slot 0][slot 1]   ...   each `capacity` bytes
 
@@ -38,8 +38,8 @@ import weakref
 
 import torch
 
-from fsdp_mpi.communication.abort import before_abort
-from fsdp_mpi.communication.cuda_ipc import CudaOutOfMemory, CudaRuntime, bytes_at
+from fsdp_mpi.communication.failures.abort import before_abort
+from fsdp_mpi.communication.transports.cuda_ipc import CudaOutOfMemory, CudaRuntime, bytes_at
 
 SLOTS_PER_RANK = 2
 _ALIGNMENT = 256  # every slot starts at a multiple of this: any dtype can view it

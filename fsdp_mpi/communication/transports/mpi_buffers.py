@@ -8,20 +8,17 @@ to a CUDA-aware MPI as its address (``DeviceBuffer``), once the host has waited
 for the stream that produced it (``wait_for_producer``: an event, never the
 whole device). Moving data needs only the bits, so every dtype travels as
 unsigned integers of its width (``as_bits``); sums need the real type
-(``as_numbers``), and MPI has none for 16-bit floats, which are summed in fp32.
+(``as_numbers``), and MPI has none for 16-bit floats, which are summed in fp32
+(``sums.py``).
 """
 
 import torch
 from mpi4py import MPI
 
-# MPI counts are C ints: a larger per-rank message is split into chunks of this many elements.
-MAX_ELEMENTS_PER_MESSAGE = 2**31 - 1
-
 # Moving data needs only the bits: every dtype travels as unsigned integers of its width.
 BIT_TYPES = {1: MPI.UINT8_T, 2: MPI.INT16_T, 4: MPI.INT32_T, 8: MPI.INT64_T}
-# Arithmetic needs the real type; 16-bit floats are summed in fp32 (MPI has no bf16).
+# Arithmetic needs the real type; 16-bit floats reach MPI's sums as fp32 copies (sums.py).
 SUM_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
-SUM_IN_FP32 = (torch.float16, torch.bfloat16)
 
 
 class DeviceBuffer:
@@ -40,7 +37,7 @@ class DeviceBuffer:
 def memory_of(tensor: torch.Tensor):
     """`tensor`'s memory as mpi4py should see it: a buffer at its address on the CPU, a ``DeviceBuffer`` on a device.
 
-    Neither keeps the tensor alive: the caller holds it until MPI is done (``Pending`` does).
+    Neither keeps the tensor alive: the caller holds it until MPI is done (``InFlight`` does).
     """
     if not tensor.is_cpu:
         return DeviceBuffer(tensor)

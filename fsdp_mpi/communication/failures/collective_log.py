@@ -22,29 +22,14 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from fsdp_mpi.communication.abort import abort_job
-from fsdp_mpi.communication.liveness import Liveness
-from fsdp_mpi.communication.settings import TIMEOUT, VERIFY, read_text
+from fsdp_mpi.communication.failures.abort import abort_job
+from fsdp_mpi.communication.failures.liveness import Liveness
+from fsdp_mpi.communication.settings import TIMEOUT, VERIFY
 from fsdp_mpi.communication.timing_points import collective_started
 
-DEFAULT_TIMEOUT_SECONDS = 600.0
 RECORDS_KEPT = 32  # per process; the watchdog prints the last RECORDS_PRINTED of them
 RECORDS_PRINTED = 12
 ASKING_SECONDS = 2.0  # before the timeout, at most a quarter of it: the time other ranks get to answer
-
-
-def timeout_from_environment() -> float:
-    """``FSDP_MPI_TIMEOUT`` in seconds (0 turns the watchdog off), else the default of 600."""
-    value = read_text(TIMEOUT)
-    if not value:
-        return DEFAULT_TIMEOUT_SECONDS
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:
-        raise ValueError(f"{TIMEOUT.name}={value!r}: expected a number of seconds >= 0 (0 turns the watchdog off)")
-    return seconds
 
 
 @dataclass(slots=True)
