@@ -65,6 +65,10 @@ strategy in place of ``--sharding-strategy``, so that several share the rounds.
 Where the ranks span several hosts (``FSDP_MPI_MPIEXEC`` names a launcher that
 places them, docs/clusters.md), ``link_mb_per_step`` is what each host sent to the
 others in one step, read from its network interfaces' byte counters.
+``torch-fsdp+backend=fsdp_mpi`` and ``ddp+backend=fsdp_mpi`` run torch's FSDP2
+and DDP on torch.distributed over fsdp_mpi's transports (the experiments'
+``--backend``; ``backend=gloo`` names the CPU's default), so that torch's own
+sharding is compared on the same transport as ours.
 A ``:PRECISION`` suffix (``fsdp-mpi:bf16-mixed``, ``ddp:bf16-mixed``) picks the
 experiments' ``--precision``.
 """
@@ -85,6 +89,7 @@ from training.compression_option import compression_formats
 from measuring import bench_models
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precision
+BACKENDS = ("gloo", "nccl", "fsdp_mpi")  # as in the experiments' --backend, for ddp and torch-fsdp
 
 REPLICATED = ("plain", "ddp", "lightning-ddp")
 BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
@@ -112,6 +117,7 @@ COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/
 COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
 THROUGH_MPI = "mpi"  # fsdp-mpi+mpi: the node's ranks exchange through MPI, not shared memory (FSDP_MPI_NODE_TRANSPORT=0)
 FLAT = "flat"  # fsdp-mpi+flat: a group spanning nodes in one flat ring, not in two levels (FSDP_MPI_TWO_LEVEL=0)
+BACKEND = "backend="  # torch-fsdp+backend=fsdp_mpi, ddp+backend=fsdp_mpi: torch.distributed's backend
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 
@@ -120,8 +126,11 @@ def run_one(spec: str, ranks: int, args) -> dict:
     spec, _, precision = spec.partition(":")
     precision = precision or "32"
     strategy, *overlap = spec.split("+")
+    backend = next((token.removeprefix(BACKEND) for token in overlap if token.startswith(BACKEND)), "auto")
+    overlap = [token for token in overlap if not token.startswith(BACKEND)]
     parameters = parameter_count(args)
-    if args.device == "cuda" and strategy in ("ddp", "torch-fsdp") and ranks > gpu_count():
+    if args.device == "cuda" and strategy in ("ddp", "torch-fsdp") and backend in ("auto", "nccl") \
+            and ranks > gpu_count():
         return {"strategy": spec, "precision": precision, "ranks": ranks,
                 "note": f"not run: nccl cannot share a GPU between ranks ({ranks} ranks, {gpu_count()} GPU(s))"}
     needed = ranks * BYTES_PER_PARAMETER * parameters if strategy in REPLICATED else 0
@@ -135,7 +144,7 @@ def run_one(spec: str, ranks: int, args) -> dict:
                    "--model", args.model, "--batch-size", str(per_rank_batch(args, ranks)),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision,
-                   "--sharding-strategy", args.sharding_strategy, "--device", args.device]
+                   "--sharding-strategy", args.sharding_strategy, "--device", args.device, "--backend", backend]
         if args.vocab_size is not None:
             command += ["--vocab-size", str(args.vocab_size)]
         if args.layers is not None:
@@ -379,13 +388,16 @@ def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[t
         name, _, ranks = item.strip().partition("@")
         base, *overlap = name.partition(":")[0].split("+")
         compressed = [token for token in overlap if token.startswith(COMPRESSION)]
-        overlap = [token for token in overlap if token not in compressed]
+        backends = [token.removeprefix(BACKEND) for token in overlap if token.startswith(BACKEND)]
+        overlap = [token for token in overlap if token not in compressed and not token.startswith(BACKEND)]
         if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
                 or not set(overlap) <= {*OVERLAP, *SHARDING, *COMPILING, THROUGH_MPI, FLAT} \
                 or (set(overlap) - set(COMPILING) and base != "fsdp-mpi") or len(set(overlap) & set(SHARDING)) > 1 \
                 or len(set(overlap) & set(COMPILING)) > 1 \
                 or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi")) \
-                or (compressed and base != "fsdp-mpi"):
+                or (compressed and base != "fsdp-mpi") \
+                or (backends and (base not in ("ddp", "torch-fsdp") or len(backends) > 1
+                                  or backends[0] not in BACKENDS)):
             parser.error(f"unknown strategy {name!r}")
         for token in compressed:
             try:

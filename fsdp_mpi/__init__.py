@@ -10,9 +10,10 @@ The package has four layers, each a subpackage, and imports point only downwards
     loop/            what a training loop calls beside the model: clipping, loss scaling, uneven data
     files/           checkpoints and Hugging Face files on disk
 
-Read them in that order (each subpackage's docstring orders its files); last, lightning
-(``FSDPMPIStrategy``, imported only on its own: it needs PyTorch Lightning). The names below are the
-public API.
+Read them in that order (each subpackage's docstring orders its files); last, two adapters on top, each
+imported only on its own: lightning (``FSDPMPIStrategy``: it needs PyTorch Lightning) and distributed (a
+torch.distributed backend named "fsdp_mpi", for torch's own FSDP2 and DDP over the communication layer). The
+names below are the public API.
 """
 
 from fsdp_mpi.communication.bookkeeping import CollectiveMismatchError

@@ -27,6 +27,10 @@
 #       # 4 ranks sharing the GPU as 2 emulated nodes of 2 (FSDP_MPI_EMULATED_NODE_SIZE=2): the collectives in two
 #       # levels on device memory (node transport inside, MPI staged across), and GPT-2's step in two levels
 #       # against one flat staged ring. Named only, about 3 minutes
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh torch-distributed
+#       # torch's own FSDP2 (fp32, bf16, HSDP) and DDP on the "fsdp_mpi" backend with 2 ranks sharing the GPU, and
+#       # Lightning's DDPStrategy and FSDPStrategy on it (issue 61); GPT-2's step as FSDP2 on the backend beside
+#       # fsdp-mpi, 2 ranks sharing the GPU. Named only, about 2 minutes
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -88,7 +92,7 @@ cat "$out/machine.txt"
 # the variants bit for bit, GPT-2 against one process in fp32 and bf16, a bit-exact resume, run_gpt2.py), and the
 # node transport's edges on 4 ranks sharing the GPU (3 ranks, HYBRID_SHARD's two groups at once, the memory given
 # back and counted, IPC refused on one rank: issue 66).
-run pytest-gpu 200 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
+run pytest-gpu 200 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py -k "not fsdp_mpi_backend"
 
 # README's test command, the whole suite, on the GPU machine (issue 44): its tests spread over parallel workers
 # (pytest-xdist, in the test extra; FSDP_MPI_TEST_WORKERS of them, default 8, each test up to 4 ranks), so that it
@@ -151,6 +155,17 @@ if [[ "$only" == *" two-level "* ]]; then
     run two-level-gpt2 120 env FSDP_MPI_EMULATED_NODE_SIZE=2 $PY experiments/bench.py --device cuda --model gpt2 \
         --seq-len 1024 --batch-size 16 --same-global-batch --ranks 4 --steps 4 --warmup 2 --rounds 1 \
         --out "$out/two-level-gpt2.csv" --strategies fsdp-mpi:bf16-mixed,fsdp-mpi+flat:bf16-mixed
+fi
+
+# torch.distributed on fsdp_mpi (issue 61), named only: the GPU lane's tests of the backend (left out of
+# pytest-gpu above), and FSDP2 over it against fsdp-mpi, 2 ranks sharing the GPU (which nccl refuses).
+if [[ "$only" == *" torch-distributed "* ]]; then
+    only="$only torch-distributed-tests torch-distributed-gpt2 "
+    run torch-distributed-tests 150 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py \
+        -k fsdp_mpi_backend
+    run torch-distributed-gpt2 120 env CUDA_VISIBLE_DEVICES=0 $PY experiments/bench.py --device cuda --model gpt2 \
+        --seq-len 1024 --batch-size 16 --same-global-batch --ranks 2 --steps 4 --warmup 2 --rounds 1 \
+        --out "$out/torch-distributed-gpt2.csv" --strategies fsdp-mpi:bf16-mixed,torch-fsdp+backend=fsdp_mpi:bf16-mixed
 fi
 
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.

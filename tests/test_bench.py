@@ -21,7 +21,8 @@ def run_bench(*args, timeout=300):
 
 def test_bench_rounds_ratios_and_bytes(tmp_path):
     out = tmp_path / "bench.csv"
-    plan = ["plain", "plain@2", "fsdp-mpi@1", "fsdp-mpi", "ddp", "torch-fsdp", "fsdp-mpi+forward_prefetch:bf16-mixed"]
+    plan = ["plain", "plain@2", "fsdp-mpi@1", "fsdp-mpi", "ddp", "torch-fsdp", "fsdp-mpi+forward_prefetch:bf16-mixed",
+            "torch-fsdp+backend=fsdp_mpi"]
     result = run_bench("--model", "gpt2-tiny", "--vocab-size", "128", "--batch-size", "2", "--seq-len", "16",
                        "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
                        "--strategies", ",".join(plan))
@@ -33,7 +34,7 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
         runs = list(csv.DictReader(f))
     # every strategy ran once per round, the second round's order rotated by one
     names = [("plain", "1"), ("plain", "2"), ("fsdp-mpi", "1"), ("fsdp-mpi", "2"), ("ddp", "2"), ("torch-fsdp", "2"),
-             ("fsdp-mpi+forward_prefetch", "2")]
+             ("fsdp-mpi+forward_prefetch", "2"), ("torch-fsdp+backend=fsdp_mpi", "2")]
     order = [(r["strategy"], r["ranks"]) for r in sorted(runs, key=lambda r: (int(r["round"]), int(r["position"])))]
     assert order == names + names[1:] + names[:1]
     assert all(row["note"] == "" and int(row["rounds"]) == 2 for row in summary.values())
@@ -82,6 +83,9 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     # dimension to a multiple of 2 ranks) aside: gpt2-tiny's dimensions are even, so none.
     assert float(summary["ddp", "32", "2"]["comm_mb_per_step"]) == pytest.approx(4 * 112_384 / 2**20, rel=1e-9)
     assert float(summary["torch-fsdp", "32", "2"]["comm_mb_per_step"]) == pytest.approx(megabytes["32"], rel=1e-9)
+    # the same FSDP2 over fsdp_mpi's backend (fsdp_mpi/distributed.py) makes the same calls
+    over_ours = summary["torch-fsdp+backend=fsdp_mpi", "32", "2"]
+    assert float(over_ours["comm_mb_per_step"]) == pytest.approx(megabytes["32"], rel=1e-9)
     # sharding halves what each rank holds for parameters, gradients and Adam state (up to padding)
     assert 0.5 <= float(ours["model_state_mb"]) / float(summary["ddp", "32", "2"]["model_state_mb"]) < 0.51
 
@@ -130,6 +134,9 @@ BAD_ARGUMENTS = [  # each refused before anything is launched
     (["--strategies", "ddp:fp8"], "the precision after : must be one of"),
     (["--strategies", "ddp,ddp@2"], "listed twice"),
     (["--strategies", "ddp+NO_SHARD"], "unknown strategy 'ddp+NO_SHARD'"),  # fsdp-mpi's only
+    (["--strategies", "fsdp-mpi+backend=fsdp_mpi"], "unknown strategy 'fsdp-mpi+backend=fsdp_mpi'"),  # torch's only
+    (["--strategies", "ddp+backend=mpi"], "unknown strategy 'ddp+backend=mpi'"),
+    (["--strategies", "ddp+backend=gloo+backend=fsdp_mpi"], "unknown strategy 'ddp+backend=gloo+backend=fsdp_mpi'"),
     (["--strategies", "fsdp-mpi+NO_SHARD+HYBRID_SHARD"], "unknown strategy 'fsdp-mpi+NO_SHARD+HYBRID_SHARD'"),
     (["--rounds", "0"], "--rounds must be positive"),
     (["--layers", "0"], "--layers must be positive"),
@@ -151,20 +158,26 @@ def test_bad_arguments_are_refused_with_their_reason(capsys):
     assert result.returncode == 2 and "unknown strategy 'horovod'" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_flat_and_through_mpi_set_their_variables_for_the_run(monkeypatch):
+def test_flat_through_mpi_and_backend_set_their_variables_and_arguments_for_the_run(monkeypatch):
     """fsdp-mpi+flat runs with FSDP_MPI_TWO_LEVEL=0 (groups spanning nodes in one flat ring), +mpi with
-    FSDP_MPI_NODE_TRANSPORT=0; a plain fsdp-mpi run with neither."""
+    FSDP_MPI_NODE_TRANSPORT=0; a plain fsdp-mpi run with neither. ddp+backend=fsdp_mpi passes the worker
+    ``--backend fsdp_mpi`` and nothing else of its own; plain ddp ``--backend auto``."""
     import bench
     launched = []
-    monkeypatch.setattr(bench.subprocess, "run", lambda command, env, **_: launched.append(env) or
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, env, **_: launched.append((command, env)) or
                         subprocess.CompletedProcess(command, 1, "", "stopped here"))
     args = bench.arguments(["--strategies", "fsdp-mpi"])[0]
-    for spec in ("fsdp-mpi", "fsdp-mpi+flat", "fsdp-mpi+mpi"):
+    for spec in ("fsdp-mpi", "fsdp-mpi+flat", "fsdp-mpi+mpi", "ddp+backend=fsdp_mpi", "ddp"):
         bench.run_one(spec, 4, args)
-    settings = [{name: env.get(name) for name in ("FSDP_MPI_TWO_LEVEL", "FSDP_MPI_NODE_TRANSPORT")} for env in launched]
-    assert settings == [{"FSDP_MPI_TWO_LEVEL": None, "FSDP_MPI_NODE_TRANSPORT": None},
-                        {"FSDP_MPI_TWO_LEVEL": "0", "FSDP_MPI_NODE_TRANSPORT": None},
-                        {"FSDP_MPI_TWO_LEVEL": None, "FSDP_MPI_NODE_TRANSPORT": "0"}]
+    settings = [{name: env.get(name) for name in ("FSDP_MPI_TWO_LEVEL", "FSDP_MPI_NODE_TRANSPORT")}
+                for _, env in launched]
+    assert settings[:3] == [{"FSDP_MPI_TWO_LEVEL": None, "FSDP_MPI_NODE_TRANSPORT": None},
+                            {"FSDP_MPI_TWO_LEVEL": "0", "FSDP_MPI_NODE_TRANSPORT": None},
+                            {"FSDP_MPI_TWO_LEVEL": None, "FSDP_MPI_NODE_TRANSPORT": "0"}]
+    worker_options = [dict(zip(command[command.index("--strategy")::2], command[command.index("--strategy") + 1::2]))
+                      for command, _ in launched[3:]]
+    assert [(options["--strategy"], options["--backend"], options["--overlap"]) for options in worker_options] == \
+        [("ddp", "fsdp_mpi", ""), ("ddp", "auto", "")]
 
 
 def test_the_launchers_start_no_mpi():

@@ -139,9 +139,11 @@ def test_two_accumulated_micro_batches_train_like_one_batch_of_twice_the_size(re
 
 @pytest.mark.one_mpi
 @needs_data
-@pytest.mark.parametrize("strategy,extra", [("fsdp-mpi", ["--gradient-checkpointing"]), ("torch-fsdp", []),
-                                            ("ddp", [])])
+@pytest.mark.parametrize("strategy,extra", [("fsdp-mpi", ["--gradient-checkpointing"]),
+                                            ("torch-fsdp", ["--backend", "fsdp_mpi"]), ("ddp", [])])
 def test_other_strategies_and_recomputed_activations_train_like_fsdp_mpi(results_dir, tmp_path, strategy, extra):
+    """torch's FSDP2 here on torch.distributed over fsdp_mpi (``--backend fsdp_mpi``), DDP on gloo (FSDP2 on
+    gloo: the accumulation test above)."""
     result = launch("run_gpt2.py", 2, *QUICK, "--strategy", strategy, *extra, "--out-dir", tmp_path)
     check_ok(result)
     for row, ref in zip(read_rows(tmp_path), read_rows(results_dir / "run_gpt2-fsdp-mpi"), strict=True):
@@ -249,6 +251,7 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--strategy", "lightning-fsdp-mpi", "--precision", "16-mixed"], "lightning-fsdp-mpi trains in 32 or bf16-mixed"),
     (["--comm-compression", "int4"], "expected WEIGHTS or WEIGHTS/GRADIENTS, each one of none, bf16, int8"),
     (["--strategy", "ddp", "--comm-compression", "int8"], "--comm-compression is fsdp_mpi's"),
+    (["--backend", "gloo"], "--backend gloo is torch.distributed's, which fsdp-mpi does not use"),
 ])
 def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):
     result = launch("run_gpt2.py", 2, *args, "--out-dir", tmp_path, timeout=120)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from mpi_launch import check_ok, run_mpi
 from test_node_transport import check_node_edges
+from test_torch_distributed import check_lightning_backend, check_torch_distributed
 
 from fsdp_mpi import consolidate_checkpoint
 
@@ -132,3 +133,20 @@ def test_run_gpt2_trains_on_the_gpu_on_two_ranks_sharing_it(tmp_path):
     assert [row["device"] for row in rows] == ["cuda", "cuda"] and rows[0]["world_size"] == "2"
     steps = read_rows(tmp_path, per="step")
     assert float(steps[-1]["train_loss"]) < float(steps[0]["train_loss"]) <= 4.3
+
+
+def test_torch_fsdp2_hsdp_and_ddp_on_the_fsdp_mpi_backend_with_two_ranks_sharing_the_gpu(tmp_path):
+    """torch's own FSDP2 (fp32, bf16, HSDP) and DDP over the "fsdp_mpi" backend with 2 ranks on one GPU, which
+    nccl refuses: within the bounds of the CPU test (test_torch_distributed.py), the other calls right."""
+    out = tmp_path / "torch-distributed-gpu.json"
+    check_ok(run_mpi("torch_distributed.py", 2, out, "--device", "cuda", env=FIRST_GPU, timeout=300))
+    check_torch_distributed(json.loads(out.read_text()))
+
+
+def test_lightnings_ddp_and_fsdp_strategies_on_the_fsdp_mpi_backend_on_the_gpu(tmp_path):
+    """Lightning's DDPStrategy and FSDPStrategy (torch's FSDP1, which needs an accelerator) with
+    ``process_group_backend="fsdp_mpi"``: a rank per GPU, as Lightning places them (one rank on a machine
+    with one GPU, where only the start and a world of one are exercised)."""
+    out = tmp_path / "lightning-backend-gpu.json"
+    check_ok(run_mpi("lightning_backend.py", min(2, CUDA_DEVICES), out, "--device", "cuda", timeout=300))
+    check_lightning_backend(json.loads(out.read_text()), ["ddp", "fsdp"])

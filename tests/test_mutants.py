@@ -77,6 +77,8 @@ QUEUE_WAIT = "tests/test_device_paths.py::test_waiting_for_the_queue_waits_for_e
 WORKER_ORDER = "tests/test_device_paths.py::test_the_worker_runs_collectives_one_at_a_time_in_the_order_started"
 CROSS_ENTROPY = "tests/test_cross_entropy.py::test_loss_and_gradient_are_torchs_on_the_fp32_logits"
 SLABS = "tests/test_cross_entropy.py::test_no_fp32_tensor_of_all_the_logits_is_made_or_kept"
+TORCH_DISTRIBUTED = ("tests/test_torch_distributed.py::"
+                     "test_torch_fsdp2_hsdp_ddp_and_dtensor_train_as_one_process_on_the_fsdp_mpi_backend[2]")
 KILLED_SAVE = "tests/test_checkpoint.py::test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_whole"
 TRUNCATED = "tests/test_checkpoint.py::test_a_damaged_file_is_named[truncate]"
 PERSISTENT = "tests/test_memory.py::test_persistent_parameters_are_one_shard_per_rank[2]"
@@ -290,6 +292,8 @@ MUTANTS = {
     "a CUDA call leaves the thread on another GPU": (
         "fsdp_mpi/communication/transports/cuda_ipc.py", "            self._library.cudaSetDevice(previous.value)",
         "            pass", [CURRENT_DEVICE]),
+    "the fsdp_mpi backend's AVG sums without dividing by the ranks": (
+        "fsdp_mpi/distributed.py", "        if self.kind == _OP.AVG:", "        if False:", [TORCH_DISTRIBUTED]),
     "a quantizer that ignores the scale": (
         "fsdp_mpi/communication/compression.py", "codes = (blocks / divisors).round_()", "codes = blocks.clone().round_()",
         [INT8_ROUND_TRIP]),

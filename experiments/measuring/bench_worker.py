@@ -28,7 +28,8 @@ from measuring.reported import PARTS, median_of_known
 from training.recipe import adamw
 from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
 from training.startup import allow_tf32
-from training.strategies import PRECISIONS, Prepared, compression_from_option, node_placement, prepare, torch_amp
+from training.strategies import (BACKENDS, PRECISIONS, Prepared, compression_from_option, node_placement, prepare,
+                                 torch_amp)
 
 from fsdp_mpi import Communicator, ShardingStrategy, abort_job_on_uncaught_exception
 
@@ -50,6 +51,8 @@ def arguments():
     parser.add_argument("--hybrid-group-size", type=int, default=None, help="fsdp-mpi's HYBRID_SHARD group")
     parser.add_argument("--precision", default="32", choices=list(PRECISIONS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--backend", default="auto", choices=BACKENDS, help="torch.distributed's, for ddp and "
+                                                                           "torch-fsdp")
     parser.add_argument("--json", required=True)
     return parser.parse_args()
 
@@ -260,7 +263,8 @@ def main() -> None:
                                hybrid_group_size=args.hybrid_group_size)
                 breakdown = StepBreakdown()
                 breakdown.install()
-            prepared = prepare(args.strategy, model, block_class, device, comm, args.precision, **options)
+            prepared = prepare(args.strategy, model, block_class, device, comm, args.precision, args.backend,
+                               **options)
         measured = prepared.model
         if "compile" in mechanisms:  # each block in place, after wrapping: its gather and free stay eager
             for module in measured.modules():
@@ -290,7 +294,8 @@ def main() -> None:
         tokens_per_s = args.batch_size * args.seq_len * comm.world_size / step
         with open(args.json, "w") as f:
             json.dump({
-                "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+"))]),
+                "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+")),
+                                      *([f"backend={args.backend}"] if args.backend != "auto" else [])]),
                 "sharding_strategy": sharding if args.strategy == "fsdp-mpi" else None,
                 "precision": args.precision, "ranks": comm.world_size, "parameters": parameters,
                 "step_s": step, "step_times_s": times, "issued_s": statistics.median(issued),

@@ -1,8 +1,8 @@
 """The PyTorch Lightning baselines: the same task, data, recipe and CSV, trained by a Lightning Trainer.
 
 mpiexec starts the processes; Lightning's ``MPIEnvironment`` reads rank and
-world size from MPI. ``lightning-ddp`` and ``lightning-fsdp`` set up torch.distributed
-(gloo on CPU, nccl on GPU); ``lightning-fsdp-mpi`` (fsdp_mpi's ``FSDPMPIStrategy``)
+world size from MPI. ``lightning-ddp`` and ``lightning-fsdp`` set up torch.distributed on ``--backend``
+(gloo on CPU, nccl on GPU by default, or fsdp_mpi); ``lightning-fsdp-mpi`` (fsdp_mpi's ``FSDPMPIStrategy``)
 needs none: everything goes through MPI. All three train the same ``TaskModule``.
 Lightning accumulates gradients itself (``accumulate_grad_batches``), clips them
 (``gradient_clip_val``), applies ``--precision`` (its own names: autocast, with a
@@ -26,7 +26,7 @@ from training.results import model_state_bytes
 from training.resume import EpochTally
 from training.sampling import epoch_steps, total_optimizer_steps
 from training.saved_run import save_trained
-from training.strategies import build_model, compression_from_option, full_state_dict_on_rank0
+from training.strategies import build_model, compression_from_option, full_state_dict_on_rank0, torch_backend
 
 from fsdp_mpi import Communicator, full_state_dict
 from fsdp_mpi.lightning import FSDPMPIStrategy
@@ -136,14 +136,15 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
     environment = MPIEnvironment()
     if config.strategy == "lightning-ddp":
         strategy = DDPStrategy(cluster_environment=environment,
-                               process_group_backend="nccl" if device.type == "cuda" else "gloo")
+                               process_group_backend=torch_backend(config.backend, device))
     elif config.strategy == "lightning-fsdp-mpi":
         strategy = FSDPMPIStrategy(auto_wrap_policy={task.block_class}, accumulate_without_sync=config.accum_no_sync,
                                    cluster_environment=environment,
                                    compression=compression_from_option(config.comm_compression))
     else:
         fsdp = _FSDPStrategyNoSync if config.accum_no_sync else FSDPStrategy
-        strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class})
+        strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class},
+                        process_group_backend=torch_backend(config.backend, device))
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=processes_per_node,
         num_nodes=comm.world_size // processes_per_node, strategy=strategy, max_epochs=config.epochs,

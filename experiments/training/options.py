@@ -11,7 +11,7 @@ from pathlib import Path
 
 from training.resume import LATEST
 from training.sampling import Batching
-from training.strategies import PRECISIONS, STRATEGIES, compression_from_option
+from training.strategies import BACKENDS, PRECISIONS, STRATEGIES, TORCH_DISTRIBUTED, compression_from_option
 
 
 class UsageError(Exception):
@@ -25,6 +25,7 @@ class RunConfig:
     # What is trained, and by whom.
     model: str
     strategy: str  # strategies.STRATEGIES
+    backend: str  # strategies.BACKENDS: torch.distributed's, for its strategies
     precision: str  # strategies.PRECISIONS
     comm_compression: str  # WEIGHTS[/GRADIENTS], strategies.compression_from_option
     gradient_checkpointing: bool
@@ -80,6 +81,9 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add = parser.add_argument
     add("--model", default=defaults["model"], choices=model_choices, help="named model configuration")
     add("--strategy", default="fsdp-mpi", choices=STRATEGIES, help="who trains (default: %(default)s)")
+    add("--backend", default="auto", choices=BACKENDS,
+        help="torch.distributed's backend for ddp, torch-fsdp, lightning-ddp and lightning-fsdp: auto (nccl on "
+             "GPUs, gloo otherwise), or fsdp_mpi (over fsdp_mpi's MPI and node transport) (default: %(default)s)")
     add("--epochs", type=int, default=defaults["epochs"])
     add("--steps-per-epoch", type=int, default=defaults["steps_per_epoch"], help="optimizer steps; 0: the whole epoch")
     add("--batch-size", type=int, default=defaults["batch_size"], help="samples per rank per micro-batch")
@@ -136,6 +140,9 @@ def check_config(config: RunConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if config.steps_per_epoch < 0:
         raise UsageError("--steps-per-epoch must be 0 (whole epoch) or positive")
+    if config.backend != "auto" and config.strategy not in TORCH_DISTRIBUTED:
+        raise UsageError(f"--backend {config.backend} is torch.distributed's, which {config.strategy} does not use "
+                         f"(it is for {', '.join(TORCH_DISTRIBUTED)})")
     if not config.lr > 0:
         raise UsageError("--lr must be positive")
     try:

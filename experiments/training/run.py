@@ -22,7 +22,7 @@ from training.options import RunConfig, UsageError, check_checkpoint_options, ch
 from training.resume import ResumeError, StopSignals
 from training.startup import (allow_tf32, announce_devices, communicator_for_the_run, pick_device,
                               set_up_rank_0_first)
-from training.strategies import TORCH_DISTRIBUTED, node_placement
+from training.strategies import TORCH_DISTRIBUTED, node_placement, torch_backend
 
 from fsdp_mpi import CheckpointError as ShardedCheckpointError
 from fsdp_mpi import Communicator, abort_job_on_uncaught_exception
@@ -87,10 +87,11 @@ def _set_up(task_type, config: RunConfig, comm: Communicator, node: tuple[int, i
         device = pick_device(config.device, local_rank)
         allow_tf32(device)
         gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-        if config.strategy in TORCH_DISTRIBUTED and device.type == "cuda" and ranks_on_node > gpus:
+        if (config.strategy in TORCH_DISTRIBUTED and torch_backend(config.backend, device) == "nccl"
+                and ranks_on_node > gpus):
             raise UsageError(f"{config.strategy} communicates through nccl, which cannot share a GPU between ranks: "
-                             f"this node runs {ranks_on_node} ranks on {gpus} visible GPU(s). "
-                             "Start one rank per GPU, or use fsdp-mpi or lightning-fsdp-mpi, which can share one")
+                             f"this node runs {ranks_on_node} ranks on {gpus} visible GPU(s). Start one rank per "
+                             "GPU, or use --backend fsdp_mpi, fsdp-mpi or lightning-fsdp-mpi, which can share one")
         if config.strategy == "lightning-fsdp" and device.type != "cuda":
             raise UsageError("lightning-fsdp needs a GPU (Lightning's FSDP does not run on CPU); "
                              "use fsdp-mpi, torch-fsdp or lightning-ddp here")

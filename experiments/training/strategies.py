@@ -1,8 +1,10 @@
 """The ways of training one model on N ranks that the experiments compare.
 
 ``fsdp-mpi`` is ours. ``ddp`` and ``torch-fsdp`` (torch FSDP2's ``fully_shard``)
-use torch.distributed, initialised from the MPI ranks that mpiexec started:
-gloo on CPU, nccl on GPU. The Lightning strategies live in ``lightning_runner``;
+use torch.distributed, initialised from the MPI ranks that mpiexec started, on
+``--backend``: gloo on CPU and nccl on GPU by default, or ``fsdp_mpi``
+(torch.distributed over fsdp_mpi's transports, ``fsdp_mpi/distributed.py``: MPI from
+pip, ranks sharing a GPU). The Lightning strategies live in ``lightning_runner``;
 ``lightning-fsdp-mpi`` is a Lightning Trainer with fsdp_mpi's ``FSDPMPIStrategy``.
 
 ``--precision`` (Lightning's names) maps onto each strategy's own mechanism:
@@ -30,6 +32,18 @@ from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, Mixed
 
 STRATEGIES = ("fsdp-mpi", "ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp", "lightning-fsdp-mpi")
 TORCH_DISTRIBUTED = ("ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
+BACKENDS = ("auto", "gloo", "nccl", "fsdp_mpi")  # --backend: torch.distributed's, for TORCH_DISTRIBUTED
+
+
+def torch_backend(backend: str, device: torch.device) -> str:
+    """--backend's choice for torch.distributed on `device`: auto is nccl on a GPU, gloo on the CPU."""
+    if backend == "fsdp_mpi":
+        import fsdp_mpi.distributed  # noqa: F401 (registers the backend)
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return backend
+
+
 PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # --precision -> compute dtype
 
 
@@ -56,8 +70,9 @@ def node_placement(comm: Communicator) -> tuple[int, int]:
     return node.rank, node.world_size
 
 
-def init_torch_distributed(comm: Communicator, device: torch.device) -> None:
-    """Starts torch.distributed with the MPI ranks and world size; rank 0 hosts the rendezvous."""
+def init_torch_distributed(comm: Communicator, device: torch.device, backend: str = "auto") -> None:
+    """Starts torch.distributed on `backend` (``--backend``) with the MPI ranks and world size; rank 0 hosts the
+    rendezvous."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -72,8 +87,7 @@ def init_torch_distributed(comm: Communicator, device: torch.device) -> None:
     port = comm.broadcast_object(port, root=0)
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(comm.rank),
                       WORLD_SIZE=str(comm.world_size), LOCAL_RANK=str(node_placement(comm)[0]))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=comm.rank, world_size=comm.world_size)
+    dist.init_process_group(torch_backend(backend, device), rank=comm.rank, world_size=comm.world_size)
 
 
 def build_model(task, seed: int, comm: Communicator):
@@ -92,8 +106,9 @@ def compression_from_option(text: str) -> Compression | None:
 
 
 def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: Communicator,
-            precision: str = "32", **fsdp_options) -> Prepared:
-    """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones) at `precision`.
+            precision: str = "32", backend: str = "auto", **fsdp_options) -> Prepared:
+    """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones) at `precision`, torch's
+    strategies on torch.distributed's `backend` (``BACKENDS``).
 
     `fsdp_options` go to fsdp-mpi's FullyShardedDataParallel (e.g. forward_prefetch=True). fsdp-mpi shards
     over `comm` itself, so its communication time and bytes (``comm_seconds``, ``comm_bytes``) also count
@@ -109,7 +124,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
                         lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True,
                         scaler=ShardedGradScaler(comm, enabled=scaling), all_reduce_max=comm.all_reduce_max_float,
                         comm_bytes=lambda: sum(comm.bytes_moved.values()))
-    init_torch_distributed(comm, device)
+    init_torch_distributed(comm, device, backend)
     clip_torch = partial(_clip_grad_norm_torch, model)
     autocast, torch_scaler = torch_amp(device.type, precision)
     if strategy == "ddp":
