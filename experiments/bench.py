@@ -47,12 +47,12 @@ GPUs their rows say they were not run.
 
 fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``fsdp-mpi+forward_prefetch+backward_prefetch+async_reduce_scatter`` (any subset).
-``plain+compile`` and ``fsdp-mpi+compile`` compile each GPT-2 block (BERT layer) in place
-(``block.compile()``, inductor); ``plain+compile_whole`` and
-``fsdp-mpi+compile_whole`` compile the whole model (``torch.compile(model)``,
-inductor: the output layer and loss too, between fsdp-mpi's gathers), meant
-for one rank, where nothing is gathered. Give ``--warmup 2`` or more, so that
-compiling is not timed; the rows' MFU then sets compiled and eager side by side.
+``plain+compile``, ``fsdp-mpi+compile`` and ``torch-fsdp+compile`` compile each GPT-2
+block (BERT layer) in place (``block.compile()``, inductor); ``+compile_whole``
+compiles the whole (wrapped) model (``torch.compile(model)``, inductor: fsdp-mpi's
+gathers and reductions traced into its graph, docs/design.md#compiled-models).
+Give ``--warmup 2`` or more, so that compiling is not timed; the rows' MFU then
+sets compiled and eager side by side.
 ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients compressed
 (the experiments' ``--comm-compression``: WEIGHTS[/GRADIENTS], each none, bf16
 or int8).
@@ -111,8 +111,8 @@ def available_memory_bytes() -> int:
 
 OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")  # fsdp-mpi+NO_SHARD: that run's strategy
-COMPILE = "compile"  # plain+compile, fsdp-mpi+compile: each block compiled in place (inductor)
-COMPILE_WHOLE = "compile_whole"  # plain+compile_whole, fsdp-mpi+compile_whole: torch.compile(model) (inductor)
+COMPILE = "compile"  # plain+compile, fsdp-mpi+compile, torch-fsdp+compile: each block compiled in place (inductor)
+COMPILE_WHOLE = "compile_whole"  # plain+compile_whole, ...: torch.compile(model) (inductor)
 COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/GRADIENTS]
 COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
 THROUGH_MPI = "mpi"  # fsdp-mpi+mpi: the node's ranks exchange through MPI, not shared memory (FSDP_MPI_NODE_TRANSPORT=0)
@@ -394,7 +394,7 @@ def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[t
                 or not set(overlap) <= {*OVERLAP, *SHARDING, *COMPILING, THROUGH_MPI, FLAT} \
                 or (set(overlap) - set(COMPILING) and base != "fsdp-mpi") or len(set(overlap) & set(SHARDING)) > 1 \
                 or len(set(overlap) & set(COMPILING)) > 1 \
-                or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi")) \
+                or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi", "torch-fsdp")) \
                 or (compressed and base != "fsdp-mpi") \
                 or (backends and (base not in ("ddp", "torch-fsdp") or len(backends) > 1
                                   or backends[0] not in BACKENDS)):

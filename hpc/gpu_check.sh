@@ -31,6 +31,10 @@
 #       # torch's own FSDP2 (fp32, bf16, HSDP) and DDP on the "fsdp_mpi" backend with 2 ranks sharing the GPU, and
 #       # Lightning's DDPStrategy and FSDPStrategy on it (issue 61); GPT-2's step as FSDP2 on the backend beside
 #       # fsdp-mpi, 2 ranks sharing the GPU. Named only, about 2 minutes
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh compiled-whole
+#       # the whole model in one compiled graph (issue 62): gpt2 (16 x 1024) and gpt2-medium (8 x 1024), bf16,
+#       # plain torch, fsdp-mpi and FSDP2 each compiled whole, on one rank and 2 ranks sharing the GPU; step s,
+#       # issued_s, MFU. Named only, about 6 minutes (each run compiles first)
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -166,6 +170,27 @@ if [[ "$only" == *" torch-distributed "* ]]; then
     run torch-distributed-gpt2 120 env CUDA_VISIBLE_DEVICES=0 $PY experiments/bench.py --device cuda --model gpt2 \
         --seq-len 1024 --batch-size 16 --same-global-batch --ranks 2 --steps 4 --warmup 2 --rounds 1 \
         --out "$out/torch-distributed-gpt2.csv" --strategies fsdp-mpi:bf16-mixed,torch-fsdp+backend=fsdp_mpi:bf16-mixed
+fi
+
+# The whole model in one compiled graph (issue 62), named only: plain torch, fsdp-mpi (gathers and reductions
+# traced into the graph) and FSDP2, each compiled whole, bf16, fused AdamW; on one rank, and 2 ranks sharing the
+# GPU on the same global batch (FSDP2 on the "fsdp_mpi" backend there: nccl refuses to share a GPU).
+if [[ "$only" == *" compiled-whole "* ]]; then
+    only="$only compiled-whole-gpt2 compiled-whole-gpt2-medium compiled-whole-gpt2-2 compiled-whole-gpt2-medium-2 "
+    whole="plain+compile_whole:bf16-mixed,fsdp-mpi+compile_whole:bf16-mixed@1,torch-fsdp+compile_whole:bf16-mixed@1"
+    shared="plain+compile_whole:bf16-mixed,fsdp-mpi+compile_whole:bf16-mixed"
+    shared="$shared,torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed"
+    run compiled-whole-gpt2 110 $PY experiments/bench.py $mfu 1 --model gpt2 --batch-size 16 \
+        --out "$out/compiled-whole-gpt2.csv" --strategies $whole
+    run compiled-whole-gpt2-medium 150 $PY experiments/bench.py $mfu 1 --model gpt2-medium --batch-size 8 \
+        --out "$out/compiled-whole-gpt2-medium.csv" --strategies $whole
+    two="--device cuda --seq-len 1024 --ranks 2 --same-global-batch --steps 5 --warmup 2 --rounds 1"
+    run compiled-whole-gpt2-2 110 $PY experiments/bench.py $two --model gpt2 --batch-size 16 \
+        --out "$out/compiled-whole-gpt2-2.csv" --strategies $shared
+    run compiled-whole-gpt2-medium-2 150 $PY experiments/bench.py $two --model gpt2-medium --batch-size 8 \
+        --out "$out/compiled-whole-gpt2-medium-2.csv" --strategies $shared
+    awk '/^\| strategy \| precision/ {table = 1} table && /^$/ {table = 0; print ""} table' \
+        "$out"/compiled-whole-*.log 2> /dev/null | tee "$out/compiled-whole.md"
 fi
 
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.

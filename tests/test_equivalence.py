@@ -61,17 +61,32 @@ def test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process(tmp_
     check_equivalence(results)
 
 
+WHOLE_RUNS = {"gpt2/sgd/no_sync/whole", "bert/sgd/none/whole", "gpt2/adamw/sharded/bf16/whole/overlap"}
+
+
 @pytest.mark.one_mpi  # compiled code around the same collectives as eager
-def test_compiled_units_and_a_compiled_model_train_as_one_eager_process(tmp_path):
-    """torch.compile (inductor) on each wrapped unit's module, and on the whole wrapped model, on 2 ranks; and
-    inductor on the whole model where one rank holds it (each rank alone): the same step checks as eager
-    sharding, against one eager process (compiled kernels round differently, within the bounds' float32
-    rounding)."""
+@pytest.mark.parametrize("nprocs, runs", [(2, "compiled"), (3, "compiled_whole")])
+def test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model(nprocs, runs, tmp_path):
+    """torch.compile on the whole wrapped model (the gathers and reductions traced as custom ops), with no_sync,
+    with bf16 and every overlap switch, on 2 and 3 ranks; on 2 also on each unit's module, on HF's GPT-2, with
+    inductor, and where each rank holds the whole model. The same step checks as eager sharding against one
+    eager process (compiled kernels round differently, within the bounds' rounding), and dynamo breaks the
+    wrapped model's graph exactly where it breaks the same model unwrapped: fsdp_mpi adds no break (see
+    workers/equivalence.py)."""
     out = tmp_path / "compiled.json"
-    check_ok(run_mpi("equivalence.py", 2, out, "compiled", timeout=600))
+    check_ok(run_mpi("equivalence.py", nprocs, out, runs, timeout=600))
     results = json.loads(out.read_text())
-    assert set(results) == {"gpt2/adamw/none/units", "gpt2/sgd/no_sync/whole", "gpt2/adamw/none/one_rank_whole"}
+    expected = WHOLE_RUNS | ({"gpt2/adamw/none/units", "hf_gpt2/sgd/none/whole", "gpt2/adamw/none/whole_inductor",
+                              "gpt2/adamw/none/one_rank_whole"} if runs == "compiled" else set())
+    assert set(results) == expected
     check_equivalence(results)
+    for run, result in results.items():
+        if "whole" in run:
+            wrapped, unwrapped = result["graphs"], result["graphs_unwrapped"]
+            assert (wrapped["breaks"], wrapped["break_reasons"]) == (unwrapped["breaks"],
+                                                                     unwrapped["break_reasons"]), run
+            # One graph per step, or two with no_sync (whether to reduce is a constant of the graph).
+            assert wrapped["graphs"] == unwrapped["graphs"] + ("no_sync" in run), run
 
 
 @pytest.mark.one_mpi  # the sharding layer's logic; under a second MPI, the collectives worker checks every path it takes

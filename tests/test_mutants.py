@@ -57,6 +57,8 @@ COST_COLLECTIVES = "tests/test_costmodel.py::test_each_strategy_issues_the_colle
 EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
 INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_half_a_step_of_each_blocks_absmax"
 CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
+COMPILED_WHOLE = ("tests/test_equivalence.py::"
+                  "test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model[3-compiled_whole]")
 COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[3_ranks]"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
@@ -117,8 +119,8 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py", "if unit.requires_gradient_sync and (handle.awaiting_gradient",
         "if False and (handle.awaiting_gradient", [UNUSED]),
     "SHARD_GRAD_OP frees after forward": (
-        "fsdp_mpi/sharding/lifecycle.py", "self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root",
-        "self.is_root", [SWITCHES]),
+        "fsdp_mpi/sharding/lifecycle.py", "return self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root",
+        "return self.is_root", [SWITCHES]),
     "backward prefetch does nothing": (
         "fsdp_mpi/sharding/lifecycle.py", 'if self.overlap["backward_prefetch"] and', "if False and", [SWITCHES]),
     "async reduce-scatter waits at once": (
@@ -353,6 +355,10 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py",
         'if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:',
         "if False:", [PREFETCH]),
+    "a unit's forward hook is hidden from dynamo again, breaking a compiled model's graph at every unit": (
+        "fsdp_mpi/sharding/lifecycle.py", "    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",
+        "    @torch.compiler.disable\n    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",
+        [COMPILED_WHOLE]),
     "a forward recomputed in backward is taken for a new forward": (
         "fsdp_mpi/sharding/lifecycle.py", "        if self.state is TrainingState.BACKWARD:\n            self._to_backward()",
         "        if False:\n            self._to_backward()", [RECOMPUTED]),

@@ -249,6 +249,16 @@ class FlatParamHandle:
             FullViews.apply(self.full_flat, self._full_views, self._gradient_scale, self.got_gradient)
         self.install_full_views(self._full_views)
 
+    @property
+    def communicates_nothing(self) -> bool:
+        """One rank and no replicas: the shard is the whole buffer, and its gradient is the average already."""
+        return self.comm.world_size == 1 and self.replicas is None
+
+    @property
+    def shard_padding(self) -> int:
+        """Elements of the shard after the last parameter's part: zeros, on the last ranks only."""
+        return self._shard_pieces[-1]
+
     def split_full(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One full-shape view per parameter into a (padded_numel,) buffer, in slot order (no autograd)."""
         return split_into_views(full, self._shapes)
@@ -296,6 +306,22 @@ class FlatParamHandle:
             self._pending_reduction = None
             self._average_over_replicas_and_accumulate(shard_grad)
 
+    def traced_reduction(self, full_grad: torch.Tensor, sync: bool) -> torch.Tensor:
+        """The compiled path's ``reduce_gradient`` (``traced.py``): a new (shard_numel,) gradient of the shard's
+        dtype, averaged over the ranks, from backward's unscaled (padded_numel,) gradient of ``param_dtype``.
+        Without `sync` (``no_sync``) the gradient is kept, as the eager path keeps it, in ``full_flat.grad``,
+        and zeros come back; a later synced backward adds what was kept before reducing."""
+        # A new tensor either way: the reduction may work in place, and an operator must not change its input.
+        full_grad = full_grad * self._gradient_scale if self.scale_in_backward else full_grad.clone()
+        if self.full_flat.grad is not None:
+            full_grad = full_grad + self.full_flat.grad
+            self.full_flat.grad = None
+        if not sync:
+            self.full_flat.grad = full_grad
+            return torch.zeros(self.shard_numel, dtype=self.shard.dtype, device=self.shard.device)
+        return self._averaged(self.reduction.reduce_scatter(full_grad.to(self.reduce_dtype), self.unit_name)).to(
+            self.shard.dtype)
+
     @property
     def unsharded_gradient_bytes(self) -> int:
         """Memory held by a full-size gradient kept for a later reduction (``no_sync``)."""
@@ -303,10 +329,14 @@ class FlatParamHandle:
         return 0 if grad is None or self.aliases_shard else grad.numel() * grad.element_size()
 
     def _average_over_replicas_and_accumulate(self, shard_grad: torch.Tensor) -> None:
+        self._accumulate(self._averaged(shard_grad))
+
+    def _averaged(self, shard_grad: torch.Tensor) -> torch.Tensor:
+        """A reduce-scattered gradient summed over the replicas too and, unless backward scaled it, divided."""
         self.reduction.all_reduce_over_replicas(shard_grad, self.unit_name)
         if not self.scale_in_backward and self.gradient_divisor > 1:
             shard_grad.div_(self.gradient_divisor)
-        self._accumulate(shard_grad)
+        return shard_grad
 
     def _accumulate(self, shard_grad: torch.Tensor) -> None:
         """Adds a reduced gradient to what the sharded views still hold, then exposes it through them."""

@@ -113,7 +113,10 @@ class FullyShardedDataParallel(nn.Module):
             _reserve_node_memory(self._unit.context.units, _groups)
 
     def forward(self, *args, **kwargs):
-        """Calls the wrapped module; its unit's hooks gather the parameters around the call."""
+        """Calls the wrapped module; its unit's hooks gather the parameters around the call, or, in code that
+        torch.compile traces, operators in the graph (``ShardedUnit.traced_call``)."""
+        if torch.compiler.is_compiling():
+            return self._unit.traced_call(args, kwargs)
         return self.module(*args, **kwargs)
 
     # ----------------------------------------------------------------- transparency

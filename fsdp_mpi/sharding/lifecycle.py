@@ -28,6 +28,11 @@ Under mixed precision (``mixed_precision.py``) the pre-hook also casts the
 forward's floating-point inputs to ``param_dtype``; gathering and reducing in
 other dtypes is the handles' business.
 
+Code that ``torch.compile`` traces takes another path through the same handles:
+``traced_call``, which the wrapper's forward calls instead of the module, gathers
+and reduces through custom operators in the graph (``traced.py``), and the hooks
+stand aside while it runs.
+
 Optional overlap (each off by default, see docs/design.md): ``forward_prefetch``
 starts gathering the next unit when a unit's forward starts, ``backward_prefetch``
 does the same in backward, and ``async_reduce_scatter`` lets a unit's gradient
@@ -48,6 +53,7 @@ from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tens
 from fsdp_mpi.sharding.nested import for_each_tensor
 from fsdp_mpi.sharding.root_context import RootContext
 from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
+from fsdp_mpi.sharding.traced import register, traced_full_views
 
 # The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
 UNIT_ATTRIBUTE = "_fsdp_mpi_unit"
@@ -109,6 +115,7 @@ class ShardedUnit:
                                         mixed_precision.reduce_dtype, device, groups.replicas, compression)
                         for params in _group_unit_params(module)]
         for handle in self.handles:
+            handle.traced_id = register(handle)
             if handle.requires_grad:
                 handle.full_flat.register_post_accumulate_grad_hook(_post_backward_hook(self, handle))
         self.state = TrainingState.IDLE
@@ -118,6 +125,7 @@ class ShardedUnit:
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         self._called_alone: nn.Module | None = None  # the part whose own call gathered this unit, if any
+        self._traced_call_running = False  # inside traced_call: the graph gathers, the hooks stand aside
         for part in _parts(module):
             part.register_forward_pre_hook(self._pre_forward_of_part, prepend=True, with_kwargs=True)
             part.register_forward_hook(self._post_forward_of_part)
@@ -135,11 +143,47 @@ class ShardedUnit:
     def is_root(self) -> bool:
         return self.root is self
 
+    @property
+    def keeps_gathered_for_backward(self) -> bool:
+        """Whether forward's gathered weights stay for backward: SHARD_GRAD_OP's, and the root's (needed first
+        thing in backward); every other unit gathers again."""
+        return self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root
+
+    # ----------------------------------------------------------------- traced by torch.compile
+
+    def traced_call(self, args: tuple, kwargs: dict):
+        """Calls the module in code that dynamo traces: each handle's full views come from the traced gather
+        (``traced.py``), and the module computes with them in place of its parameters
+        (``torch.func.functional_call``), its hooks and its parts' standing aside."""
+        if self.mixed_precision.param_dtype is not None:
+            args, kwargs = cast_floating_tensors((args, kwargs), self.mixed_precision.param_dtype)
+        views = {}
+        for handle in self.handles:
+            for slot, view in zip(handle.slots, traced_full_views(handle, self.requires_gradient_sync,
+                                                                  self.keeps_gathered_for_backward)):
+                views.update((use.name, view) for use in slot.uses)
+        self._traced_call_running = True
+        try:
+            return torch.func.functional_call(self.module, views, args, kwargs, strict=False)
+        finally:
+            self._traced_call_running = False
+
+    def _hooks_stand_aside(self) -> bool:
+        """Inside ``traced_call`` under dynamo: the graph gathers and frees, so the hooks do nothing (and dynamo
+        traces them, a check and a return, rather than breaking the graph at them)."""
+        return torch.compiler.is_compiling() and self._traced_call_running
+
     # ----------------------------------------------------------------- forward
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The unit's forward pre-hook: gathers (and casts the inputs), unless the hooks stand aside."""
+        if self._hooks_stand_aside():
+            return None
+        return self._gather_for_forward(module, args, kwargs)
 
     @torch.compiler.disable  # gathering talks to MPI: compiled code calls it, never traces it
     @timed(HOOK)
-    def _pre_forward(self, _module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _gather_for_forward(self, _module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state is TrainingState.BACKWARD:
             self._to_backward()  # activation checkpointing re-runs a forward during backward: the same views
         else:
@@ -163,7 +207,7 @@ class ShardedUnit:
 
     def _pre_forward_of_part(self, part: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """A module inside this unit is called while the unit is not computing: gather as for the unit's forward."""
-        if self.state is not TrainingState.IDLE or self._called_alone is not None:
+        if self._hooks_stand_aside() or self.state is not TrainingState.IDLE or self._called_alone is not None:
             return None  # the unit is computing (this part is one step of it), or another part gathered it
         self._called_alone = part
         return self._pre_forward(part, args, kwargs)
@@ -173,9 +217,14 @@ class ShardedUnit:
             self._post_forward(part, args, output)
             self._called_alone = None
 
+    def _post_forward(self, module: nn.Module, args: tuple, output) -> None:
+        """The unit's forward hook: frees (or keeps for backward), unless the hooks stand aside."""
+        if not self._hooks_stand_aside():
+            self._free_after_forward(module, args, output)
+
     @torch.compiler.disable
     @timed(HOOK)
-    def _post_forward(self, _module, _args, output) -> None:
+    def _free_after_forward(self, _module, _args, output) -> None:
         if self.is_root and self._called_alone is None:  # the order of a whole forward, not of a part's
             self.context.execution_order.stop_recording_unless_empty()
         backward_follows = torch.is_grad_enabled()
@@ -183,9 +232,7 @@ class ShardedUnit:
             for handle in self.handles:
                 handle.awaiting_gradient = handle.requires_grad
             _register_on_output_tensors(output, self._pre_backward)
-        # The root's parameters are needed first thing in backward, so it keeps them gathered then.
-        keep_for_backward = self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root
-        self._to_idle(reshard=not (backward_follows and keep_for_backward))
+        self._to_idle(reshard=not (backward_follows and self.keeps_gathered_for_backward))
 
     def _root_pre_forward(self) -> None:
         """Clears what an abandoned step (a forward with no backward) may have left."""

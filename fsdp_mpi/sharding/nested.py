@@ -23,6 +23,8 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value):
         return type(value)(*(map_tensors(fn, item) for item in value))
     if isinstance(value, (tuple, list)):
         return type(value)(map_tensors(fn, item) for item in value)
+    if type(value) is dict:  # the common case (keyword arguments), in a form that torch.compile traces
+        return {key: map_tensors(fn, item) for key, item in value.items()}
     if isinstance(value, MutableMapping):  # a shallow copy keeps the type and whatever else the mapping holds
         mapped = copy.copy(value)
         for key, item in value.items():

@@ -95,6 +95,7 @@ def hf_gpt2():
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # named, or HF warns (and breaks a compiled graph) on every call
     block = type(model.transformer.h[0])
     return model, {block}, lambda step: gpt_batch(step, 64), lambda m, x, y: m(input_ids=x, labels=x).loss
 
@@ -209,6 +210,7 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
                                        auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
                                        mixed_precision=MixedPrecision(param_dtype=param_dtype), **wrap)
     calls = compile_model(sharded, wrap_classes, compiled)
+    torch._dynamo.utils.counters.clear()
     optimizer = make_optimizer(optimizer_kind, sharded.named_parameters())
     reference_optimizer = make_optimizer(optimizer_kind, reference.named_parameters())
     micro_batches = 2 if accumulation != "none" else 1
@@ -229,6 +231,8 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
                     loss = loss_fn(calls, *local) / micro_batches
                     loss.backward()
             our_loss += comm.all_reduce_sum_float(loss.item()) / comm.world_size
+        if step == 0 and compiled in WHOLE:  # what dynamo made of the first step, wrapped and as one process
+            graphs = dynamo_graphs()
         ours = full_gradients(sharded)
         ours_without_gradient = {name for name, p in sharded.named_parameters() if p.requires_grad and p.grad is None}
 
@@ -264,14 +268,32 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
         check.update(compare_parameters(full_state_dict(sharded, rank0_only=False), reference, start,
                                         reference_optimizer))
         checks.append(check)
-    return {"steps": checks}
+    if compiled not in WHOLE:
+        return {"steps": checks}
+    torch._dynamo.utils.counters.clear()
+    unwrapped = compile_model(copy.deepcopy(initial).to(device), wrap_classes, compiled)
+    loss_fn(unwrapped, *[local_part(t.to(device), comm.rank, comm.world_size) for t in batch_fn(0)]).backward()
+    return {"steps": checks, "graphs": graphs, "graphs_unwrapped": dynamo_graphs()}
+
+
+WHOLE = ("whole", "whole_inductor", "one_rank_whole")  # the compiled forms of the whole model
+
+
+def dynamo_graphs() -> dict:
+    """Dynamo's graph breaks (how many, and their reasons) and the graphs it compiled since its counters were last
+    cleared."""
+    counters = torch._dynamo.utils.counters
+    return {"breaks": sum(counters["graph_break"].values()), "break_reasons": sorted(counters["graph_break"]),
+            "graphs": counters["stats"]["unique_graphs"]}
 
 
 def compile_model(sharded: FullyShardedDataParallel, wrap_classes: set, compiled: str | None):
-    """What the training loop calls: `sharded`, or a compiled form of it (see ``run``)."""
-    if compiled == "whole":  # the graph breaks at each unit's hooks are the point here, not inductor's kernels
+    """What the training loop calls: `sharded`, or a compiled form of it (see ``run``), compiled afresh (dynamo
+    forgets the earlier runs' graphs: their guards would count as recompilations of the same code)."""
+    torch._dynamo.reset()
+    if compiled == "whole":  # dynamo and AOT autograd around the traced collectives; inductor's kernels below
         return torch.compile(sharded, backend="aot_eager")
-    if compiled == "one_rank_whole":  # inductor's kernels for everything between the (one-rank) gathers
+    if compiled in ("whole_inductor", "one_rank_whole"):  # and inductor's kernels, in the order it schedules them
         return torch.compile(sharded)
     if compiled == "units":
         for module in sharded.modules():
@@ -322,7 +344,13 @@ MAIN_RUNS += [("mlp", "sgd", "none", "bf16"), ("gpt2", "adamw", "sharded", "bf16
               ("torch_encoder", "adamw", "none", "bf16"), ("hf_gpt2", "adamw", "none", "bf16")]
 FAMILY_RUNS = [("hf_albert", "adamw", "none", None), ("hf_albert", "sgd", "no_sync", None),
                ("hf_bert_frozen", "adamw", "none", None), ("hf_bert_frozen", "sgd", "none", "bf16")]
-COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("gpt2", "sgd", "no_sync", None, "whole"),
+# Compiled whole (dynamo and AOT autograd, eager kernels) with no_sync, with bf16 and every overlap switch: on 2
+# and 3 ranks. On 2 ranks also each unit compiled, HF's GPT-2 whole, inductor whole, and inductor whole where
+# each rank holds the whole model alone.
+WHOLE_RUNS = [("gpt2", "sgd", "no_sync", None, "whole"), ("bert", "sgd", "none", None, "whole"),
+              ("gpt2", "adamw", "sharded", "bf16", "whole", "overlap")]
+COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("hf_gpt2", "sgd", "none", None, "whole"),
+                 *WHOLE_RUNS, ("gpt2", "adamw", "none", None, "whole_inductor"),
                  ("gpt2", "adamw", "none", None, "one_rank_whole")]
 # On a GPU (``--device cuda``): one model in fp32 (TF32 off) and in bf16, against one process on the same GPU.
 GPU_RUNS = [("gpt2", "adamw", "none", None), ("gpt2", "adamw", "sharded", "bf16")]
@@ -330,13 +358,18 @@ GPU_RUNS = [("gpt2", "adamw", "none", None), ("gpt2", "adamw", "sharded", "bf16"
 NODE_RUNS = [run_ for run_ in MAIN_RUNS if run_[0] in ("mlp", "gpt2")] + [("gpt2", "adamw", "none", None, None,
                                                                           "SHARD_GRAD_OP")]
 
+# More FullyShardedDataParallel arguments for a run, by name.
+WRAP_OPTIONS = {"SHARD_GRAD_OP": {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP},
+                "overlap": {"forward_prefetch": True, "backward_prefetch": True, "async_reduce_scatter": True}}
+
 if __name__ == "__main__":
-    # argv: output path, then optionally "families", "compiled" or "gpu" (those runs), or model names (their
+    # argv: output path, then optionally a name in `named` (those runs), or model names (their
     # main runs); --device cuda anywhere: on the GPU.
     device = take_device_argument()
     comm = Communicator()
     selected = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    named = {"families": FAMILY_RUNS, "compiled": COMPILED_RUNS, "gpu": GPU_RUNS, "nodes": NODE_RUNS}
+    named = {"families": FAMILY_RUNS, "compiled": COMPILED_RUNS, "compiled_whole": WHOLE_RUNS, "gpu": GPU_RUNS,
+             "nodes": NODE_RUNS}
     if selected is None:
         runs = MAIN_RUNS
     elif len(selected) == 1 and selected[0] in named:
@@ -344,9 +377,9 @@ if __name__ == "__main__":
     else:
         runs = [run_ for run_ in MAIN_RUNS if run_[0] in selected]
     results = {}
-    for m, o, a, p, *more in runs:  # more: compiled, then a sharding strategy's name
-        compiled, strategy = (more + [None, None])[:2]
-        wrap = {"sharding_strategy": ShardingStrategy[strategy]} if strategy else {}
-        results["/".join(filter(None, (m, o, a, p, compiled, strategy)))] = run(
+    for m, o, a, p, *more in runs:  # more: compiled, then WRAP_OPTIONS' name
+        compiled, options = (more + [None, None])[:2]
+        wrap = WRAP_OPTIONS[options] if options else {}
+        results["/".join(filter(None, (m, o, a, p, compiled, options)))] = run(
             m, o, a, comm, p and torch.bfloat16, compiled, device=device, **wrap)
     write_json(output_path(), results)

@@ -12,15 +12,16 @@ from torch import nn
 
 
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A wrapped model's reduced gradients, gathered into full tensors on the CPU under the original names (zeros
-    where none)."""
+    """A wrapped model's reduced gradients (its sharded views' ``.grad``, as the optimizer reads them, eager or
+    compiled), gathered into full tensors on the CPU under the original names (zeros where none)."""
     from fsdp_mpi.sharding.lifecycle import units_with_names
     grads = {}
     for prefix, unit in units_with_names(model):
         for handle in unit.handles:
             if not handle.requires_grad:
                 continue
-            shard_grad = handle.shard_grad if handle.shard_grad is not None else torch.zeros_like(handle.shard)
+            shard_grad = torch.cat([view.grad if view.grad is not None else torch.zeros_like(view)
+                                    for view in handle.sharded_views] + [handle.shard.new_zeros(handle.shard_padding)])
             full = torch.empty(handle.padded_numel, dtype=shard_grad.dtype, device=shard_grad.device)
             handle.comm.all_gather_into(full, shard_grad)
             for slot in handle.slots:

@@ -1,0 +1,115 @@
+"""A unit's gather and reduction as operators that ``torch.compile`` traces: the whole wrapped model in one graph.
+
+Eager code gathers in the unit's hooks (``lifecycle.py``), which talk to MPI and
+keep state, so compiled code cannot trace them: each unit would end a graph. Code
+that dynamo traces takes this path instead (the wrapper's ``forward`` chooses it,
+``lifecycle.ShardedUnit.traced_call``), in which the lifecycle is data flow:
+
+    forward:   pieces of the shard (the sharded views) -> cat -> fsdp_mpi::all_gather_unit -> split -> full views
+               -> the module, called with them (torch.func.functional_call)
+    backward:  the full views' gradient -> fsdp_mpi::reduce_scatter_unit -> split -> each sharded view's .grad
+
+Both are custom operators (``torch.library``) with fake implementations, so
+dynamo and AOTAutograd see their shapes without running them; the gather's
+autograd formula is the reduction, and autograd accumulates each piece of the
+reduced shard into its sharded view's ``.grad`` as for any parameter. The gather
+and the views sit in a selective-checkpoint region whose every op must be
+recomputed: the compiled forward frees the gathered weights when their last
+user is done, and the compiled backward gathers them again just before it needs
+them, as the eager hooks do (a unit that keeps its weights for backward, the
+root and ``SHARD_GRAD_OP``, takes no region). On one rank with no replicas each
+sharded view is its whole parameter, and the views are plain views of it: the
+graph is plain torch's. Prefetch and asynchronous
+reduction are the eager hooks' business; compiled, each collective runs where
+the graph puts it, and every rank must compile the same graph (the same model,
+called the same way), which the collectives' order then follows on every rank.
+
+The operators reach the handle through a name (``traced_id``), the only way a
+graph can name it; the handle does the communication as the eager path does
+(``FlatParamHandle.gather`` and ``traced_reduction``), so the same collectives,
+dtypes and compression apply, and a compiled step equals an eager one.
+"""
+
+import functools
+import itertools
+import weakref
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fsdp_mpi.sharding.flat_param import FlatParamHandle
+
+_handles: "weakref.WeakValueDictionary[str, FlatParamHandle]" = weakref.WeakValueDictionary()
+_numbers = itertools.count()
+
+
+def register(handle: FlatParamHandle) -> str:
+    """A name by which the traced operators find `handle` (held weakly). A string, not a number: dynamo may
+    make a number that differs between calls of the same code symbolic, never a string."""
+    name = str(next(_numbers))
+    _handles[name] = handle
+    return name
+
+
+@torch.library.custom_op("fsdp_mpi::all_gather_unit", mutates_args=())
+def all_gather_unit(shard: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
+    """(shard_numel,) of this rank -> (padded_numel,) of every rank's, in ``param_dtype``. `sync` is passed on
+    to the gradient's reduction (False inside ``no_sync``)."""
+    found = _handles[handle]
+    full = torch.empty(found.padded_numel, dtype=found.param_dtype, device=shard.device)
+    found.gather.gather(full, shard, found.unit_name)
+    return full
+
+
+@all_gather_unit.register_fake
+def _(shard: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
+    found = _handles[handle]
+    return shard.new_empty(found.padded_numel, dtype=found.param_dtype)
+
+
+@torch.library.custom_op("fsdp_mpi::reduce_scatter_unit", mutates_args=())
+def reduce_scatter_unit(full_grad: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
+    """(padded_numel,) gradient of this rank -> (shard_numel,) averaged over the ranks, in the shard's dtype."""
+    return _handles[handle].traced_reduction(full_grad, sync)
+
+
+@reduce_scatter_unit.register_fake
+def _(full_grad: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
+    found = _handles[handle]
+    return full_grad.new_empty(found.shard_numel, dtype=found.shard.dtype)
+
+
+def _keep_inputs(ctx, inputs, output) -> None:
+    ctx.handle, ctx.sync = inputs[1], inputs[2]
+
+
+def _gather_backward(ctx, full_grad: torch.Tensor):
+    return reduce_scatter_unit(full_grad, ctx.handle, ctx.sync), None, None
+
+
+all_gather_unit.register_autograd(_gather_backward, setup_context=_keep_inputs)
+
+
+def _recompute_everything(_ctx, _op, *_args, **_kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+_RECOMPUTED = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
+
+
+def traced_full_views(handle: FlatParamHandle, sync: bool, keep: bool) -> tuple[torch.Tensor, ...]:
+    """The handle's full-shape views, one per slot, computed by operators that dynamo traces. `keep`: saved
+    for backward (the root, SHARD_GRAD_OP); otherwise gathered again in backward."""
+
+    if handle.communicates_nothing:  # one rank, no replicas: each sharded view is its whole parameter
+        return tuple(view.to(handle.param_dtype).view(slot.shape)
+                     for view, slot in zip(handle.sharded_views, handle.slots))
+
+    def gathered(*pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shard = torch.cat(pieces)  # (shard_numel,): the same shape on every rank, whatever each piece's
+        return handle.split_full(all_gather_unit(shard, handle.traced_id, sync))
+
+    pieces = (*handle.sharded_views, handle.shard.new_zeros(handle.shard_padding))
+    if keep or not torch.is_grad_enabled():
+        return gathered(*pieces)
+    return checkpoint(gathered, *pieces, use_reentrant=False, context_fn=_RECOMPUTED)
