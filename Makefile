@@ -13,7 +13,7 @@ VENV ?= $(or $(VIRTUAL_ENV),.venv)
 MPI ?= mpich
 # The Python that creates the environment (3.10+).
 PYTHON ?= python3
-# Installed only where no torch is importable, from TORCH_INDEX (TORCH_INDEX= : from pip's own indexes).
+# Installed only where no torch is importable: from TORCH_INDEX if it answers, else from pip's own indexes.
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # More options for run_gpt2.py (python experiments/run_gpt2.py --help), more arguments for pytest.
@@ -29,10 +29,19 @@ RUN_STAMP := $(VENV)/.fsdp_mpi-installed-$(MPI)-experiments
 TEST_STAMP := $(VENV)/.fsdp_mpi-installed-$(MPI)-experiments-test
 # The environment's python and mpiexec come first on PATH (mpiexec: the MPI extra's, else the one on PATH).
 IN_VENV := PATH="$(BIN):$$PATH"
+# torch: kept if importable; else TORCH from TORCH_INDEX where that index answers (a CPU build, not PyPI's
+# multi-GB CUDA one), else from pip's own indexes (a machine that reaches only those); either way it says which.
 INSTALL_TORCH := if $(BIN)/python -c "import torch" 2>/dev/null; then \
 	    echo "keeping the torch in $(VENV): $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif [ -n "$(TORCH_INDEX)" ] && $(BIN)/python -c "import sys, urllib.request; \
+	        urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=10)" "$(TORCH_INDEX)" 2>/dev/null; then \
+	    $(BIN)/python -m pip install --index-url $(TORCH_INDEX) "$(TORCH)"; \
+	    echo "installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__)') from $(TORCH_INDEX)"; \
 	else \
-	    $(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"; \
+	    echo "$(or $(TORCH_INDEX),TORCH_INDEX) is not set or not reachable: $(TORCH) from pip's own indexes"; \
+	    $(BIN)/python -m pip install "$(TORCH)"; \
+	    echo "installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__, \
+	        "(CUDA " + torch.version.cuda + ")" if torch.version.cuda else "(CPU)")') from pip's own indexes"; \
 	fi
 
 .PHONY: help run test
