@@ -8,7 +8,7 @@ import torch
 from mpi_launch import REPO_ROOT, child_env
 from torch import nn
 
-from fsdp_mpi import FullyShardedDataParallel, ShardingStrategy
+from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
 from fsdp_mpi.communication.failures.launcher import LauncherMismatchError, check_launcher_agrees
 
 
@@ -67,18 +67,38 @@ def test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing(tmp_pat
     assert not (tmp_path / "results").exists()
 
 
+class Block(nn.Sequential):
+    """A unit of its own under the wrap policy below."""
+
+
+CHANGES = {"half()": lambda m: m.half(), "double()": lambda m: m.double(), "to(float64)": lambda m: m.to(torch.float64),
+           "to_empty()": lambda m: m.to_empty(device="cpu")}
+
+
 @pytest.mark.one_rank
-def test_moving_or_casting_a_wrapped_model_is_refused_unless_it_changes_nothing():
-    """``.to()`` and its kin would part the sharded views from the shards that gathers read; where they change
-    nothing (the device and dtype it is on), they pass, and the model still trains."""
+def test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unless_it_changes_nothing():
+    """``.to()`` and its kin would part the sharded views from the shards that gathers read, whether called on
+    the wrapper, the module it wraps, a nested unit or a module inside one; where they change nothing (the device
+    and dtype it is on, or a module without parameters), they pass, and the model still trains."""
     torch.manual_seed(0)
-    wrapped = FullyShardedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)))
-    for change in (lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.float64),
-                   lambda m: m.to_empty(device="cpu")):
-        with pytest.raises(RuntimeError, match="sharded in place: moving or casting it after wrapping"):
-            change(wrapped)
+    wrapped = FullyShardedDataParallel(
+        nn.Sequential(nn.Linear(3, 4), Block(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 1)),
+        auto_wrap_policy=ModuleWrapPolicy({Block}))
+    root_part, nested, nested_part = wrapped.module[0], wrapped.module[1], wrapped.module[1].module[0]
+    not_refused = []
+    for where in (wrapped, wrapped.module, root_part, nested, nested.module, nested_part):
+        for change, call in CHANGES.items():
+            try:
+                call(where)
+            except RuntimeError as error:
+                assert "sharded in place: moving or casting it after wrapping" in str(error)
+            else:
+                not_refused.append((type(where).__name__, change))
+        assert where.to("cpu") is where and where.float() is where and where.cpu() is where
+    assert not_refused == []
+    relu = nested.module[1]
+    assert relu.half() is relu  # nothing of a unit's below it
     assert all(p.dtype == torch.float32 for p in wrapped.parameters())
-    assert wrapped.to("cpu") is wrapped and wrapped.float() is wrapped and wrapped.cpu() is wrapped
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     x, y = torch.randn(8, 3), torch.randn(8, 1)
     losses = []

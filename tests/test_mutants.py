@@ -59,6 +59,8 @@ INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_hal
 CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
 COMPILED_WHOLE = ("tests/test_equivalence.py::"
                   "test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model[3-compiled_whole]")
+MOVING = ("tests/test_bad_input.py::"
+          "test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unless_it_changes_nothing")
 COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[3_ranks]"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
@@ -359,6 +361,9 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py", "    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",
         "    @torch.compiler.disable\n    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",
         [COMPILED_WHOLE]),
+    "a module inside a unit may be cast apart from its shards": (
+        "fsdp_mpi/sharding/lifecycle.py", "refuse_moving_or_casting([module, *parts], self.handles)",
+        "refuse_moving_or_casting([module], self.handles)", [MOVING]),
     "a forward recomputed in backward is taken for a new forward": (
         "fsdp_mpi/sharding/lifecycle.py", "        if self.state is TrainingState.BACKWARD:\n            self._to_backward()",
         "        if False:\n            self._to_backward()", [RECOMPUTED]),

@@ -148,19 +148,6 @@ class FullyShardedDataParallel(nn.Module):
         for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
             yield original_name(name), buffer
 
-    def _apply(self, fn, recurse: bool = True):
-        """``.to()``, ``.cuda()``, ``.half()``, ``.to_empty()``... on a wrapped model, allowed where they change
-        nothing. Anything else would give each sharded view data of its own, apart from the shard that every
-        gather reads: a cast fails at the first gradient, and ``to_empty()`` trains on with weights that never move."""
-        for handle in self.handles:
-            probe = handle.shard[:1]
-            if fn(probe) is not probe:
-                raise RuntimeError(
-                    f"{type(self.module).__name__} is sharded in place: moving or casting it after wrapping would "
-                    "part its parameters from their shards. Move it before wrapping, or pass device= to "
-                    "FullyShardedDataParallel; compute in another dtype with mixed_precision=MixedPrecision(...)")
-        return super()._apply(fn, recurse)
-
     # ----------------------------------------------------------------- the unit
 
     @property

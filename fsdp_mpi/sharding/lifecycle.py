@@ -49,6 +49,7 @@ from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.timing_points import HOOK, timed
 from fsdp_mpi.sharding.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
+from fsdp_mpi.sharding.in_place import refuse_moving_or_casting
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tensors
 from fsdp_mpi.sharding.nested import for_each_tensor
 from fsdp_mpi.sharding.root_context import RootContext
@@ -126,9 +127,11 @@ class ShardedUnit:
         module.register_forward_hook(self._post_forward)
         self._called_alone: nn.Module | None = None  # the part whose own call gathered this unit, if any
         self._traced_call_running = False  # inside traced_call: the graph gathers, the hooks stand aside
-        for part in _parts(module):
+        parts = _parts(module)
+        for part in parts:
             part.register_forward_pre_hook(self._pre_forward_of_part, prepend=True, with_kwargs=True)
             part.register_forward_hook(self._post_forward_of_part)
+        refuse_moving_or_casting([module, *parts], self.handles)
 
         # This unit is the root until an outer unit is built around it; the root's context knows every unit
         # below it, and the units below it drop the contexts they held as roots.
