@@ -38,7 +38,7 @@ INSTALL_TORCH := if $(BIN)/python -c "import torch" 2>/dev/null; then \
 	    $(BIN)/python -m pip install --index-url $(TORCH_INDEX) "$(TORCH)"; \
 	    echo "installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__)') from $(TORCH_INDEX)"; \
 	else \
-	    echo "$(or $(TORCH_INDEX),TORCH_INDEX) is not set or not reachable: $(TORCH) from pip's own indexes"; \
+	    echo "$(if $(TORCH_INDEX),$(TORCH_INDEX) does not answer,TORCH_INDEX is empty): $(TORCH) from pip's own indexes"; \
 	    $(BIN)/python -m pip install "$(TORCH)"; \
 	    echo "installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__, \
 	        "(CUDA " + torch.version.cuda + ")" if torch.version.cuda else "(CPU)")') from pip's own indexes"; \
