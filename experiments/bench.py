@@ -70,11 +70,12 @@ and DDP on torch.distributed over fsdp_mpi's transports (the experiments'
 ``--backend``; ``backend=gloo`` names the CPU's default), so that torch's own
 sharding is compared on the same transport as ours.
 A ``:PRECISION`` suffix (``fsdp-mpi:bf16-mixed``, ``ddp:bf16-mixed``) picks the
-experiments' ``--precision``.
+experiments' ``--precision``. ``measuring/bench_plan.py`` reads these names, and
+refuses one it does not know, or options that do not go together, before anything
+is launched.
 """
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -82,17 +83,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from measuring import figures, launch
+from measuring import bench_models, bench_report, launch
+from measuring.bench_plan import ON_TORCH_DISTRIBUTED, REPLICATED, PlanError, Spec, read_plan, read_spec, variables
+from measuring.costmodel import ADAM_STATE_BYTES_PER_PARAMETER, SHARDING_STRATEGIES
 from measuring.reported import PARTS, median_of_known
-from training.compression_option import compression_formats
 
-from measuring import bench_models
-
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")  # as in the experiments' --precision
-BACKENDS = ("gloo", "nccl", "fsdp_mpi")  # as in the experiments' --backend, for ddp and torch-fsdp
-
-REPLICATED = ("plain", "ddp", "lightning-ddp")
-BYTES_PER_PARAMETER = 16  # fp32 parameter, gradient and two Adam moments
 # what bench_worker reports per run (peak_gpu_mb: on a GPU; PARTS: fsdp-mpi's step, part by part)
 MEASURED = ["step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb",
             "peak_gpu_mb", "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step", *PARTS]
@@ -101,6 +96,7 @@ FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "s
           "scaling_efficiency_max", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
           "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s", "beyond_plain_s",
           "hidden_fraction", *PARTS, "note"]
+MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 
 def available_memory_bytes() -> int:
@@ -109,59 +105,51 @@ def available_memory_bytes() -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-OVERLAP = ("forward_prefetch", "backward_prefetch", "async_reduce_scatter")
-SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")  # fsdp-mpi+NO_SHARD: that run's strategy
-COMPILE = "compile"  # plain+compile, fsdp-mpi+compile, torch-fsdp+compile: each block compiled in place (inductor)
-COMPILE_WHOLE = "compile_whole"  # plain+compile_whole, ...: torch.compile(model) (inductor)
-COMPRESSION = "comm="  # fsdp-mpi+comm=int8/bf16: --comm-compression's WEIGHTS[/GRADIENTS]
-COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
-THROUGH_MPI = "mpi"  # fsdp-mpi+mpi: the node's ranks exchange through MPI, not shared memory (FSDP_MPI_NODE_TRANSPORT=0)
-FLAT = "flat"  # fsdp-mpi+flat: a group spanning nodes in one flat ring, not in two levels (FSDP_MPI_TWO_LEVEL=0)
-BACKEND = "backend="  # torch-fsdp+backend=fsdp_mpi, ddp+backend=fsdp_mpi: torch.distributed's backend
-MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
-
-
-def run_one(spec: str, ranks: int, args) -> dict:
+def run_one(name: str, ranks: int, args) -> dict:
     """Launches measuring/bench_worker.py for one strategy; its JSON, or a row explaining why there is none."""
-    spec, _, precision = spec.partition(":")
-    precision = precision or "32"
-    strategy, *overlap = spec.split("+")
-    backend = next((token.removeprefix(BACKEND) for token in overlap if token.startswith(BACKEND)), "auto")
-    overlap = [token for token in overlap if not token.startswith(BACKEND)]
-    parameters = parameter_count(args)
-    if args.device == "cuda" and strategy in ("ddp", "torch-fsdp") and backend in ("auto", "nccl") \
-            and ranks > gpu_count():
-        return {"strategy": spec, "precision": precision, "ranks": ranks,
-                "note": f"not run: nccl cannot share a GPU between ranks ({ranks} ranks, {gpu_count()} GPU(s))"}
-    needed = ranks * BYTES_PER_PARAMETER * parameters if strategy in REPLICATED else 0
-    if needed > available_memory_bytes():
-        return {"strategy": spec, "precision": precision, "ranks": ranks,
-                "note": f"not run: model state needs {needed / 2**30:.1f} GiB "
-                        f"({ranks} x 16 B x {parameters:,}), {available_memory_bytes() / 2**30:.1f} GiB available"}
+    spec = read_spec(name)
+    refused = refusal(spec, ranks, args)
+    if refused:
+        return {"strategy": spec.strategy, "precision": spec.precision, "ranks": ranks, "note": f"not run: {refused}"}
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "result.json"
-        command = [*launch.bench_worker(ranks), "--strategy", strategy, "--json", str(output),
-                   "--model", args.model, "--batch-size", str(per_rank_batch(args, ranks)),
-                   "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--threads", str(args.threads), "--overlap", "+".join(overlap), "--precision", precision,
-                   "--sharding-strategy", args.sharding_strategy, "--device", args.device, "--backend", backend]
-        if args.vocab_size is not None:
-            command += ["--vocab-size", str(args.vocab_size)]
-        if args.layers is not None:
-            command += ["--layers", str(args.layers)]
-        env = launch.environment(OMP_NUM_THREADS=str(args.threads))
-        if THROUGH_MPI in overlap:
-            env["FSDP_MPI_NODE_TRANSPORT"] = "0"
-        if FLAT in overlap:
-            env["FSDP_MPI_TWO_LEVEL"] = "0"
+        env = launch.environment(OMP_NUM_THREADS=str(args.threads), **variables(spec.options))
         if not args.malloc_as_shipped:
             env["GLIBC_TUNABLES"] = MALLOC_REUSE
-        print(f"-- {spec} on {ranks} rank(s)", flush=True)
-        finished = subprocess.run(command, env=env, capture_output=True, text=True)
+        print(f"-- {spec.strategy} on {ranks} rank(s)", flush=True)
+        finished = subprocess.run(worker_command(spec, ranks, output, args), env=env, capture_output=True, text=True)
         if finished.returncode != 0 or not output.exists():
             last_line = (finished.stderr.strip().splitlines() or ["no output"])[-1]
-            return {"strategy": spec, "precision": precision, "ranks": ranks, "note": f"failed (exit {finished.returncode}): {last_line}"}
+            return {"strategy": spec.strategy, "precision": spec.precision, "ranks": ranks,
+                    "note": f"failed (exit {finished.returncode}): {last_line}"}
         return json.loads(output.read_text())
+
+
+def refusal(spec: Spec, ranks: int, args) -> str | None:
+    """Why `spec` cannot run on `ranks` ranks here, or None: nccl's GPU per rank, a replica per rank in memory."""
+    if args.device == "cuda" and spec.base in ON_TORCH_DISTRIBUTED and spec.backend in ("auto", "nccl") \
+            and ranks > gpu_count():
+        return f"nccl cannot share a GPU between ranks ({ranks} ranks, {gpu_count()} GPU(s))"
+    parameters = parameter_count(args)
+    needed = ranks * ADAM_STATE_BYTES_PER_PARAMETER * parameters if spec.base in REPLICATED else 0
+    if needed > available_memory_bytes():
+        return (f"model state needs {needed / 2**30:.1f} GiB ({ranks} x {ADAM_STATE_BYTES_PER_PARAMETER} B x "
+                f"{parameters:,}), {available_memory_bytes() / 2**30:.1f} GiB available")
+    return None
+
+
+def worker_command(spec: Spec, ranks: int, output: Path, args) -> list[str]:
+    """bench_worker's command line for `spec` on `ranks` ranks, writing its JSON to `output`."""
+    command = [*launch.bench_worker(ranks), "--strategy", spec.base, "--json", str(output),
+               "--model", args.model, "--batch-size", str(per_rank_batch(args, ranks)),
+               "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--threads", str(args.threads), "--overlap", "+".join(spec.options), "--precision", spec.precision,
+               "--sharding-strategy", args.sharding_strategy, "--device", args.device, "--backend", spec.backend]
+    if args.vocab_size is not None:
+        command += ["--vocab-size", str(args.vocab_size)]
+    if args.layers is not None:
+        command += ["--layers", str(args.layers)]
+    return command
 
 
 def per_rank_batch(args, ranks: int) -> int:
@@ -190,17 +178,8 @@ def rotated(plan: list, round_index: int) -> list:
 
 
 def summarise(rounds: list[dict]) -> list[dict]:
-    """One row per strategy from every round's runs (each round: {(spec, ranks): worker row}).
-
-    Ratios are taken within a round, against fsdp-mpi on as many ranks at the same precision,
-    and against plain torch on one rank at the same precision for ``beyond_plain_s`` and
-    ``scaling_efficiency`` (tokens/s per rank over plain's: with the same per-rank batch, weak scaling).
-    """
-    def reference(runs, strategy, precision, ranks=None):
-        return next((row for (spec, count), row in runs.items() if row.get("strategy") == strategy
-                     and row.get("precision") == precision and (ranks is None or count == ranks) and "step_s" in row),
-                    None)
-
+    """One row per strategy from every round's runs (each round: {(spec, ranks): worker row}), with the medians,
+    minima and maxima over rounds of its step and of its comparisons with the others (``compared_in_rounds``)."""
     summary = []
     for key in rounds[0]:
         runs = [each[key] for each in rounds]
@@ -214,15 +193,7 @@ def summarise(rounds: list[dict]) -> list[dict]:
                    rounds=len(done), step_s_min=min(steps), step_s_max=max(steps),
                    note="" if len(done) == len(runs) else f"{len(runs) - len(done)} round(s) failed: "
                                                           f"{next(r['note'] for r in runs if 'step_s' not in r)}")
-        ratios, beyond, efficiency = [], [], []
-        for each, run in zip(rounds, runs):
-            ours = reference(each, "fsdp-mpi", run.get("precision"), run.get("ranks"))
-            plain = reference(each, "plain", run.get("precision"), ranks=1)
-            if "step_s" in run and ours:
-                ratios.append(ours["step_s"] / run["step_s"])
-            if "step_s" in run and plain:
-                beyond.append(run["step_s"] - plain["step_s"])
-                efficiency.append(run["tokens_per_s"] / run["ranks"] / plain["tokens_per_s"])
+        ratios, beyond, efficiency = compared_in_rounds(rounds, runs)
         if ratios:
             row.update(fsdp_mpi_ratio=statistics.median(ratios), fsdp_mpi_ratio_min=min(ratios),
                        fsdp_mpi_ratio_max=max(ratios))
@@ -237,113 +208,32 @@ def summarise(rounds: list[dict]) -> list[dict]:
     return summary
 
 
-def print_table(rows: list[dict]) -> None:
-    """The summary as a Markdown table: medians with (min-max) over rounds."""
-    def number(value, digits=3):
-        return "" if value is None else f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
-
-    def spread(row, field):
-        if row.get(field) is None:
-            return ""
-        return f"{number(row[field])} ({number(row[field + '_min'])}-{number(row[field + '_max'])})"
-
-    columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)",
-               "scaling efficiency (min-max)", "tokens/s", "MFU", "issued s/step",
-               "CPU s/step", "model state MB", "peak RSS MB", "peak GPU MB", "comm MB/step", "link MB/step", "blocked in MPI s",
-               "beyond plain s", "hidden", "note"]
-    print("| " + " | ".join(columns) + " |")
-    print("| " + " | ".join("---" for _ in columns) + " |")
-    for row in rows:
-        cells = [row["strategy"], row["precision"], str(row["ranks"]), spread(row, "step_s"),
-                 spread(row, "fsdp_mpi_ratio"), spread(row, "scaling_efficiency"), number(row.get("tokens_per_s")),
-                 number(row.get("mfu")), number(row.get("issued_s")),
-                 number(row.get("cpu_s")), number(row.get("model_state_mb"), 4), number(row.get("peak_rss_mb"), 4),
-                 number(row.get("peak_gpu_mb"), 4), number(row.get("comm_mb_per_step"), 4),
-                 number(row.get("link_mb_per_step"), 4),
-                 number(row.get("mpi_blocked_s")), number(row.get("beyond_plain_s")),
-                 number(row.get("hidden_fraction"), 2), row.get("note") or ""]
-        print("| " + " | ".join(cells) + " |")
+def compared_in_rounds(rounds: list[dict], runs: list[dict]) -> tuple[list, list, list]:
+    """One strategy's `runs` (one a round) against the others of their round, in the rounds where both finished:
+    fsdp-mpi's step on as many ranks at the same precision over this one's; this step minus plain torch's on one
+    rank at the same precision (``beyond_plain_s``); and tokens/s per rank over plain's (``scaling_efficiency``:
+    with the same per-rank batch, weak scaling)."""
+    ratios, beyond, efficiency = [], [], []
+    for each, run in zip(rounds, runs):
+        ours = finished_run(each, "fsdp-mpi", run.get("precision"), run.get("ranks"))
+        plain = finished_run(each, "plain", run.get("precision"), ranks=1)
+        if "step_s" in run and ours:
+            ratios.append(ours["step_s"] / run["step_s"])
+        if "step_s" in run and plain:
+            beyond.append(run["step_s"] - plain["step_s"])
+            efficiency.append(run["tokens_per_s"] / run["ranks"] / plain["tokens_per_s"])
+    return ratios, beyond, efficiency
 
 
-PART_LABELS = {"compute_s": "compute", "gradient_assembly_s": "gradient assembly", "hooks_own_s": "hooks' own work",
-               "mpi_waiting_s": "MPI: waiting for the slower rank", "mpi_moving_s": "MPI: moving data"}
+def finished_run(runs: dict, strategy: str, precision: str, ranks: int | None = None) -> dict | None:
+    """The finished run of `strategy` at `precision` (on `ranks` ranks, if given) among one round's `runs`."""
+    return next((row for (_, count), row in runs.items() if row.get("strategy") == strategy
+                 and row.get("precision") == precision and (ranks is None or count == ranks) and "step_s" in row),
+                None)
 
 
-def step_parts(row: dict) -> dict | None:
-    """A row's step in seconds per part: fsdp-mpi's as measured, plain torch's all compute; None for the rest."""
-    if row.get("compute_s") is not None:
-        return {part: row.get(part) or 0.0 for part in PARTS}
-    if row["strategy"] == "plain" and row.get("step_s") is not None:
-        return {"compute_s": row["step_s"]}
-    return None
-
-
-def print_breakdown(rows: list[dict]) -> None:
-    """fsdp-mpi's step part by part (the slowest rank's, medians over rounds) beside plain torch's."""
-    broken_down = [(row, parts) for row in rows if (parts := step_parts(row))]
-    if not any(row.get("compute_s") is not None for row, _ in broken_down):
-        return
-    print("\nThe step part by part, seconds (the slowest rank's; medians over rounds; measuring/breakdown.py):\n")
-    print("| strategy | ranks | step | " + " | ".join(PART_LABELS.values()) + " |")
-    print("| --- | --- | --- | " + " | ".join("---" for _ in PARTS) + " |")
-    for row, parts in broken_down:
-        cells = ["" if parts.get(part) is None else f"{parts[part]:.3g}" for part in PARTS]
-        print(f"| {row['strategy']} | {row['ranks']} | {row['step_s']:.3g} | " + " | ".join(cells) + " |")
-
-
-def plot_breakdown(rows: list[dict], path: Path, title: str) -> None:
-    """Stacked bars of each strategy's step: fsdp-mpi's parts, plain's compute, the others' step whole.
-    Long strategy names are wrapped (figures.wrap) and the figure grows with their lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    measured = [row for row in rows if row.get("step_s") is not None]
-    if not measured:
-        return
-
-    def label(row):
-        alone = ", each alone" if row["strategy"] == "plain" and row["ranks"] > 1 else ""
-        return figures.wrap(f"{row['strategy']} ({row['ranks']} rank{'s' if row['ranks'] > 1 else ''}{alone})", 30)
-
-    labels = [label(row) for row in reversed(measured)]
-    label_lines = sum(text.count("\n") + 1 for text in labels)
-    figure, axes = plt.subplots(figsize=(7, 0.16 * label_lines + 0.3 * len(measured) + 2.2), layout="constrained")
-    colours = dict(zip([*PARTS, "whole"], ["#4c72b0", "#dd8452", "#c44e52", "#8172b3", "#937860", "#bbbbbb"]))
-    labelled = set()
-    for position, row in enumerate(reversed(measured)):
-        left = 0.0
-        for part, seconds in (step_parts(row) or {"whole": row["step_s"]}).items():
-            legend_label = None if part in labelled else PART_LABELS.get(part, "step, not broken down")
-            labelled.add(part)
-            axes.barh(position, seconds, left=left, color=colours[part], label=legend_label)
-            left += seconds
-    axes.set_yticks(range(len(measured)), labels, fontsize=8)
-    axes.set_xlabel("seconds per step (median over rounds)")
-    figure.suptitle(figures.wrap(title, 80), fontsize=9)  # centred on the figure, not on the narrower axes
-    figure.legend(fontsize=7, loc="outside lower center", ncol=3, frameon=False)
-    figures.save(figure, path, dpi=90)
-
-
-def write_csv(path: Path, rows: list[dict], fields: list[str], args) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "layers", "vocab_size", "batch_size", "global_batch",
-                                               "seq_len", "threads", "malloc", *fields],
-                                extrasaction="ignore")
-        writer.writeheader()
-        malloc = "as shipped (fsdp-mpi only)" if args.malloc_as_shipped else "reuse for all"
-        for row in rows:
-            writer.writerow({"model": args.model, "layers": args.layers or "its own",
-                             "vocab_size": args.vocab_size or "its own", "batch_size": args.batch_size,
-                             "global_batch": args.same_global_batch, "seq_len": args.seq_len,
-                             "threads": args.threads, "malloc": malloc, **row})
-
-
-def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[tuple[str, int]]]:
-    """The command line, checked: (its arguments, the plan: each strategy with its rank count). Bad input exits
-    with a message and status 2, before anything is launched."""
+def argument_parser() -> argparse.ArgumentParser:
+    """bench.py's options; ``arguments`` reads and checks them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-seed", choices=bench_models.NAMES)
     parser.add_argument("--vocab-size", type=int, default=None,
@@ -361,8 +251,7 @@ def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[t
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--strategies", default="plain,fsdp-mpi@1,fsdp-mpi,torch-fsdp,ddp,lightning-ddp",
                         help="comma-separated; NAME@K runs NAME on K ranks instead of --ranks")
-    parser.add_argument("--sharding-strategy", default="FULL_SHARD",
-                        choices=("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
+    parser.add_argument("--sharding-strategy", default="FULL_SHARD", choices=SHARDING_STRATEGIES,
                         help="fsdp-mpi's; HYBRID_SHARD groups by node unless FSDP_MPI_HYBRID_GROUP_SIZE is set "
                              "(default: %(default)s)")
     parser.add_argument("--malloc-as-shipped", action="store_true",
@@ -376,6 +265,13 @@ def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[t
     parser.add_argument("--out", default="results/bench.csv")
     parser.add_argument("--figure", type=Path, help="where to draw each strategy's step part by part "
                                                     "(default: beside --out, *-breakdown.png)")
+    return parser
+
+
+def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[tuple[str, int]]]:
+    """The command line, checked: (its arguments, the plan: each strategy with its rank count). Bad input exits
+    with a message and status 2, before anything is launched."""
+    parser = argument_parser()
     args = parser.parse_args(argv)
     if min(args.ranks, args.batch_size, args.seq_len, args.steps, args.threads, args.rounds) < 1 or args.warmup < 0:
         parser.error("--ranks, --batch-size, --seq-len, --steps, --threads and --rounds must be positive")
@@ -383,34 +279,10 @@ def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[t
         parser.error("--layers must be positive")
     if args.seq_len > bench_models.context_length(args.model):
         parser.error(f"--seq-len exceeds {args.model}'s context of {bench_models.context_length(args.model)}")
-    plan = []
-    for item in args.strategies.split(","):
-        name, _, ranks = item.strip().partition("@")
-        base, *overlap = name.partition(":")[0].split("+")
-        compressed = [token for token in overlap if token.startswith(COMPRESSION)]
-        backends = [token.removeprefix(BACKEND) for token in overlap if token.startswith(BACKEND)]
-        overlap = [token for token in overlap if token not in compressed and not token.startswith(BACKEND)]
-        if base not in ("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp") \
-                or not set(overlap) <= {*OVERLAP, *SHARDING, *COMPILING, THROUGH_MPI, FLAT} \
-                or (set(overlap) - set(COMPILING) and base != "fsdp-mpi") or len(set(overlap) & set(SHARDING)) > 1 \
-                or len(set(overlap) & set(COMPILING)) > 1 \
-                or (set(overlap) & set(COMPILING) and base not in ("plain", "fsdp-mpi", "torch-fsdp")) \
-                or (compressed and base != "fsdp-mpi") \
-                or (backends and (base not in ("ddp", "torch-fsdp") or len(backends) > 1
-                                  or backends[0] not in BACKENDS)):
-            parser.error(f"unknown strategy {name!r}")
-        for token in compressed:
-            try:
-                compression_formats(token.removeprefix(COMPRESSION))
-            except ValueError as error:
-                parser.error(f"{item!r}: {error}")
-        if base == "lightning-ddp" and args.device == "cuda":
-            parser.error("lightning-ddp is benchmarked on the CPU only; on a GPU compare plain, fsdp-mpi and torch-fsdp")
-        if name.partition(":")[2] not in ("", *PRECISIONS):
-            parser.error(f"{item!r}: the precision after : must be one of {', '.join(PRECISIONS)}")
-        if ranks and not ranks.isdigit():
-            parser.error(f"{item!r}: the rank count after @ must be a number")
-        plan.append((name, int(ranks) if ranks else 1 if base == "plain" else args.ranks))
+    try:
+        plan = read_plan(args.strategies, args.ranks, args.device)
+    except PlanError as error:
+        parser.error(str(error))
     if args.same_global_batch and any(args.batch_size % ranks for _, ranks in plan):
         parser.error("--same-global-batch: --batch-size must divide by every strategy's rank count")
     if len(set(plan)) < len(plan):
@@ -429,24 +301,17 @@ def main() -> int:
             log.append({"round": index + 1, "position": position + 1, **runs[name, ranks]})
         rounds.append({key: runs[key] for key in plan})  # the plan's order again, for the table
     rows = summarise(rounds)
-    allocator = ("fsdp-mpi reuses freed memory, the others use glibc's defaults" if args.malloc_as_shipped
-                 else "every strategy reuses freed memory")
-    batch = "global batch" if args.same_global_batch else "batch"
-    print(f"\n{args.model}, {args.layers or 'its'} layers, vocabulary {args.vocab_size or 'its own'}, "
-          f"{batch} {args.batch_size} x {args.seq_len} tokens"
-          f"{'' if args.same_global_batch else ' per rank'}, "
-          f"{args.threads} thread(s) per rank, {args.steps} timed steps after {args.warmup} warm-up per run, "
-          f"{args.rounds} rounds in rotated order; allocator: {allocator}\n")
-    print_table(rows)
-    print_breakdown(rows)
+    bench_report.print_settings(args)
+    bench_report.print_table(rows)
+    bench_report.print_breakdown(rows)
     out = Path(args.out)
-    write_csv(out, rows, FIELDS, args)
+    bench_report.write_csv(out, rows, FIELDS, args)
     rounds_out = out.with_name(out.stem + "-rounds.csv")
-    write_csv(rounds_out, log, ["round", "position", "strategy", "precision", "ranks", *MEASURED, "note"], args)
+    bench_report.write_csv(rounds_out, log, ["round", "position", "strategy", "precision", "ranks", *MEASURED, "note"],
+                           args)
     figure = args.figure or out.with_name(out.stem + "-breakdown.png")
     figure.parent.mkdir(parents=True, exist_ok=True)
-    plot_breakdown(rows, figure, f"{args.model}, {batch} {args.batch_size} x {args.seq_len}"
-                                 f"{'' if args.same_global_batch else ' per rank'}, {args.rounds} rounds")
+    bench_report.plot_breakdown(rows, figure, f"{args.model}, {bench_report.batch_words(args)}, {args.rounds} rounds")
     print(f"\nwrote {out}, {rounds_out} and {figure}")
     return 0
 

@@ -44,7 +44,7 @@ class GatheredWatch:
         self.peak_bytes = max(self.peak_bytes, held)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-large")
     parser.add_argument("--optimizer", choices=["adamw", "adamw-fused", "adamw-foreach", "sgd", "sgd-stateless"],
@@ -57,45 +57,35 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--checkpoint-dir", type=Path)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from fsdp_mpi import (FullyShardedDataParallel, ModuleWrapPolicy, full_state_dict, load_checkpoint,
-                          save_checkpoint)
-    from fsdp_mpi.sharding.lifecycle import units_with_names
-    from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
-    rows = []
+class Phases:
+    """Each phase's peak and current resident memory per rank beside what it should hold, as table rows; the
+    peak (VmHWM) starts again after each phase."""
 
-    def record(phase: str, expected_mib: float, note: str) -> None:
-        rows.append((phase, peak_resident_bytes() / MIB, resident_bytes() / MIB, expected_mib, note))
+    def __init__(self):
+        reset_peak_resident()
+        self.rows = []
+
+    def record(self, phase: str, expected_mib: float, note: str) -> None:
+        self.rows.append((phase, peak_resident_bytes() / MIB, resident_bytes() / MIB, expected_mib, note))
         reset_peak_resident()
 
-    reset_peak_resident()
-    record("interpreter + torch + MPI", 0.0, "baseline")
-    baseline = rows[0][2]
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(gpt2_config(args.model))
-    params = model.num_parameters()
-    start = time.perf_counter()
-    model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
-                                     param_init_fn=model.init_module)
-    wrap_s = time.perf_counter() - start
-    comm = model.comm
-    handles = [h for _, unit in units_with_names(model) for h in unit.handles]
-    shard_mib = sum(h.shard_numel for h in handles) * 4 / MIB
-    largest_unit_mib = max(h.padded_numel for h in handles) * 4 / MIB
-    record("wrap (deferred init)", baseline + shard_mib + largest_unit_mib,
-           f"baseline + fp32 shard {shard_mib:.0f} + largest unit {largest_unit_mib:.0f}; {wrap_s:.1f} s")
 
-    if args.optimizer.startswith("sgd"):
-        momentum = 0.9 if args.optimizer == "sgd" else 0.0
-        optimizer, state_bytes = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=momentum), 4 if momentum else 0
-    else:  # foreach (torch's default on CPU) makes temporaries as large as all the state it steps at once
-        implementation = {"adamw": {}, "adamw-fused": {"fused": True}, "adamw-foreach": {"foreach": True}}
-        optimizer, state_bytes = torch.optim.AdamW(model.parameters(), lr=1e-4, **implementation[args.optimizer]), 8
-    watch = GatheredWatch(model, handles)
+def optimizer_for(name: str, model) -> tuple[torch.optim.Optimizer, int]:
+    """--optimizer's optimizer over `model`'s (sharded) parameters, and its state's bytes per parameter."""
+    if name.startswith("sgd"):
+        momentum = 0.9 if name == "sgd" else 0.0
+        return torch.optim.SGD(model.parameters(), lr=1e-4, momentum=momentum), 4 if momentum else 0
+    # foreach (torch's default on CPU) makes temporaries as large as all the state it steps at once
+    implementation = {"adamw": {}, "adamw-fused": {"fused": True}, "adamw-foreach": {"foreach": True}}
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, **implementation[name]), 8
+
+
+def train(args, model, optimizer, handles) -> tuple[float, list[float], list[float], int]:
+    """--steps optimizer steps on random tokens: (the last loss, each step's seconds, the resident MiB after each
+    step, the bytes of the activations the first forward saved). The training peak restarts after --warmup."""
     vocab = model.config.vocab_size
     step_times, resident_after_step = [], []
     for step in range(args.steps):
@@ -113,36 +103,77 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=False)  # keep the gradient: it is part of the steady state
         step_times.append(time.perf_counter() - start)
         resident_after_step.append(resident_bytes() / MIB)
+    return loss.item(), step_times, resident_after_step, activations[0]
+
+
+def main() -> None:
+    args = arguments()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from fsdp_mpi import (FullyShardedDataParallel, ModuleWrapPolicy, full_state_dict, load_checkpoint,
+                          save_checkpoint)
+    from fsdp_mpi.sharding.lifecycle import units_with_names
+    from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
+
+    phases = Phases()
+    phases.record("interpreter + torch + MPI", 0.0, "baseline")
+    baseline = phases.rows[0][2]
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(gpt2_config(args.model))
+    params = model.num_parameters()
+    start = time.perf_counter()
+    model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+                                     param_init_fn=model.init_module)
+    wrap_s = time.perf_counter() - start
+    comm = model.comm
+    handles = [h for _, unit in units_with_names(model) for h in unit.handles]
+    shard_mib = sum(h.shard_numel for h in handles) * 4 / MIB
+    largest_unit_mib = max(h.padded_numel for h in handles) * 4 / MIB
+    phases.record("wrap (deferred init)", baseline + shard_mib + largest_unit_mib,
+                  f"baseline + fp32 shard {shard_mib:.0f} + largest unit {largest_unit_mib:.0f}; {wrap_s:.1f} s")
+
+    optimizer, state_bytes = optimizer_for(args.optimizer, model)
+    watch = GatheredWatch(model, handles)
+    loss, step_times, resident_after_step, activation_bytes = train(args, model, optimizer, handles)
     per_param = 4 + 4 + state_bytes  # parameter, gradient, optimizer state
     budget = per_param * shard_mib / 4
     measured = f"steps {args.warmup + 1}-{args.steps}" if args.warmup else f"{args.steps} training steps"
-    record(f"{measured} ({args.optimizer})", baseline + budget,
-           f"baseline + {per_param} B x parameters / N = {budget:.0f} (+ activations, gathered units); "
-           f"loss {loss.item():.3f}, last step {step_times[-1]:.1f} s")
-    peak = rows[-1][1]
+    phases.record(f"{measured} ({args.optimizer})", baseline + budget,
+                  f"baseline + {per_param} B x parameters / N = {budget:.0f} (+ activations, gathered units); "
+                  f"loss {loss:.3f}, last step {step_times[-1]:.1f} s")
+    peak = phases.rows[-1][1]
     kinds = {"shards (fp32)": shard_mib, "gradients (sharded, fp32)": shard_mib,
              "optimizer state": state_bytes * shard_mib / 4,
              "gathered units and their full gradients (largest at once)": watch.peak_bytes / MIB,
-             "activations saved by one forward": activations[0] / MIB}
+             "activations saved by one forward": activation_bytes / MIB}
     kinds["the rest: gradients autograd holds, temporaries, allocator slack"] = peak - baseline - sum(kinds.values())
     state_mib = per_param * shard_mib / 4
-    peak_over_state = (peak - baseline - activations[0] / MIB) / state_mib
-    step_to_step = [later / earlier - 1 for earlier, later in zip(resident_after_step[1:], resident_after_step[2:])]
+    peak_over_state = (peak - baseline - activation_bytes / MIB) / state_mib
     if args.checkpoint_dir is not None:
-        checkpoint_rows(args, model, optimizer, comm, full_state_dict, save_checkpoint, load_checkpoint, rows)
+        checkpoint_rows(args, model, optimizer, comm, full_state_dict, save_checkpoint, load_checkpoint, phases.rows)
     if comm.rank == 0:
         print(f"{args.model}: {params / 1e6:.0f} M parameters on {comm.world_size} ranks "
               f"(16 B x parameters / N = {16 * params / comm.world_size / MIB:.0f} MiB)")
-        print(f"{'phase':34} {'peak MiB':>9} {'now MiB':>8} {'expected MiB':>13}  note")
-        for phase, phase_peak, current, expected, note in rows:
-            print(f"{phase:34} {phase_peak:9.0f} {current:8.0f} {expected:13.0f}  {note}")
+        print_table(phases.rows)
         print(f"\nThe training peak ({peak:.0f} MiB) by kind, rank 0, MiB (baseline {baseline:.0f} aside):")
         for kind, mib in kinds.items():
             print(f"  {kind:58} {mib:8.0f}")
         print(f"(peak - baseline - activations) / sharded state ({state_mib:.0f} MiB) = {peak_over_state:.3f}")
-        print("resident after each step, MiB: " + ", ".join(f"{mib:.0f}" for mib in resident_after_step)
-              + ("; step k+1 against step k from the second step on: "
-                 + ", ".join(f"{change:+.2%}" for change in step_to_step) if step_to_step else ""))
+        print_resident_after_each_step(resident_after_step)
+
+
+def print_table(rows: list[tuple]) -> None:
+    print(f"{'phase':34} {'peak MiB':>9} {'now MiB':>8} {'expected MiB':>13}  note")
+    for phase, phase_peak, current, expected, note in rows:
+        print(f"{phase:34} {phase_peak:9.0f} {current:8.0f} {expected:13.0f}  {note}")
+
+
+def print_resident_after_each_step(resident_after_step: list[float]) -> None:
+    """The resident MiB after each step, and from the second step on each step's change against the one before."""
+    step_to_step = [later / earlier - 1 for earlier, later in zip(resident_after_step[1:], resident_after_step[2:])]
+    print("resident after each step, MiB: " + ", ".join(f"{mib:.0f}" for mib in resident_after_step)
+          + ("; step k+1 against step k from the second step on: "
+             + ", ".join(f"{change:+.2%}" for change in step_to_step) if step_to_step else ""))
 
 
 def checkpoint_rows(args, model, optimizer, comm, full_state_dict, save_checkpoint, load_checkpoint, rows) -> None:

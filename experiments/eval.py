@@ -45,7 +45,7 @@ from training.strategies import node_placement
 
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, PretrainedError,
                       abort_job_on_uncaught_exception, load_pretrained)
-from fsdp_mpi_models.checkpoint import CheckpointError
+from fsdp_mpi_models.checkpoint import PretrainedCheckpointError
 from fsdp_mpi_models.gpt2 import Conv1D
 
 EXPERIMENTS = {"gpt2": (run_gpt2.GPT2Task, run_gpt2.GPT2RunConfig, run_gpt2.parser),
@@ -53,7 +53,7 @@ EXPERIMENTS = {"gpt2": (run_gpt2.GPT2Task, run_gpt2.GPT2RunConfig, run_gpt2.pars
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": None}
 WARM_UP = 2  # untimed forward passes before each timing (first-call allocations, kernel selection)
 MIN_TIMED, MAX_TIMED = 10, 1000  # forward passes per timing, whatever --timing-seconds says
-UNUSABLE_RUN = (SavedRunError, DataError, UsageError, CheckpointError, PretrainedError, ValueError, OSError)
+UNUSABLE_RUN = (SavedRunError, DataError, UsageError, PretrainedCheckpointError, PretrainedError, ValueError, OSError)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -94,15 +94,16 @@ class SavedRun:
             return self.task.build_model().to(dtype)
 
     def whole(self) -> nn.Module:
-        """The saved fp32 model, read whole; CheckpointError if it is not the model run.json describes."""
+        """The saved fp32 model, read whole; PretrainedCheckpointError if it is not the model run.json describes."""
         skeleton = self.skeleton()
         model = type(skeleton).from_pretrained(self.directory)
         expected = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
         saved = {name: tuple(p.shape) for name, p in model.named_parameters()}
         if saved != expected:
             differing = sorted(name for name in expected.keys() | saved.keys() if expected.get(name) != saved.get(name))
-            raise CheckpointError(f"{self.directory}: the weights are not those of the model run.json describes "
-                                  f"({self.task.model_name}); differing: {', '.join(differing[:5])}")
+            raise PretrainedCheckpointError(f"{self.directory}: the weights are not those of the model run.json "
+                                            f"describes ({self.task.model_name}); differing: "
+                                            f"{', '.join(differing[:5])}")
         return model.eval()
 
     def sharded(self, dtype: torch.dtype, comm: Communicator, device: torch.device) -> nn.Module:
@@ -245,7 +246,7 @@ def main() -> int:
     for precision in precisions:
         try:  # the same files on every rank: a model that does not fit fails on all of them alike
             rows += evaluate_precision(run, precision, args, comm, device)
-        except (CheckpointError, PretrainedError) as failure:
+        except (PretrainedCheckpointError, PretrainedError) as failure:
             if comm.rank == 0:
                 print(f"{argument_parser.prog}: error: {failure}", file=sys.stderr)
             return 2

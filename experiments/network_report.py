@@ -14,7 +14,8 @@ import csv
 import sys
 from pathlib import Path
 
-from measuring.costmodel import Layout, Profile, Unit, step_link_bytes
+from measuring.bench_plan import FLAT, read_spec
+from measuring.costmodel import SHARDING_STRATEGIES, Layout, Profile, Unit, step_link_bytes
 
 from fsdp_mpi_models.gpt2 import GPT2LMHeadModel, gpt2_config
 
@@ -46,10 +47,10 @@ def read(directory: Path, rates: list[str]) -> dict[str, dict[str, dict]]:
 
 def predicted_link_mb(strategy: str, model: str, vocab_size: int) -> float | None:
     """The cost model's bytes per node per step for an fsdp-mpi run of bench.py (fp32), else None."""
-    base, *tokens = strategy.split("+")
-    flat = "flat" in tokens  # one flat ring across the nodes (bench.py's fsdp-mpi+flat), not two levels
-    sharding = "".join(token for token in tokens if token != "flat")
-    if base != "fsdp-mpi" or sharding not in ("", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"):
+    spec = read_spec(strategy)
+    flat = FLAT in spec.options  # one flat ring across the nodes (bench.py's fsdp-mpi+flat), not two levels
+    sharding = [option for option in spec.options if option != FLAT]
+    if spec.base != "fsdp-mpi" or len(sharding) > 1 or not set(sharding) <= set(SHARDING_STRATEGIES):
         return None
     import torch
 
@@ -62,7 +63,8 @@ def predicted_link_mb(strategy: str, model: str, vocab_size: int) -> float | Non
     root = Unit("<root>", stored - sum(u.numel for u in block), 0.0, 0.0, is_root=True,
                 tensors=len(list(gpt2.parameters())) - sum(u.tensors for u in block))
     profile = Profile([root, *block], optimizer_s=0.0, activation_bytes=0, tokens_per_rank=0)
-    return step_link_bytes(profile, Layout(sharding or "FULL_SHARD", NODES, RANKS_PER_NODE, two_level=not flat)) / 2**20
+    layout = Layout(sharding[0] if sharding else "FULL_SHARD", NODES, RANKS_PER_NODE, two_level=not flat)
+    return step_link_bytes(profile, layout) / 2**20
 
 
 def number(text: str, digits: int = 3) -> str:

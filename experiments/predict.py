@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from measuring import launch
-from measuring.costmodel import STRATEGIES, Layout, Link, RingNetwork, predict, state_bytes
+from measuring.costmodel import SHARDING_STRATEGIES, Layout, Link, RingNetwork, predict, state_bytes
 from measuring.launch import mpiexec
 from measuring.profiling import (SIZES, PredictError, load_network, load_profile, measure_profile,
                                  profile_from_flops, save_profile, time_collectives)
@@ -246,7 +246,7 @@ def arguments():
 
     check = commands.choices["validate"]
     check.add_argument("--ranks", type=comma_list(int), default=[2, 3, 4])
-    check.add_argument("--strategies", type=comma_list(str, STRATEGIES), default=list(STRATEGIES))
+    check.add_argument("--strategies", type=comma_list(str, SHARDING_STRATEGIES), default=list(SHARDING_STRATEGIES))
     check.add_argument("--hybrid-group-size", type=int, default=2)
     check.add_argument("--rounds", type=int, default=3)
     check.add_argument("--max-bytes", type=int, default=SIZES[-1], help="largest collective timed")
@@ -257,7 +257,8 @@ def arguments():
     model_arguments(paper, "gpt2-xl", 8, 1024)
     paper.add_argument("--nodes", type=comma_list(int), default=[1, 2, 4, 8, 16, 32, 64])
     paper.add_argument("--ranks-per-node", type=int, default=8)
-    paper.add_argument("--strategies", type=comma_list(str, STRATEGIES), default=["FULL_SHARD", "HYBRID_SHARD"])
+    paper.add_argument("--strategies", type=comma_list(str, SHARDING_STRATEGIES),
+                       default=["FULL_SHARD", "HYBRID_SHARD"])
     paper.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, bf16 dense (H100 SXM: 989)")
     paper.add_argument("--mfu", type=float, default=0.45, help="fraction of peak the matmuls reach")
     paper.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per GPU (H100 SXM: 80)")

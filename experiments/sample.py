@@ -15,7 +15,7 @@ from corpora.tokenization import tokenizer_from_description
 from training.startup import communicator_for_the_run
 
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
-from fsdp_mpi_models.checkpoint import CheckpointError
+from fsdp_mpi_models.checkpoint import PretrainedCheckpointError
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, generate
 
 
@@ -42,7 +42,7 @@ def main() -> int:
         tokenizer = tokenizer_from_description(json.loads(description.read_text()), default_data_dir(args.data_dir))
         model = GPT2LMHeadModel.from_pretrained(args.model_dir, dropout=0.0)
         prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
-    except (DataError, CheckpointError, ValueError) as error:
+    except (DataError, PretrainedCheckpointError, ValueError) as error:
         if comm.rank == 0:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2

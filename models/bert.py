@@ -5,44 +5,25 @@ unit to name in ``fsdp_mpi.ModuleWrapPolicy``), the encoder, and two heads:
 pre-training (masked-LM and next-sentence prediction) and sequence classification.
 The masked-LM decoder shares its weight with the word embedding. Both hold the
 vocabulary padded to a multiple of ``vocab_multiple`` rows (30,522 -> 30,528),
-which no output, loss or checkpoint shows (``models/vocabulary.py``).
+which no output, loss or checkpoint shows (``models/vocabulary.py``). The sizes are
+a ``BertConfig`` (``models/bert_configuration.py``); loading and saving published
+checkpoints, counts and FLOPs are ``PretrainedModel``'s (``models/pretrained_model.py``).
 """
 
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .checkpoint import load_into, read_checkpoint, save
+from .bert_configuration import BertConfig, config_from_hf, config_from_tensors, config_to_hf
 from .cross_entropy import cross_entropy
 from .initialization import finish_construction
-from .vocabulary import MULTIPLE, VocabularyOutput, padded_size, zero_padding
+from .pretrained_model import PretrainedModel
+from .vocabulary import VocabularyOutput, zero_padding
 
 IGNORE_INDEX = -100  # masked-LM labels of positions that are not predicted
-
-
-@dataclass(frozen=True)
-class BertConfig:
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    layer_norm_eps: float = 1e-12
-    num_labels: int = 2  # for sequence classification
-    gradient_checkpointing: bool = False
-    vocab_multiple: int = MULTIPLE  # the embedding and masked-LM decoder hold vocab_size rounded up to this
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return padded_size(self.vocab_size, self.vocab_multiple)
 
 
 BERT_CONFIGS = {
@@ -60,6 +41,21 @@ def bert_config(name: str, **overrides) -> BertConfig:
     if name not in BERT_CONFIGS:
         raise ValueError(f"unknown BERT config {name!r}; choose one of {', '.join(BERT_CONFIGS)}")
     return replace(BERT_CONFIGS[name], **overrides)
+
+
+def checkpoint_key_to_name(key: str) -> str | None:
+    """Maps a published checkpoint's key to ours; None for the index buffers older files carry."""
+    key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+    if key.endswith(("position_ids", "token_type_ids")):
+        return None
+    if not key.startswith(("bert.", "cls.", "classifier.")):
+        key = "bert." + key  # checkpoints saved from BertModel lack the prefix
+    return key
+
+
+def classifier_checkpoint_key_to_name(key: str) -> str | None:
+    """As ``checkpoint_key_to_name``, with the pre-training heads skipped: they are not part of a classifier."""
+    return None if key.startswith("cls.") else checkpoint_key_to_name(key)
 
 
 class BertEmbeddings(nn.Module):
@@ -236,11 +232,17 @@ class BertPreTrainingHeads(nn.Module):
         return self.predictions(hidden), self.seq_relationship(pooled)
 
 
-class _BertPreTrainedModel(nn.Module):
-    """Initialisation, checkpoints, counts and FLOPs shared by the BERT heads."""
+class _BertPreTrainedModel(PretrainedModel):
+    """Initialisation, and how BERT meets Hugging Face's checkpoints (see PretrainedModel): shared by both heads."""
 
     config: BertConfig
     bert: BertModel
+
+    checkpoint_key_to_name = staticmethod(checkpoint_key_to_name)
+    _config_from_hf = staticmethod(config_from_hf)
+    _config_from_tensors = staticmethod(config_from_tensors)
+    _vocabulary_tensors: tuple[str, ...] = ("bert.embeddings.word_embeddings.weight",)
+    _position_embeddings = "bert.embeddings.position_embeddings.weight"
 
     def init_module(self, module: nn.Module) -> None:
         """Initialises `module`'s own parameters (not its submodules') as BERT does.
@@ -264,57 +266,11 @@ class _BertPreTrainedModel(nn.Module):
     def _tie_weights(self) -> None:
         """The masked-LM decoder shares the word embedding (pre-training heads only)."""
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **overrides):
-        """Loads a Hugging Face BERT checkpoint (a directory with config.json, or a weights file).
+    def _hf_config(self) -> dict:
+        return config_to_hf(self.config, type(self).__name__)
 
-        A sequence classifier may load a pre-training checkpoint: its classifier starts fresh.
-        """
-        tensors, hf_config = read_checkpoint(path)
-        config = config_from_hf(hf_config) if hf_config else _config_from_tensors(tensors)
-        model = cls(replace(config, **overrides))
-        load_into(model, tensors, model.checkpoint_key_to_name, may_be_missing=model._fresh_heads,
-                  rows=model.checkpoint_rows())
-        return model
-
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Writes model.safetensors and config.json that both this class and transformers can load."""
-        return save(self, directory, config_to_hf(self.config, type(self).__name__), rows=self.checkpoint_rows())
-
-    _vocabulary_tensors: tuple[str, ...] = ("bert.embeddings.word_embeddings.weight",)
-
-    def checkpoint_rows(self) -> dict[str, int]:
-        """The tensors a Hugging Face checkpoint holds only the first rows of: the padded vocabulary's
-        (name -> real rows; empty when nothing is padded)."""
-        config = self.config
-        if config.padded_vocab_size == config.vocab_size:
-            return {}
-        return dict.fromkeys(self._vocabulary_tensors, config.vocab_size)
-
-    _fresh_heads: tuple[str, ...] = ()
-
-    def checkpoint_key_to_name(self, key: str) -> str | None:
-        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-        if key.endswith(("position_ids", "token_type_ids")):
-            return None  # index buffers older checkpoints saved
-        if not key.startswith(("bert.", "cls.", "classifier.")):
-            key = "bert." + key  # checkpoints saved from BertModel lack the prefix
-        return key
-
-    def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
-        """Parameter count, each tied weight once, the vocabulary's padding left out (as published)."""
-        padding = sum(p[self.config.vocab_size:].numel() for name, p in self.named_parameters()
-                      if name in self.checkpoint_rows())
-        count = sum(p.numel() for p in self.parameters()) - padding
-        if exclude_position_embeddings:
-            count -= self.bert.embeddings.position_embeddings.weight.numel()
-        return count
-
-    def training_flops_per_token(self, seq_len: int) -> float:
-        """Forward plus backward FLOPs per token: 6N for the weights plus 12 L H T for attention scores."""
-        config = self.config
-        attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
-        return 6 * self.num_parameters(exclude_position_embeddings=True) + attention
+    def _layers_and_width(self) -> tuple[int, int]:
+        return self.config.num_hidden_layers, self.config.hidden_size
 
 
 class BertForPreTraining(_BertPreTrainedModel):
@@ -371,6 +327,7 @@ class BertForPreTraining(_BertPreTrainedModel):
 class BertForSequenceClassification(_BertPreTrainedModel):
     """BERT with a linear classifier on the pooled [CLS] state."""
 
+    checkpoint_key_to_name = staticmethod(classifier_checkpoint_key_to_name)
     _fresh_heads = ("classifier.",)
 
     def __init__(self, config: BertConfig):
@@ -382,57 +339,9 @@ class BertForSequenceClassification(_BertPreTrainedModel):
             self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         finish_construction(self, self._tie_weights)
 
-    def checkpoint_key_to_name(self, key: str) -> str | None:
-        if key.startswith("cls."):
-            return None  # pre-training heads are not part of a classifier
-        return super().checkpoint_key_to_name(key)
-
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None):
         """Returns (logits (B, num_labels), cross-entropy against `labels` (B,) or None)."""
         _, pooled = self.bert(input_ids, token_type_ids, attention_mask)
         logits = self.classifier(self.dropout(pooled))
         loss = None if labels is None else cross_entropy(logits, labels)
         return logits, loss
-
-
-_SHARED_HF_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-    "max_position_embeddings", "type_vocab_size", "hidden_dropout_prob", "attention_probs_dropout_prob",
-    "layer_norm_eps",
-)
-
-
-def config_from_hf(hf: dict) -> BertConfig:
-    """Our config from a Hugging Face BERT ``config.json``."""
-    values = {name: hf[name] for name in _SHARED_HF_FIELDS if name in hf}
-    if "id2label" in hf:
-        values["num_labels"] = len(hf["id2label"])
-    return BertConfig(**values)
-
-
-def config_to_hf(config: BertConfig, architecture: str) -> dict:
-    """A Hugging Face BERT ``config.json`` for our config."""
-    return {
-        "model_type": "bert",
-        "architectures": [architecture],
-        **{name: getattr(config, name) for name in _SHARED_HF_FIELDS},
-        "hidden_act": "gelu",
-        "id2label": {str(i): f"LABEL_{i}" for i in range(config.num_labels)},
-        "label2id": {f"LABEL_{i}": i for i in range(config.num_labels)},
-        "tie_word_embeddings": True,
-    }
-
-
-def _config_from_tensors(tensors: dict) -> BertConfig:
-    """Infers a config from checkpoint shapes when there is no config.json (heads of 64 dims, as in BERT)."""
-    def find(suffix):
-        return next(t for k, t in tensors.items() if k.endswith(suffix))
-
-    vocab_size, hidden = find("word_embeddings.weight").shape
-    layers = {k.split("encoder.layer.")[1].split(".")[0] for k in tensors if "encoder.layer." in k}
-    return BertConfig(
-        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=len(layers),
-        num_attention_heads=max(hidden // 64, 1), intermediate_size=find("intermediate.dense.weight").shape[0],
-        max_position_embeddings=find("position_embeddings.weight").shape[0],
-        type_vocab_size=find("token_type_embeddings.weight").shape[0],
-    )

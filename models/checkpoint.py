@@ -21,8 +21,9 @@ SHARDED_INDEX = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not fit the model."""
+class PretrainedCheckpointError(ValueError):
+    """A Hugging Face checkpoint that cannot be read, or does not fit the model, in ``from_pretrained``. (fsdp_mpi
+    raises PretrainedError when ``load_pretrained`` reads one into shards, CheckpointError for its own format.)"""
 
 
 def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
@@ -33,20 +34,20 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except (SafetensorError, OSError) as error:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from error
+            raise PretrainedCheckpointError(f"{path}: not a readable safetensors file ({error})") from error
     if path.suffix in (".bin", ".pt", ".pth"):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:  # torch raises many types for corrupt files
-            raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({error})") from error
-    raise CheckpointError(f"{path}: expected a .safetensors or .bin file")
+            raise PretrainedCheckpointError(f"{path}: not a readable PyTorch checkpoint ({error})") from error
+    raise PretrainedCheckpointError(f"{path}: expected a .safetensors or .bin file")
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Reads the tensors of a checkpoint file or directory, and its config.json if there is one."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
+        raise PretrainedCheckpointError(f"{path}: no such file or directory")
     config = None
     if path.is_dir():
         if (path / CONFIG_FILE).exists():
@@ -60,13 +61,13 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | N
         for name in WEIGHT_FILES:
             if (path / name).exists():
                 return _read_weight_file(path / name), config
-        raise CheckpointError(f"{path}: contains none of {', '.join(WEIGHT_FILES)}")
+        raise PretrainedCheckpointError(f"{path}: contains none of {', '.join(WEIGHT_FILES)}")
     return _read_weight_file(path), config
 
 
 def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], normalize_key, may_be_missing=(),
               rows: dict[str, int] | None = None) -> None:
-    """Copies checkpoint `tensors` into `model`, or raises CheckpointError naming every mismatch.
+    """Copies checkpoint `tensors` into `model`, or raises PretrainedCheckpointError naming every mismatch.
 
     Keys that ``normalize_key`` maps to None are ignored. A tied weight needs to
     be present under only one of its names. Parameters whose names start with one
@@ -104,7 +105,7 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], normalize_key,
     if mis_shaped:
         problems.append("mis-shaped: " + "; ".join(mis_shaped))
     if problems:
-        raise CheckpointError(f"checkpoint does not fit {type(model).__name__}: " + " | ".join(problems))
+        raise PretrainedCheckpointError(f"checkpoint does not fit {type(model).__name__}: " + " | ".join(problems))
     with torch.no_grad():
         for name, tensor in provided.items():
             expected[name].copy_(tensor)

@@ -5,22 +5,22 @@ GPT2Model, GPT2LMHeadModel. ``GPT2Block`` is the unit to name in
 ``fsdp_mpi.ModuleWrapPolicy``. The output head shares its weight with the token
 embedding (weight tying), as in the published model. Both hold the vocabulary
 padded to a multiple of ``vocab_multiple`` rows (50,257 -> 50,304), which no
-output, loss or checkpoint shows (``models/vocabulary.py``).
+output, loss or checkpoint shows (``models/vocabulary.py``). Loading and saving
+published checkpoints, counts and FLOPs are ``PretrainedModel``'s (``models/pretrained_model.py``).
 """
 
 import math
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .checkpoint import load_into, read_checkpoint, save
 from .cross_entropy import cross_entropy
 from .initialization import finish_construction
+from .pretrained_model import PretrainedModel
 from .vocabulary import MULTIPLE, VocabularyOutput, padded_size, zero_padding
 
 
@@ -83,7 +83,7 @@ def config_to_hf(config: GPT2Config) -> dict:
     }
 
 
-def _config_from_tensors(tensors: dict) -> GPT2Config:
+def config_from_tensors(tensors: dict) -> GPT2Config:
     """Infers a config from checkpoint shapes when there is no config.json (heads of 64 dims, as in GPT-2)."""
     def find(suffix):
         return next(t for k, t in tensors.items() if k.endswith(suffix))
@@ -202,12 +202,19 @@ class GPT2Model(nn.Module):
         return self.ln_f(x)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(PretrainedModel):
     """GPT-2 with its language-modelling head, tied to the token embedding.
 
     Built under ``torch.device("meta")`` it stays there, for fsdp_mpi's deferred
     initialisation with ``param_init_fn=model.init_module`` (see ``models/initialization.py``).
     """
+
+    # How GPT-2 meets Hugging Face's checkpoints (see PretrainedModel).
+    checkpoint_key_to_name = staticmethod(checkpoint_key_to_name)
+    _config_from_hf = staticmethod(config_from_hf)
+    _config_from_tensors = staticmethod(config_from_tensors)
+    _vocabulary_tensors = ("transformer.wte.weight", "lm_head.weight")
+    _position_embeddings = "transformer.wpe.weight"
 
     def __init__(self, config: GPT2Config):
         super().__init__()
@@ -238,42 +245,11 @@ class GPT2LMHeadModel(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **overrides) -> "GPT2LMHeadModel":
-        """Loads a Hugging Face GPT-2 checkpoint (a directory with config.json, or a weights file).
+    def _hf_config(self) -> dict:
+        return config_to_hf(self.config)
 
-        `overrides` change config fields that do not affect weights (dropout, gradient_checkpointing).
-        """
-        tensors, hf_config = read_checkpoint(path)
-        config = config_from_hf(hf_config) if hf_config else _config_from_tensors(tensors)
-        model = cls(replace(config, **overrides))
-        load_into(model, tensors, checkpoint_key_to_name, rows=model.checkpoint_rows())
-        return model
-
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Writes model.safetensors and config.json that both this class and transformers can load."""
-        return save(self, directory, config_to_hf(self.config), rows=self.checkpoint_rows())
-
-    def checkpoint_rows(self) -> dict[str, int]:
-        """The tensors a Hugging Face checkpoint holds only the first rows of: the padded vocabulary's
-        (name -> real rows; empty when nothing is padded)."""
-        config = self.config
-        if config.padded_vocab_size == config.vocab_size:
-            return {}
-        return {"transformer.wte.weight": config.vocab_size, "lm_head.weight": config.vocab_size}
-
-    def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
-        """Parameter count, each tied weight once, the vocabulary's padding left out (as published: gpt2 has
-        124,439,808); so MFU counts the model's FLOPs, not the padding's."""
-        config = self.config
-        padding = (config.padded_vocab_size - config.vocab_size) * config.n_embd
-        count = sum(p.numel() for p in self.parameters()) - padding
-        return count - self.transformer.wpe.weight.numel() if exclude_position_embeddings else count
-
-    def training_flops_per_token(self, seq_len: int) -> float:
-        """Forward plus backward FLOPs per token: 6N for the weights plus 12 L C T for attention scores."""
-        config = self.config
-        return 6 * self.num_parameters(exclude_position_embeddings=True) + 12 * config.n_layer * config.n_embd * seq_len
+    def _layers_and_width(self) -> tuple[int, int]:
+        return self.config.n_layer, self.config.n_embd
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:

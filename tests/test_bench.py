@@ -126,7 +126,7 @@ def test_replicated_model_too_big_for_this_machine_is_reported_not_run(tmp_path)
 
 BAD_ARGUMENTS = [  # each refused before anything is launched
     (["--strategies", "horovod"], "unknown strategy 'horovod'"),
-    (["--strategies", "ddp+compile"], "unknown strategy 'ddp+compile'"),  # plain, fsdp-mpi only
+    (["--strategies", "ddp+compile"], "unknown strategy 'ddp+compile'"),  # plain, fsdp-mpi and torch-fsdp only
     (["--strategies", "plain+compile+compile_whole"], "unknown strategy 'plain+compile+compile_whole'"),  # not both
     (["--strategies", "ddp+comm=int8"], "unknown strategy 'ddp+comm=int8'"),
     (["--strategies", "fsdp-mpi+comm=int4"], "each one of none, bf16, int8"),
@@ -154,6 +154,8 @@ def test_bad_arguments_are_refused_with_their_reason(capsys):
     assert bench.arguments(["--strategies", "plain,fsdp-mpi@3"])[1] == [("plain", 1), ("fsdp-mpi", 3)]
     assert bench.arguments(["--strategies", "fsdp-mpi+flat,fsdp-mpi+mpi+flat"])[1] == [("fsdp-mpi+flat", 2),
                                                                                        ("fsdp-mpi+mpi+flat", 2)]
+    assert bench.arguments(["--strategies", "torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed@1"])[1] == [
+        ("torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed", 1)]
     result = run_bench("--strategies", "horovod")
     assert result.returncode == 2 and "unknown strategy 'horovod'" in result.stderr and "Traceback" not in result.stderr
 
@@ -191,6 +193,16 @@ def test_the_launchers_start_no_mpi():
                             capture_output=True, text=True, timeout=120)
     check_ok(result)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_launchers_sharding_strategies_are_fsdp_mpis():
+    """bench.py and predict.py read fsdp_mpi's sharding strategies from measuring/costmodel.py, without importing
+    fsdp_mpi: the copy names the same members, in the same order."""
+    from measuring.costmodel import SHARDING_STRATEGIES
+
+    from fsdp_mpi import ShardingStrategy
+
+    assert SHARDING_STRATEGIES == tuple(ShardingStrategy.__members__)
 
 
 def test_bench_comm_times_four_paths_per_size_and_operation(tmp_path):
@@ -313,12 +325,11 @@ def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(mo
 def test_the_breakdown_figure_keeps_the_longest_strategy_name_and_everything_else_inside(tmp_path, monkeypatch):
     """A long name used to squeeze the bars to a sliver and push the title, axis label and legend off the figure:
     labels are wrapped now, and every text lies inside the figure (its layout, not its pixels)."""
-    import bench
-    from measuring import figures
+    from measuring import bench_plan, bench_report, figures
     from measuring.reported import PARTS
 
-    longest = "+".join(["fsdp-mpi", *bench.OVERLAP, bench.COMPILE, bench.THROUGH_MPI, max(bench.SHARDING, key=len),
-                        bench.COMPRESSION + "int8/bf16"])
+    longest = "+".join(["fsdp-mpi", *bench_plan.OVERLAP, bench_plan.COMPILE, bench_plan.THROUGH_MPI,
+                        max(bench_plan.SHARDING_STRATEGIES, key=len), bench_plan.COMPRESSION + "int8/bf16"])
     rows = [{"strategy": "plain", "ranks": 1, "step_s": 1.0, "compute_s": None},
             {"strategy": "plain", "ranks": 2, "step_s": 1.1},
             {"strategy": longest, "ranks": 2, "step_s": 1.2, **dict.fromkeys(PARTS, 0.24)},
@@ -327,8 +338,8 @@ def test_the_breakdown_figure_keeps_the_longest_strategy_name_and_everything_els
             {"strategy": "lightning-ddp", "ranks": 2, "step_s": 1.3}]
     drawn = []
     monkeypatch.setattr(figures, "save", lambda figure, path, dpi: drawn.append(figure))
-    bench.plot_breakdown(rows, tmp_path / "breakdown.png", "gpt2-seed, batch 4 x 128 per rank, 5 rounds of 3 steps, "
-                                                          "MPICH 5.0.2, torch 2.13.0 CPU, 1 thread per rank, medians")
+    bench_report.plot_breakdown(rows, tmp_path / "breakdown.png", "gpt2-seed, batch 4 x 128 per rank, 5 rounds of 3 "
+                                "steps, MPICH 5.0.2, torch 2.13.0 CPU, 1 thread per rank, medians")
     figure, = drawn
     assert figures.outside_the_figure(figure) == []
     axes = figure.axes[0]

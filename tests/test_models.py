@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsdp_mpi_models.bert import BertForPreTraining, BertForSequenceClassification, bert_config
-from fsdp_mpi_models.checkpoint import CheckpointError
+from fsdp_mpi_models.checkpoint import PretrainedCheckpointError
 from fsdp_mpi_models.gpt2 import GPT2_CONFIGS, GPT2LMHeadModel, generate, gpt2_config
 
 transformers = pytest.importorskip("transformers")
@@ -203,13 +203,13 @@ def test_unknown_config_names():
 
 
 def test_bad_checkpoints_are_named(tmp_path):
-    with pytest.raises(CheckpointError, match="no such file or directory"):
+    with pytest.raises(PretrainedCheckpointError, match="no such file or directory"):
         GPT2LMHeadModel.from_pretrained(tmp_path / "nothing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="contains none of model.safetensors, pytorch_model.bin"):
+    with pytest.raises(PretrainedCheckpointError, match="contains none of model.safetensors, pytorch_model.bin"):
         GPT2LMHeadModel.from_pretrained(tmp_path / "empty")
     (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+    with pytest.raises(PretrainedCheckpointError, match="not a readable safetensors file"):
         GPT2LMHeadModel.from_pretrained(tmp_path / "garbage.safetensors")
 
     hf = hf_gpt2()
@@ -219,7 +219,7 @@ def test_bad_checkpoints_are_named(tmp_path):
     state["transformer.ln_f.weight"] = torch.ones(7)
     state["transformer.extra"] = torch.ones(1)
     torch.save(state, tmp_path / "broken.bin")
-    with pytest.raises(CheckpointError) as error:
+    with pytest.raises(PretrainedCheckpointError) as error:
         GPT2LMHeadModel.from_pretrained(tmp_path / "broken.bin", n_head=4)
     message = str(error.value)
     assert "missing: transformer.h.1.mlp.c_fc.bias" in message

@@ -17,26 +17,28 @@ import socket
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from measuring import bench_models
+from measuring import bench_models, bench_plan
 from measuring.breakdown import StepBreakdown
 from measuring.reported import PARTS, median_of_known
+from training.choices import BACKENDS, PRECISIONS
 from training.recipe import adamw
 from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
 from training.startup import allow_tf32
-from training.strategies import (BACKENDS, PRECISIONS, Prepared, compression_from_option, node_placement, prepare,
-                                 torch_amp)
+from training.strategies import Prepared, compression_from_option, node_placement, prepare, torch_amp
 
 from fsdp_mpi import Communicator, ShardingStrategy, abort_job_on_uncaught_exception
 
 
 def arguments():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", required=True, choices=("plain", "fsdp-mpi", "torch-fsdp", "ddp", "lightning-ddp"))
+    parser.add_argument("--strategy", required=True, choices=bench_plan.BENCHED)
     parser.add_argument("--model", default="gpt2-seed")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the model's own")
     parser.add_argument("--layers", type=int, default=None, help="default: the model's own")
@@ -218,8 +220,23 @@ def gradient_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def main() -> None:
-    args = arguments()
+@dataclass
+class Measured:
+    """One run's figures per timed step (``timed_steps`` says what each holds) and what it trained."""
+
+    times: list[float]
+    issued: list[float]
+    cpu: list[float]
+    blocked: list[float]
+    moved: list[int]
+    parts: list[dict]
+    model: nn.Module  # as wrapped, not compiled: the model state to count
+    optimizer: torch.optim.Optimizer
+    link_bytes: float | None = None  # each host's bytes to the others in one step, where the ranks span hosts
+
+
+def set_up(args) -> tuple[Communicator, torch.device]:
+    """The ranks' communicator and this rank's device (on a GPU: the one of its place on its node)."""
     comm = Communicator()
     if comm.world_size > 1:  # a rank that raises ends the job, rather than leaving the others in a collective
         abort_job_on_uncaught_exception(comm.mpi_comm)
@@ -230,85 +247,108 @@ def main() -> None:
         torch.cuda.set_device(device)
     allow_tf32(device)  # as training does: what stays fp32 runs on TF32 tensor cores
     comm.barrier()
-    job_peak = job_peak_flops(comm, device, args.precision)  # every GPU in use once, or every rank's cores
-    torch.manual_seed(0)
-    model = bench_models.build(args.model, args.vocab_size, args.layers)
+    return comm, device
+
+
+def wrapped(model, block_class: type, args, comm: Communicator, device: torch.device, options: tuple[str, ...],
+            sharding: str) -> Prepared:
+    """`model` on `device` under the strategy: plain torch's own, or ``strategies.prepare``'s with fsdp-mpi's
+    options (+mpi and +flat aside: bench.py set their variables)."""
+    if args.strategy == "plain":
+        model.to(device)
+        autocast, scaler = torch_amp(device.type, args.precision)
+        return Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
+                        all_reduce_max=float, autocast=autocast)  # one process: its own value
+    fsdp_options = dict.fromkeys((option for option in options if option in bench_plan.OVERLAP), True)
+    given = bench_plan.compressions(options)  # comm=WEIGHTS[/GRADIENTS], the last if several
+    fsdp_options["compression"] = compression_from_option(given[-1] if given else "none")
+    if args.strategy == "fsdp-mpi":
+        fsdp_options.update(sharding_strategy=ShardingStrategy[sharding], hybrid_group_size=args.hybrid_group_size)
+    return prepare(args.strategy, model, block_class, device, comm, args.precision, args.backend, **fsdp_options)
+
+
+def torch_run(model, batch, args, comm: Communicator, device: torch.device, options: tuple[str, ...],
+              sharding: str) -> Measured:
+    """Wraps `model` for the strategy, compiles it if an option says so, and times its steps."""
     block_class = bench_models.unit_class(model)
-    flops_per_token = bench_models.flops_per_token(model, args.seq_len)
-    parameters = model.num_parameters()
-    batch = bench_models.synthetic_batch(model, args.batch_size, args.seq_len, comm.rank, device)
-    mechanisms = [name for name in args.overlap.split("+") if name]
-    # fsdp-mpi+NO_SHARD: a sharding strategy for this run, in place of --sharding-strategy
-    sharding = ([name for name in mechanisms if name in ShardingStrategy.__members__] or [args.sharding_strategy])[0]
-    link_bytes, breakdown, parts = None, None, []
-    if args.strategy == "lightning-ddp":
-        times, cpu, optimizer, measured = lightning_steps(model, batch, args, comm)
-        issued = times  # Lightning runs on the CPU here, where a step is issued when it ends
-        blocked, moved = [float("nan")], [gradient_bytes(model)]
-    else:
-        if args.strategy == "plain":
-            model.to(device)
-            autocast, scaler = torch_amp(device.type, args.precision)
-            prepared = Prepared(model, lambda: 0.0, None, None, shards_gradients=False, scaler=scaler,
-                                all_reduce_max=float, autocast=autocast)  # one process: its own value
-        else:
-            options = {name: True for name in mechanisms  # +mpi, +flat: bench.py set their variables
-                       if name not in ("compile", "compile_whole", "mpi", "flat", sharding)
-                       and not name.startswith("comm=")}
-            for name in mechanisms:
-                if name.startswith("comm="):  # fsdp-mpi+comm=int8/bf16
-                    options["compression"] = compression_from_option(name.removeprefix("comm="))
-            if args.strategy == "fsdp-mpi":
-                options.update(sharding_strategy=ShardingStrategy[sharding],
-                               hybrid_group_size=args.hybrid_group_size)
-                if "compile_whole" not in mechanisms:  # compiled whole, the graph gathers: no hook is timed
-                    breakdown = StepBreakdown()
-                    breakdown.install()
-            prepared = prepare(args.strategy, model, block_class, device, comm, args.precision, args.backend,
-                               **options)
-        measured = prepared.model
-        if "compile" in mechanisms:  # each block in place, after wrapping: its gather and free stay eager
-            for module in measured.modules():
-                if isinstance(module, block_class):
-                    module.compile()
-        if "compile_whole" in mechanisms:  # the whole (wrapped) model: fsdp-mpi's gathers and reductions traced
-            prepared.model = torch.compile(prepared.model)
-        optimizer = adamw(measured.parameters(), lr=1e-4)  # fused on a GPU, for every strategy alike
-        if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
-            with counting_torch_collectives() as torch_bytes:
-                train_step(prepared, optimizer, batch)
-        times, issued, cpu, blocked, moved, parts = timed_steps(prepared, optimizer, batch, args, comm, device,
-                                                                breakdown)
-        link_bytes = node_link_bytes_per_step(prepared, optimizer, batch, comm)
-        if args.strategy == "torch-fsdp":
-            moved = torch_bytes
-        elif args.strategy == "ddp":
-            moved = [gradient_bytes(model)]
-    state_bytes = max(comm.all_gather_object(model_state_bytes(measured, optimizer)))
+    breakdown = None
+    if args.strategy == "fsdp-mpi" and bench_plan.COMPILE_WHOLE not in options:  # compiled whole: no hook is timed
+        breakdown = StepBreakdown()
+        breakdown.install()
+    prepared = wrapped(model, block_class, args, comm, device, options, sharding)
+    trained = prepared.model
+    if bench_plan.COMPILE in options:  # each block in place, after wrapping: its gather and free stay eager
+        for module in trained.modules():
+            if isinstance(module, block_class):
+                module.compile()
+    if bench_plan.COMPILE_WHOLE in options:  # the whole (wrapped) model: fsdp-mpi's gathers and reductions traced
+        prepared.model = torch.compile(prepared.model)
+    optimizer = adamw(trained.parameters(), lr=1e-4)  # fused on a GPU, for every strategy alike
+    if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
+        with counting_torch_collectives() as torch_bytes:
+            train_step(prepared, optimizer, batch)
+    times, issued, cpu, blocked, moved, parts = timed_steps(prepared, optimizer, batch, args, comm, device,
+                                                            breakdown)
+    if args.strategy == "torch-fsdp":
+        moved = torch_bytes
+    elif args.strategy == "ddp":
+        moved = [gradient_bytes(model)]
+    return Measured(times, issued, cpu, blocked, moved, parts, trained, optimizer,
+                    node_link_bytes_per_step(prepared, optimizer, batch, comm))
+
+
+def lightning_run(model, batch, args, comm: Communicator) -> Measured:
+    """Times the steps of a Lightning Trainer with DDP (``lightning_steps``)."""
+    times, cpu, optimizer, trained = lightning_steps(model, batch, args, comm)
+    # Lightning runs on the CPU here, where a step is issued when it ends
+    return Measured(times, times, cpu, [float("nan")], [gradient_bytes(model)], [], trained, optimizer)
+
+
+def reported_figures(measured: Measured, comm: Communicator, device: torch.device) -> dict:
+    """What the ranks report together (collectives: every rank calls this): the busiest rank's model state and
+    peak memory, and the median rank's time blocked in MPI."""
+    state_bytes = max(comm.all_gather_object(model_state_bytes(measured.model, measured.optimizer)))
     rss = max(comm.all_gather_object(peak_rss_mb()))
     on_gpu = device.type == "cuda"
     gpu_bytes = torch.cuda.max_memory_allocated(device) + comm.device_bytes_outside_torch() if on_gpu else 0
     gpu_mb = max(comm.all_gather_object(gpu_bytes / 2**20))  # torch's peak and the node transport's slots
-    blocked_median = statistics.median(comm.all_gather_object(statistics.median(blocked)))
+    blocked = statistics.median(comm.all_gather_object(statistics.median(measured.blocked)))
+    return {"peak_rss_mb": rss, "peak_gpu_mb": gpu_mb if on_gpu else None, "model_state_mb": state_bytes / 2**20,
+            "mpi_blocked_s": blocked}
+
+
+def main() -> None:
+    args = arguments()
+    comm, device = set_up(args)
+    job_peak = job_peak_flops(comm, device, args.precision)  # every GPU in use once, or every rank's cores
+    torch.manual_seed(0)
+    model = bench_models.build(args.model, args.vocab_size, args.layers)
+    flops_per_token = bench_models.flops_per_token(model, args.seq_len)
+    parameters = model.num_parameters()
+    batch = bench_models.synthetic_batch(model, args.batch_size, args.seq_len, comm.rank, device)
+    options = bench_plan.worker_options(args.overlap)
+    sharding = bench_plan.sharding(options) or args.sharding_strategy
+    if args.strategy == "lightning-ddp":
+        measured = lightning_run(model, batch, args, comm)
+    else:
+        measured = torch_run(model, batch, args, comm, device, options, sharding)
+    figures = reported_figures(measured, comm, device)
     if comm.rank == 0:
-        step = statistics.median(times)
+        step = statistics.median(measured.times)
         tokens_per_s = args.batch_size * args.seq_len * comm.world_size / step
         with open(args.json, "w") as f:
             json.dump({
-                "strategy": "+".join([args.strategy, *filter(None, args.overlap.split("+")),
+                "strategy": "+".join([args.strategy, *options,
                                       *([f"backend={args.backend}"] if args.backend != "auto" else [])]),
                 "sharding_strategy": sharding if args.strategy == "fsdp-mpi" else None,
                 "precision": args.precision, "ranks": comm.world_size, "parameters": parameters,
-                "step_s": step, "step_times_s": times, "issued_s": statistics.median(issued),
-                "cpu_s": statistics.median(cpu), "tokens_per_s": tokens_per_s,
-                "tflops": tokens_per_s * flops_per_token / 1e12,
-                "mfu": tokens_per_s * flops_per_token / job_peak,
-                "peak_rss_mb": rss, "peak_gpu_mb": gpu_mb if on_gpu else None,
-                "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked_median,
-                "comm_mb_per_step": statistics.median(moved) / 2**20,
-                "link_mb_per_step": None if link_bytes is None else link_bytes / 2**20,
+                "step_s": step, "step_times_s": measured.times, "issued_s": statistics.median(measured.issued),
+                "cpu_s": statistics.median(measured.cpu), "tokens_per_s": tokens_per_s,
+                "tflops": tokens_per_s * flops_per_token / 1e12, "mfu": tokens_per_s * flops_per_token / job_peak,
+                **figures, "comm_mb_per_step": statistics.median(measured.moved) / 2**20,
+                "link_mb_per_step": None if measured.link_bytes is None else measured.link_bytes / 2**20,
                 # the slowest rank's step, part by part (fsdp-mpi only): each part's median over the timed steps
-                **{part: median_of_known([each[part] for each in parts]) for part in PARTS},
+                **{part: median_of_known([each[part] for each in measured.parts]) for part in PARTS},
             }, f)
 
 

@@ -28,7 +28,9 @@ reductions left running), the bound that overlap can reach.
 
 from dataclasses import dataclass, field
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+# fsdp_mpi.ShardingStrategy's names, here for the launchers, which must not import fsdp_mpi (tests/test_bench.py
+# keeps them equal)
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 ADAM_STATE_BYTES_PER_PARAMETER = 16  # fp32 shard, its gradient, two Adam moments
 
 

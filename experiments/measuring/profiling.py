@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from measuring.costmodel import MeasuredNetwork, Profile, Unit
+from measuring.costmodel import ADAM_STATE_BYTES_PER_PARAMETER, MeasuredNetwork, Profile, Unit
 
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 
@@ -68,7 +68,7 @@ def measure_profile(args) -> Profile:
     import torch
     from mpi4py import MPI
     from training.recipe import adamw
-    from training.results import peak_resident_bytes, reset_peak_resident, resident_bytes
+    from training.results import peak_resident_bytes, resident_bytes
     from training.strategies import prepare
 
     from fsdp_mpi import Communicator
@@ -90,22 +90,50 @@ def measure_profile(args) -> Profile:
     block_tensors = len(list(blocks[0].parameters()))
     root_tensors = len(list(model.parameters())) - len(blocks) * block_tensors
 
-    block_seconds = [0.0] * len(blocks)  # each block's last forward
+    block_seconds = time_each_forward(blocks)
+    prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), comm)
+    optimizer = adamw(prepared.model.parameters(), lr=1e-4)
+    forward, backward, optimizer_s, block_forward = timed_phases(prepared.model, optimizer, inputs, targets, args,
+                                                                 world, block_seconds)
+    backward_per_forward = backward / forward  # each unit's backward taken in the step's own proportion
+    root_forward = max(forward - sum(block_forward), 0.0)
+    units = [Unit("<root>", root_numel, root_forward, root_forward * backward_per_forward, is_root=True,
+                  tensors=root_tensors)]
+    units += [Unit(f"block.{i}", numel, seconds, seconds * backward_per_forward, tensors=block_tensors)
+              for i, (numel, seconds) in enumerate(zip(block_numels, block_forward))]
+    state = ADAM_STATE_BYTES_PER_PARAMETER * parameters  # on one rank
+    transient = max(0, peak_resident_bytes() - baseline - state - activations)
+    mine = Profile(units, optimizer_s, activations, args.batch_size * args.seq_len, baseline_bytes=baseline,
+                   transient_bytes=transient)
+    profiles = sorted(world.allgather(mine), key=lambda profile: profile.step_s)
+    return profiles[len(profiles) // 2]  # the median rank's: the slowest is one rank's bad luck with the scheduler
+
+
+def time_each_forward(blocks) -> list[float]:
+    """Hooks on `blocks` that keep each one's last forward time, in seconds, in the list returned."""
+    seconds = [0.0] * len(blocks)
 
     def time_forward(index: int, block) -> None:
         def start(*_):
-            block_seconds[index] = -time.perf_counter()
+            seconds[index] = -time.perf_counter()
 
         def stop(*_):
-            block_seconds[index] += time.perf_counter()
+            seconds[index] += time.perf_counter()
 
         block.register_forward_pre_hook(start)
         block.register_forward_hook(stop)
 
     for index, block in enumerate(blocks):
         time_forward(index, block)
-    prepared = prepare("fsdp-mpi", model, GPT2Block, torch.device("cpu"), comm)
-    optimizer = adamw(prepared.model.parameters(), lr=1e-4)
+    return seconds
+
+
+def timed_phases(model, optimizer, inputs, targets, args, world,
+                 block_seconds: list[float]) -> tuple[float, float, float, list[float]]:
+    """(forward, backward, the optimizer step, [each block's forward]): seconds, medians over the timed steps.
+    Every rank of `world` starts each phase together; the peak resident memory restarts after the warm-up."""
+    from training.results import reset_peak_resident
+
     steps = []  # (forward, backward, optimizer, [block forwards])
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -115,7 +143,7 @@ def measure_profile(args) -> Profile:
             wait_for_every_rank(world)
             start = time.perf_counter()
             if phase == "forward":
-                _, loss = prepared.model(inputs, targets)
+                _, loss = model(inputs, targets)
             elif phase == "backward":
                 loss.backward()
             else:
@@ -125,19 +153,8 @@ def measure_profile(args) -> Profile:
         steps.append((*times, list(block_seconds)))
     steps = steps[args.warmup:]
     forward, backward, optimizer_s = (statistics.median(step[i] for step in steps) for i in range(3))
-    block_forward = [statistics.median(step[3][i] for step in steps) for i in range(len(blocks))]
-    backward_per_forward = backward / forward  # each unit's backward taken in the step's own proportion
-    root_forward = max(forward - sum(block_forward), 0.0)
-    units = [Unit("<root>", root_numel, root_forward, root_forward * backward_per_forward, is_root=True,
-                  tensors=root_tensors)]
-    units += [Unit(f"block.{i}", numel, seconds, seconds * backward_per_forward, tensors=block_tensors)
-              for i, (numel, seconds) in enumerate(zip(block_numels, block_forward))]
-    state = 16 * parameters  # fp32 parameters, gradients and AdamW's two moments, on one rank
-    transient = max(0, peak_resident_bytes() - baseline - state - activations)
-    mine = Profile(units, optimizer_s, activations, args.batch_size * args.seq_len, baseline_bytes=baseline,
-                   transient_bytes=transient)
-    profiles = sorted(world.allgather(mine), key=lambda profile: profile.step_s)
-    return profiles[len(profiles) // 2]  # the median rank's: the slowest is one rank's bad luck with the scheduler
+    return forward, backward, optimizer_s, [statistics.median(step[3][i] for step in steps)
+                                            for i in range(len(block_seconds))]
 
 
 def profile_from_flops(model_name: str, batch_size: int, seq_len: int, peak_flops: float, mfu: float,

@@ -96,10 +96,8 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
     """
     model = build_model(task, config.seed, comm)
     recorder = RunRecorder(task, config, comm, device, experiment, model)
-    compression = compression_from_option(config.comm_compression)
-    options = {"compression": compression} if config.strategy == "fsdp-mpi" else {}  # check_config refuses others
     prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision, config.backend,
-                       **options)
+                       compression=compression_from_option(config.comm_compression))
     total_steps = total_optimizer_steps(len(task.train), config.batching, config.epochs, comm.world_size)
     optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
                                                  config.warmup_steps)

@@ -9,9 +9,10 @@ import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from training.choices import BACKENDS, COMPRESSING, PRECISIONS, STRATEGIES, TORCH_DISTRIBUTED
 from training.resume import LATEST
 from training.sampling import Batching
-from training.strategies import BACKENDS, PRECISIONS, STRATEGIES, TORCH_DISTRIBUTED, compression_from_option
+from training.strategies import compression_from_option
 
 
 class UsageError(Exception):
@@ -24,9 +25,9 @@ class RunConfig:
 
     # What is trained, and by whom.
     model: str
-    strategy: str  # strategies.STRATEGIES
-    backend: str  # strategies.BACKENDS: torch.distributed's, for its strategies
-    precision: str  # strategies.PRECISIONS
+    strategy: str  # choices.STRATEGIES
+    backend: str  # choices.BACKENDS: torch.distributed's, for its strategies
+    precision: str  # choices.PRECISIONS
     comm_compression: str  # WEIGHTS[/GRADIENTS], strategies.compression_from_option
     gradient_checkpointing: bool
     # The data: sequence length, batches, how long.
@@ -149,9 +150,9 @@ def check_config(config: RunConfig) -> None:
         compression = compression_from_option(config.comm_compression)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if compression is not None and config.strategy not in ("fsdp-mpi", "lightning-fsdp-mpi"):
+    if compression is not None and config.strategy not in COMPRESSING:
         raise UsageError(f"--comm-compression is fsdp_mpi's: {config.strategy} communicates through torch "
-                         "(use --strategy fsdp-mpi or lightning-fsdp-mpi)")
+                         f"(use --strategy {' or '.join(COMPRESSING)})")
     for name in ("warmup_steps", "weight_decay", "clip_norm"):
         if (getattr(config, name) or 0) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")

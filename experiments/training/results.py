@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from training.choices import PRECISIONS
+
 COLUMNS = [
     "run_id", "experiment", "strategy", "model", "parameters", "world_size", "threads_per_rank", "device", "precision",
     "comm_compression", "global_batch", "grad_accum", "seq_len", "epoch", "steps", "epoch_time_s", "samples_per_s", "tokens_per_s",
@@ -108,12 +110,10 @@ def published_peak_flops(device: torch.device, compute_dtype: str) -> float | No
                  if model in name and dtype == compute_dtype), None)
 
 
-COMPUTE_DTYPES = {"32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}  # --precision -> the matrix products' dtype
-
-
 def compute_dtype(precision: str) -> str:
-    """The matrix products' dtype under `precision`: fp32 ones run as tf32 where ``startup.allow_tf32`` let them."""
-    dtype = COMPUTE_DTYPES[precision]
+    """The matrix products' dtype under `precision` (``choices.PRECISIONS``): fp32 ones run as tf32 where
+    ``startup.allow_tf32`` let them."""
+    dtype = PRECISIONS[precision]
     return "tf32" if dtype == "fp32" and torch.get_float32_matmul_precision() != "highest" else dtype
 
 

@@ -17,16 +17,16 @@ import sys
 import torch
 
 from corpora.files import DataError
+from training.choices import TORCH_DISTRIBUTED
 from training.loop import train
 from training.options import RunConfig, UsageError, check_checkpoint_options, check_config
 from training.resume import ResumeError, StopSignals
 from training.startup import (allow_tf32, announce_devices, communicator_for_the_run, pick_device,
                               set_up_rank_0_first)
-from training.strategies import TORCH_DISTRIBUTED, node_placement, torch_backend
+from training.strategies import node_placement, torch_backend
 
-from fsdp_mpi import CheckpointError as ShardedCheckpointError
-from fsdp_mpi import Communicator, abort_job_on_uncaught_exception
-from fsdp_mpi_models.checkpoint import CheckpointError
+from fsdp_mpi import CheckpointError, Communicator, abort_job_on_uncaught_exception
+from fsdp_mpi_models.checkpoint import PretrainedCheckpointError
 
 
 def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParser, experiment: str) -> int:
@@ -64,7 +64,7 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
     else:
         try:
             path, stopped = train(task, config, comm, device, experiment, stop)
-        except (ShardedCheckpointError, ResumeError) as failure:  # raised on every rank alike
+        except (CheckpointError, ResumeError) as failure:  # raised on every rank alike
             if comm.rank == 0:
                 print(f"{parser.prog}: error: {failure}", file=sys.stderr)
             return 2
@@ -105,7 +105,7 @@ def _set_up(task_type, config: RunConfig, comm: Communicator, node: tuple[int, i
             raise UsageError("Lightning has no fp16 mixed precision on CPU (it would train in bf16-mixed "
                              "instead); use --precision bf16-mixed here")
         return task_type(config, comm), device, None
-    except (DataError, UsageError, CheckpointError, ValueError) as failure:
+    except (DataError, UsageError, PretrainedCheckpointError, ValueError) as failure:
         return None, None, str(failure)
 
 

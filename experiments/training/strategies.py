@@ -25,14 +25,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from training.compression_option import compression_formats
+from training.choices import PRECISIONS, STRATEGIES, compression_formats
 
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
                       ShardedGradScaler, clip_grad_norm_)
-
-STRATEGIES = ("fsdp-mpi", "ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp", "lightning-fsdp-mpi")
-TORCH_DISTRIBUTED = ("ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")
-BACKENDS = ("auto", "gloo", "nccl", "fsdp_mpi")  # --backend: torch.distributed's, for TORCH_DISTRIBUTED
 
 
 def torch_backend(backend: str, device: torch.device) -> str:
@@ -44,7 +40,12 @@ def torch_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-PRECISIONS = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # --precision -> compute dtype
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 16-bit compute dtypes of choices.PRECISIONS
+
+
+def half_dtype(precision: str) -> torch.dtype | None:
+    """The 16-bit dtype that `precision` computes in over fp32 weights; None for 32 (no mixed precision)."""
+    return HALF_DTYPES.get(PRECISIONS[precision])
 
 
 @dataclass
@@ -108,14 +109,15 @@ def compression_from_option(text: str) -> Compression | None:
 def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: Communicator,
             precision: str = "32", backend: str = "auto", **fsdp_options) -> Prepared:
     """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones) at `precision`, torch's
-    strategies on torch.distributed's `backend` (``BACKENDS``).
+    strategies on torch.distributed's `backend` (``choices.BACKENDS``).
 
-    `fsdp_options` go to fsdp-mpi's FullyShardedDataParallel (e.g. forward_prefetch=True). fsdp-mpi shards
+    `fsdp_options` go to fsdp-mpi's FullyShardedDataParallel (e.g. forward_prefetch=True); torch's strategies
+    have no use for them (``options.check_config`` refuses compression for them). fsdp-mpi shards
     over `comm` itself, so its communication time and bytes (``comm_seconds``, ``comm_bytes``) also count
     the caller's own collectives on `comm`: compare them around training steps only.
     """
     model.to(device)
-    dtype = PRECISIONS[precision]
+    dtype = half_dtype(precision)
     scaling = precision == "16-mixed"
     if strategy == "fsdp-mpi":
         sharded = FullyShardedDataParallel(model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({block_class}),
@@ -153,7 +155,7 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
 
 def torch_amp(device_type: str, precision: str):
     """torch's own mixed precision for `precision`: (an autocast context factory, a GradScaler)."""
-    dtype = PRECISIONS[precision]
+    dtype = half_dtype(precision)
     autocast = partial(torch.autocast, device_type, dtype=dtype, enabled=dtype is not None)
     return autocast, torch.amp.GradScaler(device_type, enabled=precision == "16-mixed")
 
