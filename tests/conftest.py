@@ -36,8 +36,10 @@ def _cuda_left_to_children(request):
         pytest.fail(CUDA_IN_PYTEST)
 
 
-# Tests import the mpiexec launcher, and the experiments' modules as the scripts do (top level).
+# Tests import the harness's modules (harness/: the mpiexec launcher, ...), one another's helpers, and the
+# experiments' modules as the scripts do (top level).
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "harness"))
 sys.path.insert(0, str(Path(__file__).parent.parent / "experiments"))
 
 from mpi_launch import RunFailed  # noqa: E402  (found through the path set just above)

@@ -1,6 +1,6 @@
 """Proof that the suite catches breakage: each mutant is a deliberate one-line break of the code,
 applied to a copy of the repository. The tests it names must pass on the code as it is, and one of their
-checks must fail on the mutant: a failed assertion (see mutation_verdict.py), not an error, crash or timeout.
+checks must fail on the mutant: a failed assertion (see harness/mutation_verdict.py), not an error, crash or timeout.
 
 A mutant that survives means a mechanism nobody checks. Every new mechanism gets
 its mutant here, with the fastest tests that should kill it.
@@ -64,21 +64,21 @@ MOVING = ("tests/test_bad_input.py::"
 COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[3_ranks]"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
-NODE_FILES = "tests/test_node_transport.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
+NODE_FILES = "tests/test_shared_slots.py::test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds[normal]"
 NODE_FILES_NAMED = NODE_FILES.replace("[normal]", "[named]")
 NODE_FILES_KILL_IN_GROWTH = NODE_FILES.replace("[normal]", "[kill-in-growth]")
-OWN_READ = ("tests/test_device_slots.py::"
+OWN_READ = ("tests/test_shared_slots.py::"
             "test_a_rank_waits_for_every_ranks_read_of_a_slot_its_own_included_before_writing_it_again")
-UNMAP_THEN_FREE = ("tests/test_device_slots.py::"
+UNMAP_THEN_FREE = ("tests/test_shared_slots.py::"
                    "test_growth_frees_a_slot_only_after_every_rank_has_finished_with_it_and_unmapped_it")
-GIVE_BACK = "tests/test_device_slots.py::test_close_gives_the_device_memory_back_and_the_memory_column_counts_it_until_then"
-EVENT_FILE = ("tests/test_device_slots.py::"
+GIVE_BACK = "tests/test_shared_slots.py::test_close_gives_the_device_memory_back_and_the_memory_column_counts_it_until_then"
+EVENT_FILE = ("tests/test_shared_slots.py::"
               "test_the_drivers_event_file_is_removed_at_exit_and_before_an_abort_even_when_opening_the_events_fails")
 INTEL_HINT = "tests/test_comm.py::test_under_intel_mpi_the_log_line_says_what_its_gpu_offload_would_change"
 OFFLOAD_REFUSED = "tests/test_comm.py::test_intel_mpis_gpu_offload_without_a_cuda_driver_is_refused_before_mpi_starts"
-CURRENT_DEVICE = "tests/test_device_slots.py::test_the_runtime_calls_on_the_named_gpu_and_leaves_the_threads_current_device_as_it_was"
-QUEUE_WAIT = "tests/test_device_paths.py::test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error"
-WORKER_ORDER = "tests/test_device_paths.py::test_the_worker_runs_collectives_one_at_a_time_in_the_order_started"
+CURRENT_DEVICE = "tests/test_cuda_ipc.py::test_the_runtime_calls_on_the_named_gpu_and_leaves_the_threads_current_device_as_it_was"
+QUEUE_WAIT = "tests/test_worker.py::test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error"
+WORKER_ORDER = "tests/test_worker.py::test_the_worker_runs_collectives_one_at_a_time_in_the_order_started"
 CROSS_ENTROPY = "tests/test_cross_entropy.py::test_loss_and_gradient_are_torchs_on_the_fp32_logits"
 SLABS = "tests/test_cross_entropy.py::test_no_fp32_tensor_of_all_the_logits_is_made_or_kept"
 TORCH_DISTRIBUTED = ("tests/test_torch_distributed.py::"
@@ -390,7 +390,7 @@ def copy_of_repository(destination: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def pytest_runs():
-    """Where the mutants' pytest runs start: forked from one process that imported torch once (warm_pytest.py)."""
+    """Where the mutants' pytest runs start: forked from one process that imported torch once (harness/warm_pytest.py)."""
     runs = WarmPytest()
     yield runs
     runs.close()
@@ -399,7 +399,7 @@ def pytest_runs():
 def run_tests(runs: WarmPytest, tests: list[str], cwd: Path,
               verdict: Path | None = None) -> subprocess.CompletedProcess:
     plugin = ["-p", "mutation_verdict"] if verdict else []
-    path = os.pathsep.join(filter(None, [str(cwd / "tests"), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(cwd / "tests" / "harness"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, **({VERDICT_ENV: str(verdict)} if verdict else {}))
     return runs.run(["-q", "-p", "no:cacheprovider", *plugin, *tests], cwd=cwd, env=env, timeout=900)
 

@@ -1,50 +1,17 @@
-"""The node transport (fsdp_mpi/communication/transports/node.py) beyond the closed forms of test_comm.py: what it
-leaves in /dev/shm after a normal end, an exception and a kill, how fast a failed rank ends the job, how it is
-chosen and how it falls back. Training on it is the equivalence suite's default on one machine."""
+"""The node transport (fsdp_mpi/communication/transports/node.py) beyond the closed forms of test_comm.py: its
+exchange protocol call by call, how it is chosen and how it falls back. What its memory leaves in /dev/shm, and
+how fast a failed rank ends the job, is test_shared_slots.py's. Training on it is the equivalence suite's default
+on one machine."""
 
 import json
-import os
-import time
 
-import pytest
 import torch
 from mpi_launch import check_ok, run_mpi
 
+from fsdp_mpi.communication.transports import node as node_transport
 from fsdp_mpi.communication.transports.node import NodeTransport
 
 START_UP_SECONDS = 30  # MPI start-up and importing torch on a loaded 2-core machine
-
-
-def segments_made_by(job_prefix: str) -> set[str]:
-    """One job's shared-memory files of fsdp_mpi's (not those of MPI libraries, which leave their own when a
-    rank is killed, nor those of jobs running beside it, e.g. under pytest-xdist)."""
-    return {name for name in os.listdir("/dev/shm") if name.startswith(job_prefix)}
-
-
-@pytest.mark.parametrize("mode", ["normal", "named", "raise", "kill", "kill-in-growth"])
-def test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds(mode, tmp_path):
-    """Whether the memory is made with no name (memfd) or, where that is refused, as a named file, and whether a
-    rank ends normally, raises, is killed in a collective or while the slots grow (opening the new memory, the
-    moment a named file exists)."""
-    out = tmp_path / "out.json"
-    start = time.monotonic()
-    result = run_mpi("node_files.py", 3 if mode == "normal" else 2, out, mode, timeout=START_UP_SECONDS + 60)
-    elapsed = time.monotonic() - start
-    job_prefix = (tmp_path / "out.json.prefix").read_text()  # "fsdp_mpi-<rank 0's pid>-", written at its start
-    assert job_prefix.startswith("fsdp_mpi-") and segments_made_by(job_prefix) == set()
-    if mode in ("normal", "named"):
-        check_ok(result)
-        report = json.loads(out.read_text())
-        assert report["routes"] == {"cpu": "node"} and report["sums_right"]
-        assert report["listed_while_running"] == []  # unlinked as soon as every rank had mapped it
-        assert report["mapped"] == [1, 0]  # close() gave the memory back; a collective after it worked
-        # Wrapping grew the slots to the unit's whole buffer at once, not to its largest tensor (1,088 bytes).
-        assert report["wrapped"]["capacity"] >= report["wrapped"]["unit_bytes"] >= 108_800  # 27,200 parameters, padded
-        return
-    assert result.returncode != 0 and not out.exists()
-    assert elapsed < START_UP_SECONDS + 15, f"the job took {elapsed:.0f} s to end after rank 1 failed"
-    if mode == "raise":
-        assert "rank 1 fails on purpose" in result.stderr
 
 
 class RankZeroOfTwo:
@@ -146,3 +113,25 @@ def check_node_edges(report: dict, kind: str) -> None:
 
 def test_three_ranks_hybrid_groups_giving_back_and_one_rank_refusing_on_the_node_transport(tmp_path):
     check_node_edges(node_edges_report(tmp_path, "--device", "cpu"), "cpu")
+
+
+def test_a_gpu_named_without_an_index_takes_the_current_one_not_the_staged_route(monkeypatch):
+    """`device="cuda"` used to fail inside the agreement step (cudaSetDevice(None)) and send every collective of
+    the run through host memory, said only by the route line."""
+    made = []
+
+    class Node:
+        def Get_size(self):
+            return 2
+
+        def Get_rank(self):
+            return 0
+
+    class World(Node):
+        def Split_type(self, kind, key):
+            return Node()
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(node_transport, "DeviceSlots", lambda node, device, limit: made.append(device) or object())
+    transport, why = node_transport.open_node_transport(World(), torch.device("cuda"))
+    assert made == [torch.device("cuda", 1)] and transport is not None and "CUDA IPC" in why

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-WORKERS = Path(__file__).parent / "workers"
-REPO_ROOT = Path(__file__).parent.parent
+WORKERS = Path(__file__).parents[1] / "workers"
+REPO_ROOT = Path(__file__).parents[2]
 
 
 def mpiexec() -> str:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OWN_FOLDERS = tuple(str(REPO / folder) + os.sep for folder in ("fsdp_mpi", "models", "experiments", "tests"))
 PRELOADED = ("torch", "torch._dynamo", "numpy", "pytest")  # what every mutant's run would import first, slowly
 

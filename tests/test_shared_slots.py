@@ -1,20 +1,58 @@
-"""The node transport's device memory (shared_slots.DeviceSlots, cuda_ipc.CudaRuntime) on the CPU, with CUDA's
-calls faked and recorded: the order in which slots are unmapped and freed, what a rank waits for before writing
-a slot again, memory given back and found again under pressure, and a thread's current device left as it was.
-The GPU lane (test_gpu.py, hpc/gpu_check.sh) runs the same code on a GPU."""
+"""The memory that the node transport's ranks share (fsdp_mpi/communication/transports/shared_slots.py).
+HostSlots under mpiexec: what it leaves in /dev/shm after a normal end, an exception and a kill, whether made with
+no name or as a named file, and how fast a failed rank ends the job. DeviceSlots on the CPU, with CUDA's calls
+faked and recorded (cuda_ipc.CudaRuntime's: test_cuda_ipc.py): the order in which slots are unmapped and freed,
+what a rank waits for before writing a slot again, memory given back and found again under pressure. The GPU lane
+(test_gpu.py, hpc/gpu_check.sh) runs the same code on a GPU."""
 
 import contextlib
+import json
+import os
+import time
 
 import pytest
 import torch
-from test_node_transport import RankZeroOfTwo
+from mpi_launch import check_ok, run_mpi
+from test_node_transport import START_UP_SECONDS, RankZeroOfTwo
 
 from fsdp_mpi.communication.failures import abort
-from fsdp_mpi.communication.transports import node as node_transport, shared_slots
-from fsdp_mpi.communication.transports.cuda_ipc import CudaIpcError, CudaOutOfMemory, CudaRuntime, bytes_at
+from fsdp_mpi.communication.transports import shared_slots
+from fsdp_mpi.communication.transports.cuda_ipc import CudaIpcError, CudaOutOfMemory
 from fsdp_mpi.communication.transports.shared_slots import DeviceSlots, SharedSlotsError
 
 DEVICE = torch.device("cuda", 1)
+
+
+def segments_made_by(job_prefix: str) -> set[str]:
+    """One job's shared-memory files of fsdp_mpi's (not those of MPI libraries, which leave their own when a
+    rank is killed, nor those of jobs running beside it, e.g. under pytest-xdist)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(job_prefix)}
+
+
+@pytest.mark.parametrize("mode", ["normal", "named", "raise", "kill", "kill-in-growth"])
+def test_nothing_is_left_in_dev_shm_and_a_failed_rank_ends_the_job_in_seconds(mode, tmp_path):
+    """Whether the memory is made with no name (memfd) or, where that is refused, as a named file, and whether a
+    rank ends normally, raises, is killed in a collective or while the slots grow (opening the new memory, the
+    moment a named file exists)."""
+    out = tmp_path / "out.json"
+    start = time.monotonic()
+    result = run_mpi("node_files.py", 3 if mode == "normal" else 2, out, mode, timeout=START_UP_SECONDS + 60)
+    elapsed = time.monotonic() - start
+    job_prefix = (tmp_path / "out.json.prefix").read_text()  # "fsdp_mpi-<rank 0's pid>-", written at its start
+    assert job_prefix.startswith("fsdp_mpi-") and segments_made_by(job_prefix) == set()
+    if mode in ("normal", "named"):
+        check_ok(result)
+        report = json.loads(out.read_text())
+        assert report["routes"] == {"cpu": "node"} and report["sums_right"]
+        assert report["listed_while_running"] == []  # unlinked as soon as every rank had mapped it
+        assert report["mapped"] == [1, 0]  # close() gave the memory back; a collective after it worked
+        # Wrapping grew the slots to the unit's whole buffer at once, not to its largest tensor (1,088 bytes).
+        assert report["wrapped"]["capacity"] >= report["wrapped"]["unit_bytes"] >= 108_800  # 27,200 parameters, padded
+        return
+    assert result.returncode != 0 and not out.exists()
+    assert elapsed < START_UP_SECONDS + 15, f"the job took {elapsed:.0f} s to end after rank 1 failed"
+    if mode == "raise":
+        assert "rank 1 fails on purpose" in result.stderr
 
 
 class _Stream:
@@ -198,102 +236,3 @@ def test_the_drivers_event_file_is_removed_at_exit_and_before_an_abort_even_when
     monkeypatch.setattr(abort, "SECONDS_TO_FLUSH_BEFORE_ABORT", 0)
     abort.abort_job("a rank failed", type("Comm", (), {"Abort": lambda self, code: aborted.append(ran[:])})())
     assert aborted == [["cleanup"]]
-
-
-class _Library:
-    """libcudart's calls as the CudaRuntime makes them, recorded; the thread's current device starts at 3."""
-
-    def __init__(self):
-        self.calls, self.current = [], 3
-        for name in ("cudaGetErrorString", "cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle"):
-            setattr(self, name, self._recorder(name))
-
-    def _recorder(self, name):
-        def call(*args):
-            self.calls.append(name)
-            return b"no error" if name == "cudaGetErrorString" else 0
-        return call
-
-    def cudaGetDevice(self, device):
-        device._obj.value = self.current  # device: ctypes.byref(a c_int)
-        return 0
-
-    def cudaSetDevice(self, index):
-        self.calls.append(("cudaSetDevice", index))
-        self.current = index
-        return 0
-
-    def cudaMalloc(self, address, nbytes):
-        self.calls.append("cudaMalloc")
-        return 2 if nbytes > 2**40 else 0  # cudaErrorMemoryAllocation
-
-    def cudaFree(self, address):
-        self.calls.append("cudaFree")
-        return 0
-
-
-class _Function:
-    """A ctypes function's stand-in: the runtime sets argtypes and restype on it."""
-
-    def __init__(self, call):
-        self.call = call
-
-    def __call__(self, *args):
-        return self.call(*args)
-
-
-def test_the_runtime_calls_on_the_named_gpu_and_leaves_the_threads_current_device_as_it_was():
-    library = _Library()
-    wrapped = type("Library", (), {})()
-    for name in dir(library):
-        if name.startswith("cuda"):
-            setattr(wrapped, name, _Function(getattr(library, name)))
-    runtime = CudaRuntime(wrapped)
-    runtime.allocate(DEVICE, 64)
-    runtime.open(DEVICE, bytes(64))
-    runtime.close(DEVICE, 0x1000)
-    runtime.free(DEVICE, 0x1000)
-    for call in ("cudaMalloc", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle", "cudaFree"):
-        at = library.calls.index(call)
-        assert library.calls[at - 1] == ("cudaSetDevice", 1) and library.calls[at + 1] == ("cudaSetDevice", 3)
-    assert library.current == 3
-    with pytest.raises(CudaOutOfMemory, match="cudaMalloc failed"):
-        runtime.allocate(DEVICE, 2**41)
-    assert library.current == 3
-    with pytest.raises(CudaIpcError, match="has no index"):
-        runtime.allocate(torch.device("cuda"), 64)
-
-
-def test_a_gpu_named_without_an_index_takes_the_current_one_not_the_staged_route(monkeypatch):
-    """`device="cuda"` used to fail inside the agreement step (cudaSetDevice(None)) and send every collective of
-    the run through host memory, said only by the route line."""
-    made = []
-
-    class Node:
-        def Get_size(self):
-            return 2
-
-        def Get_rank(self):
-            return 0
-
-    class World(Node):
-        def Split_type(self, kind, key):
-            return Node()
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(node_transport, "DeviceSlots", lambda node, device, limit: made.append(device) or object())
-    transport, why = node_transport.open_node_transport(World(), torch.device("cuda"))
-    assert made == [DEVICE] and transport is not None and "CUDA IPC" in why
-
-
-def test_bytes_at_views_memory_on_the_device_it_is_told_whatever_holds_it():
-    """A peer's slot is viewed on this rank's own device, so that a copy from it runs there (on a GPU: over peer
-    access, with no context made on the peer's GPU). On the CPU, the same call over host memory."""
-    memory = torch.arange(16, dtype=torch.uint8)
-    view = bytes_at(memory.data_ptr() + 4, 8, torch.device("cpu"))
-    assert view.device == torch.device("cpu") and view.tolist() == list(range(4, 12))
-    view.fill_(0)
-    assert memory[4:12].tolist() == [0] * 8 and memory[12] == 12
-    assert hasattr(torch._C, "_construct_storage_from_data_pointer"), \
-        "torch lacks the call bytes_at uses: peers' slots would be placed on the GPU that holds them"
-
