@@ -3,9 +3,11 @@
 import gzip
 import hashlib
 import io
+import math
 import os
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from corpora import files
 from corpora.datasets import IGNORE_INDEX, NOT_NEXT, SentencePairs, _truncate_pair, cornell_pairs, shakespeare_windows
 from corpora.files import DataError, data_file, read_cornell, read_text
 from corpora.tokenization import BertTokenizer, CharTokenizer, GPT2Tokenizer
-from training.sampling import global_batch_size, rank_batches, steps_per_epoch
+from training.sampling import Batching, epoch_steps, total_optimizer_steps
 
 pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
 
@@ -23,19 +25,39 @@ needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_
                                        reason=f"no shared data at {SHARED_DATA}")
 
 
+def global_steps(num_samples: int, batching: Batching, world_size: int, epoch: int) -> list[list[int]]:
+    """Each optimizer step's samples over all ranks, as ``epoch_steps`` hands them out (stand-ins left out)."""
+    per_rank = [epoch_steps(num_samples, batching, SimpleNamespace(rank=r, world_size=world_size), epoch, seed=1)
+                for r in range(world_size)]
+    assert len({len(steps) for steps in per_rank}) == 1  # every rank takes part in every step
+    return [sorted(i for steps in step for micro in steps if micro.weight for i in micro.indices.tolist())
+            for step in zip(*per_rank)]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("num_samples,batch_size", [(23, 4), (24, 4), (5, 8)])
 def test_every_sample_is_used_exactly_once_per_epoch(world_size, num_samples, batch_size):
     for epoch in range(3):
-        per_rank = [rank_batches(num_samples, batch_size, r, world_size, seed=1, epoch=epoch) for r in range(world_size)]
-        used = torch.cat([b for batches in per_rank for b in batches]).tolist()
-        assert sorted(used) == list(range(num_samples))
-        assert {len(batches) for batches in per_rank} == {steps_per_epoch(num_samples, batch_size, world_size)}
-        for step in range(len(per_rank[0])):
-            assert sum(len(b[step]) for b in per_rank) == global_batch_size(num_samples, batch_size, world_size, step)
-    first = rank_batches(23, 4, 0, 2, seed=1, epoch=0)
-    assert not torch.equal(torch.cat(first), torch.cat(rank_batches(23, 4, 0, 2, seed=1, epoch=1)))  # reshuffled
-    assert torch.equal(torch.cat(first), torch.cat(rank_batches(23, 4, 0, 2, seed=1, epoch=0)))  # deterministic
+        steps = global_steps(num_samples, Batching(batch_size), world_size, epoch)
+        assert sorted(i for step in steps for i in step) == list(range(num_samples))
+        assert len(steps) == math.ceil(num_samples / (batch_size * world_size))
+    first = global_steps(23, Batching(4), 2, epoch=0)
+    assert first != global_steps(23, Batching(4), 2, epoch=1)  # reshuffled
+    assert first == global_steps(23, Batching(4), 2, epoch=0)  # deterministic
+
+
+@pytest.mark.parametrize("num_samples", [23, 24])
+def test_a_run_started_on_two_ranks_takes_the_same_global_batches_on_any_number(num_samples):
+    """Resumed on 1, 3 or 4 ranks, a run started on 2 (4 samples per rank in 2 micro-batches: 8 a step) trains
+    each step on the same samples, each rank at most 2 of them per micro-batch."""
+    started = Batching(batch_size=2, grad_accum=2, started_on=2)
+    on_two = global_steps(num_samples, started, 2, epoch=1)
+    assert [len(step) for step in on_two[:-1]] == [8] * (len(on_two) - 1)
+    for world_size in (1, 3, 4):
+        assert global_steps(num_samples, started, world_size, epoch=1) == on_two, world_size
+        for step in epoch_steps(num_samples, started, SimpleNamespace(rank=0, world_size=world_size), 1, seed=1):
+            assert all(len(micro.indices) <= 2 for micro in step)
+    assert total_optimizer_steps(num_samples, started, 3, 1) == total_optimizer_steps(num_samples, started, 3, 2)
 
 
 @needs_shared_data

@@ -61,6 +61,8 @@ COMPILED_WHOLE = ("tests/test_equivalence.py::"
                   "test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model[3-compiled_whole]")
 MOVING = ("tests/test_bad_input.py::"
           "test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unless_it_changes_nothing")
+OTHER_RANKS = ("tests/test_resume_experiments.py::"
+               "test_a_run_saved_on_two_ranks_continues_on_one_and_on_three_at_the_same_sample")
 COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[3_ranks]"
 RANK_ORDER_SUM = "tests/test_compression.py::test_received_chunks_are_summed_in_fp32_in_rank_order"
 NODE_PROTOCOL = "tests/test_node_transport.py::test_an_exchange_waits_writes_marks_meets_waits_reads_marks_in_turn"
@@ -364,6 +366,12 @@ MUTANTS = {
     "a module inside a unit may be cast apart from its shards": (
         "fsdp_mpi/sharding/lifecycle.py", "refuse_moving_or_casting([module, *parts], self.handles)",
         "refuse_moving_or_casting([module], self.handles)", [MOVING]),
+    "a run resumed on other ranks takes its global batch from them": (
+        "experiments/training/loop.py", "CheckpointDirectory(config.checkpoint_dir, comm).started_on() or started_on",
+        "started_on", [OTHER_RANKS]),
+    "a rank's share of a step starts at the step's first sample whatever its rank": (
+        "experiments/training/sampling.py", "mine = order[first + rank:last:world]", "mine = order[first:last:world]",
+        ["tests/test_data.py"]),
     "a forward recomputed in backward is taken for a new forward": (
         "fsdp_mpi/sharding/lifecycle.py", "        if self.state is TrainingState.BACKWARD:\n            self._to_backward()",
         "        if False:\n            self._to_backward()", [RECOMPUTED]),

@@ -4,8 +4,10 @@ The runs go under mpiexec; the pytest process only sends signals and reads the C
 and checkpoints (``consolidate_checkpoint`` needs no MPI).
 """
 
+import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -178,3 +180,58 @@ def test_a_checkpoint_of_another_run_state_format_is_refused_with_a_message(tmp_
     for saved in ({}, {"format": FORMAT + 1}):  # before formats were numbered (1), and a newer one
         with pytest.raises(ResumeError, match=f"another version of the experiments .*this version reads {FORMAT}"):
             RunCheckpoints(run)._check_same_run(tmp_path / "step-00000001", saved)
+
+
+@needs_data
+@pytest.mark.one_mpi  # the experiments' bookkeeping; the resharding itself is test_checkpoint's
+def test_a_run_saved_on_two_ranks_continues_on_one_and_on_three_at_the_same_sample(tmp_path):
+    """GPT-2 (no dropout) trained 2 epochs of 3 steps on 2 ranks, checkpointed after step 3; that checkpoint
+    resumed on 1 and on 3 ranks trains epoch 1 on the same global batches: every step's loss, the validation and
+    the parameters those of the run never stopped, up to the rounding of other sums over other ranks."""
+    whole = tmp_path / "whole"
+    check_ok(launch("run_gpt2.py", 2, *QUICK, "--out-dir", tmp_path / "whole-csv", "--checkpoint-dir", whole,
+                    "--checkpoint-every", 3))
+    assert step_directories(whole) == ["step-00000003", "step-00000006"]
+    reference_steps, reference_rows = read_rows(tmp_path / "whole-csv", per="step"), read_rows(tmp_path / "whole-csv")
+    reference = consolidate_checkpoint(whole / "step-00000006")
+    saved = consolidate_checkpoint(whole / "step-00000003")
+    for ranks in (1, 3):
+        parts = tmp_path / f"on-{ranks}"
+        parts.mkdir()
+        shutil.copytree(whole / "step-00000003", parts / "step-00000003")
+        shutil.copy(whole / "run.json", parts / "run.json")
+        (parts / "latest").write_text("step-00000003\n")
+        resumed = launch("run_gpt2.py", ranks, *QUICK, "--out-dir", tmp_path / f"on-{ranks}-csv", "--checkpoint-dir",
+                         parts, "--resume")
+        check_ok(resumed)
+        assert f"after optimizer step 3 of 6 (saved on 2 ranks, now {ranks})" in resumed.stdout
+        steps, rows = read_rows(tmp_path / f"on-{ranks}-csv", per="step"), read_rows(tmp_path / f"on-{ranks}-csv")
+        # The CSVs continue the run: its id, the steps trained on 2 ranks as saved, the rest on these.
+        assert [row["run_id"] for row in rows] == [reference_rows[0]["run_id"]] * 2
+        assert [row["world_size"] for row in steps] == ["2"] * 3 + [str(ranks)] * 3
+        assert [row["global_batch"] for row in rows] == [reference_rows[0]["global_batch"]] * 2
+        assert steps[:3] == reference_steps[:3] and rows[0]["train_loss"] == reference_rows[0]["train_loss"]
+        assert [(row["step"], row["samples"]) for row in steps] == [(r["step"], r["samples"]) for r in reference_steps]
+        # A step's loss is a float32 mean over its 8 x 32 tokens: summed in another order over other ranks it may
+        # move by n u |L|, then the CSV rounds it to 5 decimals. Other samples would move it by far more.
+        tokens, u = 8 * 32, 2.0**-24
+        for row, expected in zip(steps[3:] + rows, reference_steps[3:] + reference_rows):
+            for column in ("train_loss", "val_loss"):
+                if column in row:
+                    bound = tokens * u * abs(float(expected[column])) + 1e-5
+                    assert abs(float(row[column]) - float(expected[column])) <= bound, (ranks, column, row)
+        # Parameters: AdamW's normalised step carries rounding differences of the gradient (a gradient that is
+        # mathematically zero, an attention key bias's) into moves of up to its largest step, so after the 3
+        # steps on other ranks an element lies within 2 x the sum of those steps' reach of the run never stopped.
+        reach = 2 * sum(adam_step_bound(step) for step in (4, 5, 6)) * max(
+            group["initial_lr"] for group in saved["optimizer"]["param_groups"])
+        final = consolidate_checkpoint(parts / "step-00000006")
+        for name, value in final["model"].items():
+            assert (value - reference["model"][name]).abs().max().item() <= reach, (ranks, name)
+
+
+def adam_step_bound(step: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """The largest |m_hat / sqrt(v_hat)| of Adam's step number `step` for any gradients (Cauchy-Schwarz over the
+    moments' sums): how far, in learning rates, one step can move an element."""
+    spread = sum((beta1**2 / beta2) ** k for k in range(step))
+    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(spread) * math.sqrt(1 - beta2**step) / (1 - beta1**step)

@@ -17,15 +17,18 @@ def to_device(batch, device: torch.device):
 
 @torch.no_grad()
 def evaluate(task, model, batch_size: int, val_steps: int, seed: int, comm: Communicator, device: torch.device,
-             autocast=nullcontext) -> dict:
-    """The validation columns, from `val_steps` batches per rank (0: all; the same ones every epoch), under `autocast`.
+             autocast=nullcontext, started_on: int = 0) -> dict:
+    """The validation columns, from `val_steps` batches of `batch_size` per rank the run started on (`started_on`,
+    0: these; all batches if 0; the same ones every epoch, on any number of ranks), under `autocast`.
 
     `seed` is the run's: the validation order is drawn from seed + 1.
     """
     model.eval()
     totals: dict[str, float] = {}
-    batching = Batching(batch_size, grad_accum=1, steps_per_epoch=val_steps)
-    for (micro,) in epoch_steps(len(task.val), batching, comm, epoch=0, seed=seed + 1):
+    batching = Batching(batch_size, grad_accum=1, steps_per_epoch=val_steps, started_on=started_on)
+    micro_batches = [micro for step in epoch_steps(len(task.val), batching, comm, epoch=0, seed=seed + 1)
+                     for micro in step]
+    for micro in micro_batches:
         with autocast():
             sums = task.eval_sums(model, to_device(task.val.batch(micro.indices, 0), device))
         for key, value in sums.items():

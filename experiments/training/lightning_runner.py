@@ -68,7 +68,7 @@ class TaskModule(L.LightningModule):
         batch, weight, samples = item
         losses = self.task.sample_losses(self.model, batch)
         if index % self.trainer.accumulate_grad_batches == 0:  # an optimizer step's first micro-batch
-            self.tally.add_step(0.0, 0)
+            self.tally.add_step(0.0, 0, self.comm.world_size)
         self.tally.step_loss_sums[-1] += losses.sum().item() if weight else 0.0
         self.tally.step_samples[-1] += int(samples)
         # Lightning divides what this returns by accumulate_grad_batches; the weight already averages over the step.
@@ -131,7 +131,7 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
     path on rank 0. `comm` carries the runner's own collectives (timing, validation, the CSV rows); Lightning's
     strategies make theirs (FSDPMPIStrategy over a Communicator of its own)."""
     model = build_model(task, config.seed, comm)
-    recorder = RunRecorder(task, config, comm, device, experiment, model)
+    recorder = RunRecorder(task, config, comm, device, experiment, model, config.batching)
     processes_per_node = comm.split(None).world_size
     environment = MPIEnvironment()
     if config.strategy == "lightning-ddp":

@@ -9,7 +9,7 @@ starts the loop from the command line.
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,8 +19,8 @@ from training.options import RunConfig
 from training.recipe import optimizer_and_schedule
 from training.recorder import RunRecorder
 from training.results import model_state_bytes
-from training.resume import EpochTally, Position, RunCheckpoints, StopSignals, Stopped
-from training.sampling import MicroBatch, epoch_steps, total_optimizer_steps
+from training.resume import CheckpointDirectory, EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
+from training.sampling import Batching, MicroBatch, epoch_steps, seed_step, total_optimizer_steps
 from training.saved_run import save_trained
 from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
@@ -83,6 +83,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
     recorder: RunRecorder
+    batching: Batching  # the options' batching, with the ranks the run started on
     total_steps: int  # optimizer steps in the whole run
 
 
@@ -94,14 +95,15 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
     the ranks agree whether a stop signal arrived; if so they save a checkpoint (with
     --checkpoint-dir), write the rows of the epochs completed, and return.
     """
+    batching = run_batching(config, comm)
     model = build_model(task, config.seed, comm)
-    recorder = RunRecorder(task, config, comm, device, experiment, model)
+    recorder = RunRecorder(task, config, comm, device, experiment, model, batching)
     prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision, config.backend,
                        compression=compression_from_option(config.comm_compression))
-    total_steps = total_optimizer_steps(len(task.train), config.batching, config.epochs, comm.world_size)
+    total_steps = total_optimizer_steps(len(task.train), batching, config.epochs, comm.world_size)
     optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
                                                  config.warmup_steps)
-    run = Run(task, config, comm, device, prepared, optimizer, schedule, recorder, total_steps)
+    run = Run(task, config, comm, device, prepared, optimizer, schedule, recorder, batching, total_steps)
     checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
     # Restored last: loading sets the random generators, which the set-up above draws from.
     position = checkpoints.restore() if config.resume else Position()
@@ -117,6 +119,20 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
     return recorder.finish(), None
 
 
+def run_batching(config: RunConfig, comm: Communicator) -> Batching:
+    """The options' batching on the ranks the run started on: these, or under --resume those of its checkpoints,
+    whose global batch every later step keeps."""
+    started_on = comm.world_size
+    if config.resume:
+        started_on = CheckpointDirectory(config.checkpoint_dir, comm).started_on() or started_on
+    batching = replace(config.batching, started_on=started_on)
+    if batching.global_batch(comm.world_size) < comm.world_size:
+        raise ResumeError(f"the run started on {started_on} ranks with {batching.global_batch(comm.world_size)} "
+                          f"samples per optimizer step: {comm.world_size} ranks cannot each take one; resume it on "
+                          "as many ranks as that at most")
+    return batching
+
+
 def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: RunCheckpoints | None) -> Stopped | None:
     """The optimizer steps left in `position`'s epoch, added to its tally.
 
@@ -126,16 +142,17 @@ def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: Ru
     from tqdm import tqdm
 
     config, comm, tally = run.config, run.comm, position.tally
-    steps = epoch_steps(len(run.task.train), config.batching, comm, position.epoch, config.seed)
+    steps = epoch_steps(len(run.task.train), run.batching, comm, position.epoch, config.seed)
     progress = tqdm(steps[tally.steps:], initial=tally.steps, total=len(steps), desc=f"epoch {position.epoch}",
                     disable=config.no_progress or comm.rank != 0, file=sys.stdout, dynamic_ncols=True)
     clock = EpochClock(run.prepared, tally)
     comm.barrier()
     clock.start()
     for step in progress:
+        seed_step(config.seed, position.step, comm.rank)
         step_loss, losses = optimizer_step(run.task, run.prepared, run.optimizer, run.schedule, step, config,
                                            position.epoch, run.device)
-        tally.add_step(step_loss, sum(micro.samples for micro in step))
+        tally.add_step(step_loss, sum(micro.samples for micro in step), comm.world_size)
         position.step += 1
         if comm.rank == 0:
             progress.set_postfix(loss=f"{losses.mean().item():.3f}")
@@ -158,7 +175,7 @@ def finish_epoch(run: Run, position: Position) -> None:
     """Validates, writes the epoch's CSV rows from its tally, and moves `position` to the next epoch."""
     tally, config = position.tally, run.config
     val = evaluate(run.task, run.prepared.model, config.batch_size, config.val_steps, config.seed, run.comm,
-                   run.device, run.prepared.autocast)
+                   run.device, run.prepared.autocast, run.batching.started_on)
     run.recorder.add_epoch(position.epoch, position.step - tally.steps, tally, val,
                            model_state_bytes(run.prepared.model, run.optimizer), run.device)
     position.epoch, position.tally = position.epoch + 1, EpochTally()

@@ -16,6 +16,7 @@ import torch
 from training.options import RunConfig
 from training.results import STEP_COLUMNS, CsvWriter, git_commit, job_peak_flops, peak_rss_mb
 from training.resume import EpochTally
+from training.sampling import Batching
 
 from fsdp_mpi import Communicator
 
@@ -26,9 +27,12 @@ class RunRecorder:
     ``<out dir>/<run id>.csv`` gets a row per epoch, ``<run id>-steps.csv`` a row per optimizer step.
     """
 
-    def __init__(self, task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str, model):
+    def __init__(self, task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str, model,
+                 batching: Batching):
+        """`batching`: the run's, whose global batch (the ranks it started on) the rows record."""
         self.comm, self.task, self.config = comm, task, config
         world = comm.world_size
+        global_batch = batching.global_batch(world)
         self.run_id = config.run_id or f"{experiment}-{config.strategy}-n{world}-{uuid.uuid4().hex[:6]}"
         task_flops = getattr(task, "training_flops_per_token", None)  # a task that skips some of the model's work
         self.flops_per_token = task_flops(model) if task_flops else model.training_flops_per_token(task.seq_len)
@@ -38,8 +42,9 @@ class RunRecorder:
             "run_id": self.run_id, "experiment": experiment, "strategy": config.strategy, "model": task.model_name,
             "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": config.threads,
             "device": device.type, "precision": config.precision, "comm_compression": config.comm_compression,
-            "global_batch": config.batch_size * world * config.grad_accum,
-            "grad_accum": config.grad_accum, "seq_len": task.seq_len, "git_commit": git_commit(),
+            "global_batch": global_batch,
+            "grad_accum": math.ceil(global_batch / (batching.batch_size * world)),  # micro-batches a step, here
+            "seq_len": task.seq_len, "git_commit": git_commit(),
         }
         self.rows: list[dict] = []
         self.step_rows: list[dict] = []
@@ -76,9 +81,10 @@ class RunRecorder:
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         step_rows = [{name: row[name] for name in STEP_COLUMNS if name in self.fixed}
-                     | {"epoch": epoch, "step": first_step + index + 1, "samples": count,
+                     | {"world_size": ranks, "epoch": epoch, "step": first_step + index + 1, "samples": count,
                         "train_loss": round(loss / count, 5)}
-                     for index, (loss, count) in enumerate(zip(step_loss_sums.tolist(), tally.step_samples))]
+                     for index, (loss, count, ranks) in enumerate(zip(step_loss_sums.tolist(), tally.step_samples,
+                                                                      tally.step_ranks))]
         if self.comm.rank == 0:
             print(f"epoch {epoch}: train loss {train_loss:.4f}, " + ", ".join(f"{k} {v}" for k, v in val.items())
                   + f", {seconds:.1f} s", flush=True)

@@ -1,28 +1,35 @@
-"""Stopping a training run between optimizer steps, and continuing it later bit for bit (fsdp-mpi only).
+"""Stopping a training run between optimizer steps, and continuing it later, on as many ranks bit for bit or on
+another number of them at the same sample (fsdp-mpi only).
 
 ``--checkpoint-dir DIR`` holds::
 
     DIR/step-00000123/   one fsdp_mpi.save_checkpoint directory per saved step; the newest KEEP are kept
     DIR/latest           the name of the newest complete one ("step-00000123")
+    DIR/run.json         what stays fixed for the whole run: the ranks it started on (its global batch)
 
 A save writes ``step-....tmp`` and renames it into place (fsdp_mpi.files.checkpoint), and
 ``latest`` is replaced only after that, so a job killed at any moment leaves
 ``latest`` naming a complete checkpoint.
 
-Besides the model's and AdamW's shards and every rank's random generators (which
-fsdp_mpi saves itself), a checkpoint holds everything else that the rest of the run
-depends on: the position (epoch, steps done in it and in the run), the learning-rate
+Besides the model's and AdamW's shards, a checkpoint holds everything else that the
+rest of the run depends on: the position (epoch, steps done in it and in the run), the learning-rate
 schedule, the loss scaler, each rank's running sums for the epoch's CSV row, the rows
 so far and the run id, and the options that determine the numbers. The data order
-needs nothing more: each epoch's order is a permutation seeded by (seed, epoch)
-(sampling.py), so the steps done in the epoch say which samples come next.
-Checkpoints are taken only between optimizer steps, never inside gradient accumulation.
+needs nothing more: each epoch's order is a permutation seeded by (seed, epoch),
+cut into global batches fixed by the ranks the run started on (sampling.py), so the
+steps done in the epoch say which samples come next on any number of ranks; and
+each step's random generators are seeded from (seed, step, rank). On M ranks a
+checkpoint saved on N is resharded as it loads (fsdp_mpi.load_checkpoint), the
+epoch's running sums go to rank 0, and the global batch stays N's: each step takes
+as many micro-batches as its samples need. Checkpoints are taken only between
+optimizer steps, never inside gradient accumulation.
 
 SIGTERM and SIGUSR1 (which SLURM can send ahead of a time limit: hpc/) only set a
 flag. After every optimizer step the ranks take the maximum of their flags, so a
 signal that reached only some ranks stops all of them after the same step.
 """
 
+import json
 import os
 import re
 import shutil
@@ -36,7 +43,8 @@ STOPPED_WITH_CHECKPOINT = 3  # stopped by a signal and checkpointed: run again w
 STOPPED_WITHOUT_CHECKPOINT = 4  # stopped by a signal without --checkpoint-dir: there is nothing to resume from
 KEEP = 2  # step checkpoints kept: the newest, and one more in case the newest turns out damaged
 LATEST = "latest"
-FORMAT = 2  # of the run state below; 2: per-step losses. A checkpoint of another format cannot be resumed
+RUN_FILE = "run.json"
+FORMAT = 3  # of the run state below; 2: per-step losses; 3: global batches, per-step seeds. Others: refused
 STEP_NAME = re.compile(r"step-\d{8}")
 # Options a resumed run may change: where files go and how fast it runs, not what it computes.
 MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume", "out_dir", "save_dir",
@@ -44,7 +52,8 @@ MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume"
 
 
 class ResumeError(Exception):
-    """A checkpoint that this run cannot continue from (other options, or another number of ranks)."""
+    """A checkpoint that this run cannot continue from (other options, or more ranks than its global batch has
+    samples)."""
 
 
 class StopSignals:
@@ -73,13 +82,15 @@ class EpochTally:
 
     step_loss_sums: list[float] = field(default_factory=list)  # per optimizer step: this rank's per-sample losses
     step_samples: list[int] = field(default_factory=list)  # per optimizer step: its samples over all ranks
+    step_ranks: list[int] = field(default_factory=list)  # per optimizer step: the ranks that trained it
     seconds: float = 0.0  # in training steps: start-up, validation and checkpoint saves excluded
     comm_seconds: float = 0.0  # this rank's time blocked in communication within those
     comm_bytes: int = 0  # this rank's bytes moved by collectives within those
 
-    def add_step(self, loss_sum: float, samples: int) -> None:
+    def add_step(self, loss_sum: float, samples: int, ranks: int) -> None:
         self.step_loss_sums.append(loss_sum)
         self.step_samples.append(samples)
+        self.step_ranks.append(ranks)
 
     @property
     def steps(self) -> int:
@@ -136,22 +147,32 @@ class CheckpointDirectory:
         name = self.comm.broadcast_object(name, root=0)
         return self.root / name if name else None
 
-    def save(self, step: int, model, optimizer, extra: dict) -> Path:
+    def started_on(self) -> int | None:
+        """The ranks the run in this directory started on (run.json), or None before its first checkpoint."""
+        started = None
+        if self.comm.rank == 0 and (self.root / RUN_FILE).is_file():
+            started = json.loads((self.root / RUN_FILE).read_text())["started_on"]
+        return self.comm.broadcast_object(started, root=0)
+
+    def save(self, step: int, model, optimizer, extra: dict, started_on: int) -> Path:
         """Every rank saves its shards; then rank 0 points `latest` at them and removes older checkpoints."""
         directory = self.root / f"step-{step:08d}"
         save_checkpoint(directory, model, optimizer, extra)
         if self.comm.rank == 0:
-            self._point_latest_at(directory)
+            if not (self.root / RUN_FILE).exists():
+                self._write_durably(RUN_FILE, json.dumps({"started_on": started_on}) + "\n")
+            self._write_durably(LATEST, directory.name + "\n")
             self._remove_older_than_the_newest(directory)
         return directory
 
-    def _point_latest_at(self, directory: Path) -> None:
-        temporary = self.root / (LATEST + ".tmp")
+    def _write_durably(self, name: str, text: str) -> None:
+        """Replaces DIR/name with `text` at once: a crash leaves the old file or the new one."""
+        temporary = self.root / (name + ".tmp")
         with open(temporary, "w") as file:
-            file.write(directory.name + "\n")
+            file.write(text)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, self.root / LATEST)
+        os.replace(temporary, self.root / name)
 
     def _remove_older_than_the_newest(self, current: Path) -> None:
         """Removes the step checkpoints before `current` but the newest KEEP - 1.
@@ -179,7 +200,8 @@ class RunCheckpoints:
         return every > 0 and step % every == 0 and step < self.run.total_steps
 
     def save(self, position: Position) -> Path:
-        return self.directory.save(position.step, self.run.prepared.model, self.run.optimizer, self._extra(position))
+        return self.directory.save(position.step, self.run.prepared.model, self.run.optimizer, self._extra(position),
+                                   self.run.batching.started_on)
 
     def _extra(self, position: Position) -> dict:
         """What the run depends on besides model, optimizer and random generators. Rank 0's copy is written,
@@ -208,9 +230,24 @@ class RunCheckpoints:
         run.schedule.load_state_dict(extra["schedule"])
         run.prepared.scaler.load_state_dict(extra["scaler"])
         run.recorder.resume(extra["run_id"], extra["rows"], extra["step_rows"])
+        saved_on = extra["world_size"]
+        ranks = "" if saved_on == run.comm.world_size else f" (saved on {saved_on} ranks, now {run.comm.world_size})"
         self._announce(f"resuming from {directory}: epoch {extra['epoch']}, after optimizer step {extra['step']} "
-                       f"of {run.total_steps}")
-        return Position(extra["step"], extra["epoch"], EpochTally(**extra["tallies"][run.comm.rank]))
+                       f"of {run.total_steps}{ranks}")
+        return Position(extra["step"], extra["epoch"], self._tally(extra["tallies"]))
+
+    def _tally(self, saved: list[dict]) -> EpochTally:
+        """This rank's part of the epoch's running sums: its own on as many ranks; on another number, the loss
+        sums all on rank 0 (the row adds them up over the ranks) and the saving rank 0's times."""
+        comm = self.run.comm
+        if len(saved) == comm.world_size:
+            return EpochTally(**saved[comm.rank])
+        first = EpochTally(**saved[0])
+        if comm.rank == 0:
+            first.step_loss_sums = [sum(sums) for sums in zip(*(tally["step_loss_sums"] for tally in saved))]
+        else:
+            first.step_loss_sums = [0.0] * first.steps
+        return first
 
     def _announce(self, line: str) -> None:
         if self.run.comm.rank == 0:
@@ -222,9 +259,6 @@ class RunCheckpoints:
             raise ResumeError(f"{directory} was saved by another version of the experiments (run state format "
                               f"{extra.get('format', 1)}, this version reads {FORMAT}); start afresh with another "
                               "--checkpoint-dir")
-        if extra["world_size"] != self.run.comm.world_size:
-            raise ResumeError(f"{directory} was saved by {extra['world_size']} ranks; resume it on as many "
-                              "(each rank's samples and random stream depend on the number of ranks)")
         saved, ours = extra["options"], determining_options(self.run.config)
         changed = [f"--{name.replace('_', '-')} {saved.get(name)!r} (now {ours.get(name)!r})"
                    for name in sorted(set(saved) | set(ours)) if saved.get(name) != ours.get(name)]

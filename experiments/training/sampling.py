@@ -1,12 +1,17 @@
-"""Which samples each rank trains on: a disjoint, deterministic slice of every epoch.
+"""Which samples each rank trains on: the same global batches in the same order, whatever the number of ranks.
 
-Each epoch shuffles all sample indices with (seed, epoch); rank r takes every
-world_size-th index starting at r, in batches of `batch_size` per step. Across
+Each epoch shuffles all sample indices with (seed, epoch) into one global order,
+and optimizer step s takes the s-th slice of it, ``global_batch`` samples (the last
+one shorter). So which samples a step trains on does not depend on the ranks: a
+run stopped on N ranks continues on M at the same sample (``resume.py``). Within a
+step, micro-batches of up to ``batch_size`` samples per rank take consecutive
+parts of the slice, rank r every world_size-th sample of each part from the r-th.
+The ranks the run started on fix the global batch (``batch_size x grad_accum x
+started_on``); on other ranks the number of micro-batches follows from it. Across
 ranks every sample is used exactly once per epoch: none dropped, none repeated.
-Ranks may then hold batches of different sizes (or, at the very end, none), so
-each rank weights its loss by its share of the step's global sample count; the
-averaged gradient is then exactly that of the global batch. ``epoch_steps`` groups
-a rank's batches into optimizer steps of ``grad_accum`` micro-batches each.
+Ranks may then hold batches of different sizes (or none), so each rank weights its
+loss by world size over the step's sample count; the averaged gradient is then
+exactly that of the global batch.
 """
 
 import math
@@ -21,33 +26,18 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=generator)
 
 
-def steps_per_epoch(num_samples: int, batch_size: int, world_size: int) -> int:
-    """Steps needed for the rank with the most samples (the same number on every rank)."""
-    return math.ceil(math.ceil(num_samples / world_size) / batch_size)
-
-
-def rank_batches(num_samples: int, batch_size: int, rank: int, world_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
-    """This rank's sample indices for each step of the epoch; the last ones may be short or empty."""
-    mine = epoch_order(num_samples, seed, epoch)[rank::world_size]
-    return [mine[step * batch_size:(step + 1) * batch_size] for step in range(steps_per_epoch(num_samples, batch_size, world_size))]
-
-
-def global_batch_size(num_samples: int, batch_size: int, world_size: int, step: int) -> int:
-    """How many samples all ranks together train on at `step` (no communication needed)."""
-    total = 0
-    for rank in range(world_size):
-        rank_samples = len(range(rank, num_samples, world_size))
-        total += min(max(rank_samples - step * batch_size, 0), batch_size)
-    return total
-
-
 @dataclass(frozen=True)
 class Batching:
     """How an epoch's samples become optimizer steps on each rank."""
 
-    batch_size: int  # samples per rank per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
+    batch_size: int  # samples per rank per micro-batch, at most
+    grad_accum: int = 1  # micro-batches per optimizer step on the ranks the run started on
     steps_per_epoch: int = 0  # optimizer steps per epoch; 0: as many as the epoch's samples fill
+    started_on: int = 0  # the ranks the run started on (0: the ranks it runs on)
+
+    def global_batch(self, world_size: int) -> int:
+        """Samples per optimizer step over all ranks, the same on any number of them."""
+        return self.batch_size * self.grad_accum * (self.started_on or world_size)
 
 
 class MicroBatch(NamedTuple):
@@ -59,30 +49,41 @@ class MicroBatch(NamedTuple):
 
 
 def epoch_steps(num_samples: int, batching: Batching, comm, epoch: int, seed: int) -> list[list[MicroBatch]]:
-    """This rank's optimizer steps in one epoch, each a list of up to `batching.grad_accum` micro-batches.
+    """This rank's optimizer steps in one epoch, each a list of its micro-batches.
 
     `comm` (a ``Communicator``) gives the rank and world size (``rank``, ``world_size``); nothing is communicated.
 
-    The micro-batches of a step together hold the samples that one batch of
-    ``batch_size * grad_accum`` would, and each rank's loss sum is weighted by
-    world size over the step's global sample count, so that the averaged,
-    accumulated gradient is the mean over the step's samples, also in the short
-    steps at the end of an epoch. An empty share trains on a stand-in with weight 0,
-    because every rank must still take part in the step's collectives.
+    The micro-batches of a step together hold the step's slice of the epoch's order,
+    and each rank's loss sum is weighted by world size over the step's sample count,
+    so that the averaged, accumulated gradient is the mean over the step's samples,
+    also in the short step at the end of an epoch. An empty share trains on a
+    stand-in with weight 0, because every rank must still take part in the step's
+    collectives.
     """
-    world = comm.world_size
-    batches = rank_batches(num_samples, batching.batch_size, comm.rank, world, seed, epoch)
+    world, rank = comm.world_size, comm.rank
+    order = epoch_order(num_samples, seed, epoch)
+    per_step, per_micro = batching.global_batch(world), batching.batch_size * world
     steps = []
-    for first in range(0, len(batches), batching.grad_accum)[:batching.steps_per_epoch or None]:
-        micro = range(first, min(first + batching.grad_accum, len(batches)))
-        sizes = [global_batch_size(num_samples, batching.batch_size, world, m) for m in micro]
-        step_total = sum(sizes)
-        steps.append([MicroBatch(batches[m], world / step_total, size) if len(batches[m])
-                      else MicroBatch(torch.zeros(1, dtype=torch.long), 0.0, size) for m, size in zip(micro, sizes)])
+    for start in range(0, num_samples, per_step)[:batching.steps_per_epoch or None]:
+        end = min(start + per_step, num_samples)
+        weight = world / (end - start)
+        micro_batches = []
+        for first in range(start, end, per_micro):
+            last = min(first + per_micro, end)
+            mine = order[first + rank:last:world]  # (up to batch_size,) this rank's part
+            micro_batches.append(MicroBatch(mine, weight, last - first) if len(mine)
+                                 else MicroBatch(torch.zeros(1, dtype=torch.long), 0.0, last - first))
+        steps.append(micro_batches)
     return steps
 
 
 def total_optimizer_steps(num_samples: int, batching: Batching, epochs: int, world: int) -> int:
-    """Optimizer steps in the whole run (the learning-rate schedule's length); the same on every rank."""
-    per_epoch = -(-steps_per_epoch(num_samples, batching.batch_size, world) // batching.grad_accum)
+    """Optimizer steps in the whole run (the learning-rate schedule's length); the same on any number of ranks."""
+    per_epoch = math.ceil(num_samples / batching.global_batch(world))
     return epochs * min(per_epoch, batching.steps_per_epoch or per_epoch)
+
+
+def seed_step(seed: int, step: int, rank: int) -> None:
+    """Seeds this rank's random generators (dropout's) for optimizer step `step` of the run: a run resumed at
+    any step draws what it would have drawn there uninterrupted on as many ranks, without carrying streams."""
+    torch.manual_seed((seed * 1_000_003 + step) * 1009 + rank)
