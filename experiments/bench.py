@@ -50,7 +50,7 @@ fsdp-mpi's overlap mechanisms are measured as extra strategies:
 ``plain+compile``, ``fsdp-mpi+compile`` and ``torch-fsdp+compile`` compile each GPT-2
 block (BERT layer) in place (``block.compile()``, inductor); ``+compile_whole``
 compiles the whole (wrapped) model (``torch.compile(model)``, inductor: fsdp-mpi's
-gathers and reductions traced into its graph, docs/design.md#compiled-models).
+gathers and reductions traced into its graph, docs/compiled.md#compiled-models).
 Give ``--warmup 2`` or more, so that compiling is not timed; the rows' MFU then
 sets compiled and eager side by side.
 ``fsdp-mpi+comm=int8/bf16`` gathers weights and reduces gradients compressed

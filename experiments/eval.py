@@ -133,7 +133,7 @@ def quantized_int8(model: nn.Module) -> nn.Module:
     untied = {name for name, module in model.named_modules()
               if isinstance(module, nn.Linear) and len(names_of[id(module.weight)]) == 1}
     with warnings.catch_warnings():  # torch marks torch.ao.quantization deprecated in favour of torchao, whose
-        warnings.simplefilter("ignore")  # CPU int8 path ran 30x slower than fp32 here (docs/design.md)
+        warnings.simplefilter("ignore")  # CPU int8 path ran 30x slower than fp32 here (docs/adapters.md)
         return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8, inplace=True)
 
 

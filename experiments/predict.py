@@ -19,7 +19,7 @@ reports the prediction's error per round, of the step time and of the peak
 resident memory per rank.
 ``cluster`` computes a profile from FLOPs for hardware that is not here and
 prices collectives on a ring network of stated links. The model: measuring/costmodel.py
-and docs/design.md ("Predicting a run"); the profile and the timings: measuring/profiling.py.
+and docs/measuring.md ("Predicting a run"); the profile and the timings: measuring/profiling.py.
 """
 
 import argparse

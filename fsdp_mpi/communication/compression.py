@@ -30,7 +30,7 @@ and all-to-all (``comm.py`` still makes every MPI call):
                     bytes, so replicas stay bit-identical
 
 The sum in rank order makes a reduction deterministic run to run and
-independent of the order in which messages arrive. docs/design.md
+independent of the order in which messages arrive. docs/communication.md
 ("Compressed communication") derives the error bounds and the bytes.
 """
 

@@ -15,7 +15,7 @@ live blocks, so a step's peak grows beyond what it holds (gpt2-large, AdamW, 2
 ranks: 1.63-1.70x the sharded state against 1.25x without it) and grows over the
 first steps before it settles. ``FSDP_MPI_REUSE_HOST_MEMORY=0`` turns this off; so does any
 ``glibc.malloc.*`` setting in ``GLIBC_TUNABLES``, which is the user's choice for
-the process (docs/design.md "Host memory" gives one that keeps most of the speed
+the process (docs/communication.md "Host memory" gives one that keeps most of the speed
 at the lower peak).
 """
 

@@ -33,7 +33,7 @@ Code that ``torch.compile`` traces takes another path through the same handles:
 and reduces through custom operators in the graph (``traced.py``), and the hooks
 stand aside while it runs.
 
-Optional overlap (each off by default, see docs/design.md): ``forward_prefetch``
+Optional overlap (each off by default, see docs/communication.md#overlap): ``forward_prefetch``
 starts gathering the next unit when a unit's forward starts, ``backward_prefetch``
 does the same in backward, and ``async_reduce_scatter`` lets a unit's gradient
 reduction run on while the earlier units' backward goes on (one in flight).

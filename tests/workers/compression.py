@@ -13,7 +13,7 @@ For gpt2-tiny under each mode (weights and gradients each None, "bf16" or "int8"
 
 Also the communicator's all-to-all (direct, in chunks, staged) and the replicas' compressed all-reduce.
 
-Bounds (u = 2^-24, float32's unit roundoff; docs/design.md "Compressed communication" derives them):
+Bounds (u = 2^-24, float32's unit roundoff; docs/communication.md "Compressed communication" derives them):
 
     int8, an element of a block whose absmax is a:  |decoded - x| <= a (1/254 + 3u)
         half a step (a / 127 / 2), plus the roundings of a / 127, x / scale and code * scale
