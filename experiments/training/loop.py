@@ -127,9 +127,9 @@ def run_batching(config: RunConfig, comm: Communicator) -> Batching:
         started_on = CheckpointDirectory(config.checkpoint_dir, comm).started_on() or started_on
     batching = replace(config.batching, started_on=started_on)
     if batching.global_batch(comm.world_size) < comm.world_size:
-        raise ResumeError(f"the run started on {started_on} ranks with {batching.global_batch(comm.world_size)} "
-                          f"samples per optimizer step: {comm.world_size} ranks cannot each take one; resume it on "
-                          "as many ranks as that at most")
+        samples = batching.global_batch(comm.world_size)
+        raise ResumeError(f"the run started on {started_on} rank(s) takes {samples} sample(s) per optimizer step: "
+                          f"{comm.world_size} ranks cannot each take one; resume it on {samples} rank(s) at most")
     return batching
 
 
