@@ -62,6 +62,13 @@ class MpiProcessGroup(dist.ProcessGroup):
     def group_desc(self) -> str:
         return self._group_desc
 
+    # A group bound to a device (init_process_group's device_id, which Lightning passes on a GPU) is asked for its
+    # backend there, to connect or split it ahead: this group is its own backend on every device, and does neither.
+    supports_splitting = supports_coalescing = supports_time_estimate = False
+
+    def _get_backend(self, device: torch.device) -> "MpiProcessGroup":
+        return self
+
     # ----------------------------------------------------------------- reductions
 
     def allreduce(self, tensors, opts=None):

@@ -35,7 +35,7 @@ def check_torch_distributed(report: dict) -> None:
     every other call right."""
     assert report.pop("backend") == "fsdp_mpi"
     collectives = report.pop("collectives")
-    assert [name for name, ok in collectives.items() if not ok] == [] and len(collectives) == 10
+    assert [name for name, ok in collectives.items() if not ok] == [] and len(collectives) == 11
     assert sorted(report) == ["ddp", "fsdp2", "fsdp2_bf16", "hsdp"]
     for steps in report.values():
         assert len(steps) == 3

@@ -10,6 +10,7 @@ is Hugging Face's GPT-2, one FSDP2 unit per block and the root, as torch's docum
 
 import copy
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -134,6 +135,17 @@ def collectives(device: torch.device) -> dict:
     matrix = torch.arange(12.0, device=device).view(world * 2, -1)
     sharded = distribute_tensor(matrix, init_device_mesh(device.type, (world,)), [Shard(0)])
     results["DTensor sum of a row-sharded matrix"] = float(sharded.sum().full_tensor()) == float(matrix.sum())
+    # Bound to a device, as init_process_group(device_id=...) binds it (Lightning does on a GPU): torch asks the
+    # group for its backend on that device, to split it for a new group (here on any machine) or connect it ahead.
+    dist.group.WORLD.bound_device_id = torch.device("cuda", 0)
+    try:
+        summed = torch.ones(1, device=device)
+        dist.all_reduce(summed, group=dist.new_group(list(range(world))))
+        results["a new group of a group bound to a device"] = float(summed) == world
+    except RuntimeError as error:
+        print(f"a new group of a group bound to a device: {error}", file=sys.stderr)
+        results["a new group of a group bound to a device"] = False
+    dist.group.WORLD.bound_device_id = None
     try:
         dist.all_to_all_single(torch.empty(world + 1, device=device), torch.zeros(world + 1, device=device),
                                [1] * (world - 1) + [2], [1] * (world - 1) + [2])
