@@ -77,8 +77,12 @@ class TaskModule(L.LightningModule):
     def configure_optimizers(self):
         config = self.config
         total_steps = total_optimizer_steps(len(self.task.train), config.batching, config.epochs, self.comm.world_size)
+        # Lightning's mixed precision clips the gradients between backward and the optimizer's step, and refuses
+        # an optimizer that unscales them only in its step, as fused AdamW does: such runs take AdamW's
+        # multi-tensor form.
+        fused = not (config.clip_norm and config.precision != "32")
         optimizer, schedule = optimizer_and_schedule(self, total_steps, config.lr, config.weight_decay,
-                                                     config.warmup_steps)
+                                                     config.warmup_steps, fused=fused)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
@@ -87,6 +91,18 @@ class TaskModule(L.LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         elif gradient_clip_val:
             self.trainer.model.clip_grad_norm_(gradient_clip_val)
+
+
+class _RankAlone(MPIEnvironment):
+    """MPI's ranks, each on a node of its own with the one device the experiments chose for it: Lightning gives
+    a node's k-th rank the node's k-th device, which cannot put two ranks on one GPU (fsdp_mpi's node-local
+    choice when ranks outnumber GPUs); ranks and world size stay MPI's."""
+
+    def local_rank(self) -> int:
+        return 0
+
+    def node_rank(self) -> int:
+        return self.global_rank()
 
 
 class _EpochRecorder(L.Callback):
@@ -132,8 +148,7 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
     strategies make theirs (FSDPMPIStrategy over a Communicator of its own)."""
     model = build_model(task, config.seed, comm)
     recorder = RunRecorder(task, config, comm, device, experiment, model, config.batching)
-    processes_per_node = comm.split(None).world_size
-    environment = MPIEnvironment()
+    environment = _RankAlone()
     if config.strategy == "lightning-ddp":
         strategy = DDPStrategy(cluster_environment=environment,
                                process_group_backend=torch_backend(config.backend, device))
@@ -146,8 +161,8 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
         strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class},
                         process_group_backend=torch_backend(config.backend, device))
     trainer = L.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=processes_per_node,
-        num_nodes=comm.world_size // processes_per_node, strategy=strategy, max_epochs=config.epochs,
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=[device.index] if device.type == "cuda" else 1,
+        num_nodes=comm.world_size, strategy=strategy, max_epochs=config.epochs,
         precision=config.precision, accumulate_grad_batches=config.grad_accum,
         gradient_clip_val=config.clip_norm or None,
         gradient_clip_algorithm="norm", limit_val_batches=0, num_sanity_val_steps=0,

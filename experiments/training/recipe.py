@@ -41,14 +41,14 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw(params, **options) -> torch.optim.AdamW:
+def adamw(params, fused: bool = True, **options) -> torch.optim.AdamW:
     """AdamW over `params` (tensors or parameter groups) in the fastest form their device has: ``fused=True``
-    (one kernel for all tensors) on a GPU, torch's default elsewhere (``foreach`` on the CPU, whose fused
-    kernel the experiments have not measured). `options` go to AdamW (lr, weight_decay, ...)."""
+    (one kernel for all tensors) on a GPU unless `fused` is False, torch's default elsewhere (``foreach``; on
+    the CPU the fused kernel has not been measured). `options` go to AdamW (lr, weight_decay, ...)."""
     params = list(params)
     tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
     on_gpu = bool(tensors) and all(p.device.type == "cuda" for p in tensors)
-    return torch.optim.AdamW(params, fused=True if on_gpu else None, **options)
+    return torch.optim.AdamW(params, fused=True if on_gpu and fused else None, **options)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -64,13 +64,14 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
 
 
 def optimizer_and_schedule(model: nn.Module, total_steps: int, lr: float, weight_decay: float,
-                           warmup_steps: int | None):
-    """(AdamW, LambdaLR) for `model`: peak `lr`, `weight_decay` on weights, `warmup_steps` (None: a tenth).
+                           warmup_steps: int | None, fused: bool = True):
+    """(AdamW, LambdaLR) for `model`: peak `lr`, `weight_decay` on weights, `warmup_steps` (None: a tenth);
+    `fused` as `adamw`'s.
 
     Step the schedule once after every optimizer step. `total_steps` counts the
     optimizer steps of the whole run (all epochs).
     """
-    optimizer = adamw(parameter_groups(model, weight_decay), lr=lr)
+    optimizer = adamw(parameter_groups(model, weight_decay), fused=fused, lr=lr)
     warmup = int(total_steps * WARMUP_FRACTION) if warmup_steps is None else warmup_steps
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, partial(lr_factor, total_steps=total_steps, warmup_steps=warmup))
