@@ -81,9 +81,12 @@ def test_staging_chunking_strategy_checkpointing_and_overlap_change_nothing_on_t
 
 def test_the_loss_in_slabs_is_torchs_on_the_gpu_and_makes_no_fp32_copy_of_the_logits():
     """tests/test_cross_entropy.py with its tensors on the GPU, in a pytest process of its own: there the models'
-    loss is taken in slabs, and a reference on the GPU in fp64 would take it the same way."""
+    loss is taken in slabs, and a reference on the GPU in fp64 would take it the same way. Without conftest.py,
+    whose guard fails a test that starts CUDA in pytest's process (for the forked children of later tests: this
+    process has none)."""
     test_file = Path(__file__).with_name("test_cross_entropy.py")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
+                             str(test_file)],
                             env=dict(os.environ, FSDP_MPI_TEST_DEVICE="cuda"), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:]

@@ -156,19 +156,21 @@ def test_the_log_keeps_only_the_last_records_in_order():
 
 
 def test_the_watchdog_reports_a_collective_that_outlasts_its_timeout(monkeypatch):
-    """In this process, with the abort replaced by a note: the report comes at the timeout, not before."""
+    """In this process, with the abort replaced by a note: the report comes at the timeout, not before, and says
+    how long the rank has waited (on a loaded machine the watchdog may wake later than the timeout: no upper
+    bound on when, or on the time it reports)."""
     reports = []
     monkeypatch.setattr(collective_log, "abort_job", lambda message: reports.append((time.monotonic(), message)))
     log = CollectiveLog()
-    record = log.begin(7, "reduce_scatter", "h.1", 12, "float32")
     started = time.monotonic()
+    record = log.begin(7, "reduce_scatter", "h.1", 12, "float32")
     with log.blocking(record, timeout=0.4, rank=3):
-        time.sleep(0.2)
-        assert reports == []
         while not reports and time.monotonic() < started + 5:
             time.sleep(0.05)
     assert len(reports) == 1, "no report within 5 s of a 0.4 s timeout"
     at, message = reports[0]
     assert at - started >= 0.4
-    assert message.startswith(f"fsdp_mpi watchdog: rank 3 (on {socket.gethostname()}) has waited 0.")
+    waited = re.match(rf"fsdp_mpi watchdog: rank 3 \(on {re.escape(socket.gethostname())}\) has waited (\d+\.\d) s",
+                      message)
+    assert waited and 0.4 <= float(waited[1]) <= at - started + 0.05, message  # .1f: rounded to 0.05
     assert " s in collective #7 reduce_scatter of unit 'h.1', sending 12 float32; its partners never arrived." in message
