@@ -2,7 +2,8 @@
 
 A tensor goes to mpi4py as its address (``mpi_buffers.py``); before MPI reads or
 writes device memory the host waits for the stream that produced it (an event,
-never the whole device). A message longer than MPI's count limit (a C int of
+never the whole device), and so for every piece a cut message copies on the
+stream: MPI works on the host's time, not the stream's. A message longer than MPI's count limit (a C int of
 elements per rank) is cut into several. 16-bit values reach MPI's sums as fp32
 copies. A started collective of host memory in one message is MPI's nonblocking
 call, which MPI moves on inside later MPI calls, or in the background where the
@@ -67,6 +68,7 @@ class Direct(WidenedForMpi, Transport):
         full_by_rank = full.view(self.world, -1)
         for a, b in pieces:
             gathered = torch.empty(self.world, b - a, dtype=full.dtype, device=full.device)
+            wait_for_producer(gathered)  # the last piece's copy out of what may be this memory has run
             self.mpi.all_gather(gathered, shard[a:b])
             full_by_rank[:, a:b].copy_(gathered)
 
@@ -75,8 +77,12 @@ class Direct(WidenedForMpi, Transport):
         wait_for_producer(full)
         full_by_rank = full.view(self.world, -1)
         for a, b in chunk_bounds(shard.numel(), self.max_elements):
-            whole = b - a == shard.numel()
-            self.mpi.reduce_scatter(shard[a:b], full if whole else full_by_rank[:, a:b].contiguous())
+            if b - a == shard.numel():
+                self.mpi.reduce_scatter(shard, full)
+                continue
+            piece = full_by_rank[:, a:b].contiguous()  # (world, b - a)
+            wait_for_producer(piece)  # the copy has run
+            self.mpi.reduce_scatter(shard[a:b], piece)
         if finish is not None:
             finish()
 
@@ -97,7 +103,9 @@ class Direct(WidenedForMpi, Transport):
             return
         for a, b in pieces:
             receive = torch.empty(self.world, b - a, dtype=received.dtype, device=received.device)
-            self.mpi.all_to_all(receive, sent_by_rank[:, a:b].contiguous())
+            send = sent_by_rank[:, a:b].contiguous()
+            wait_for_producer(send)  # its copy, and the last piece's copy out of what may be `receive`, have run
+            self.mpi.all_to_all(receive, send)
             received_by_rank[:, a:b].copy_(receive)
 
     def broadcast(self, flat: torch.Tensor, root: int) -> None:
