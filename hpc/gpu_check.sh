@@ -14,8 +14,12 @@
 #       # 32 x 128) as plain torch and fsdp-mpi, one round each (the full form: three); a 256 MiB collective table
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh pytest-gpu bench-bert
 #       # only the steps named (as the summary names them): a machine lent for minutes runs the check in parts
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh seed-report
+#       # the seed report on the GPU: run_gpt2.py and run_bert.py under every strategy on 1 rank and 2 sharing the
+#       # GPU, and compare.py's table and figures (seed/report/). Named only, about 5.5 minutes (14 launches)
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh pytest-all
-#       # README's test command, the whole suite, on parallel workers (pytest-xdist): at most 9 minutes
+#       # README's test command, the whole suite, on parallel workers (pytest-xdist, FSDP_MPI_TEST_WORKERS): at
+#       # most 9 minutes (FSDP_MPI_PYTEST_ALL_S cuts it sooner; -v, so a cut log still says what passed)
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh bench-mfu-blocks
 #       # gpt2-medium with each block compiled, plain torch beside fsdp-mpi, and FSDP2: named only
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh impi-direct
@@ -34,7 +38,8 @@
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh compiled-whole
 #       # the whole model in one compiled graph (issue 62): gpt2 (16 x 1024) and gpt2-medium (8 x 1024), bf16,
 #       # plain torch, fsdp-mpi and FSDP2 each compiled whole, on one rank and 2 ranks sharing the GPU; step s,
-#       # issued_s, MFU. Named only, about 6 minutes (each run compiles first)
+#       # issued_s, MFU. Named only, up to 17 minutes (each run compiles first: on an H100 plain torch's compile
+#       # took most of 110 s, and fsdp-mpi's did not finish in the rest): two calls, or the gpt2 steps alone
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -203,14 +208,14 @@ if [[ "$only" == *" compiled-whole "* ]]; then
     whole="plain+compile_whole:bf16-mixed,fsdp-mpi+compile_whole:bf16-mixed@1,torch-fsdp+compile_whole:bf16-mixed@1"
     shared="plain+compile_whole:bf16-mixed,fsdp-mpi+compile_whole:bf16-mixed"
     shared="$shared,torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed"
-    run compiled-whole-gpt2 110 $PY experiments/bench.py $mfu 1 --model gpt2 --batch-size 16 \
+    run compiled-whole-gpt2 300 $PY experiments/bench.py $mfu 1 --model gpt2 --batch-size 16 \
         --out "$out/compiled-whole-gpt2.csv" --strategies $whole
-    run compiled-whole-gpt2-medium 150 $PY experiments/bench.py $mfu 1 --model gpt2-medium --batch-size 8 \
+    run compiled-whole-gpt2-medium 300 $PY experiments/bench.py $mfu 1 --model gpt2-medium --batch-size 8 \
         --out "$out/compiled-whole-gpt2-medium.csv" --strategies $whole
     two="--device cuda --seq-len 1024 --ranks 2 --same-global-batch --steps 5 --warmup 2 --rounds 1"
-    run compiled-whole-gpt2-2 110 $PY experiments/bench.py $two --model gpt2 --batch-size 16 \
+    run compiled-whole-gpt2-2 200 $PY experiments/bench.py $two --model gpt2 --batch-size 16 \
         --out "$out/compiled-whole-gpt2-2.csv" --strategies $shared
-    run compiled-whole-gpt2-medium-2 150 $PY experiments/bench.py $two --model gpt2-medium --batch-size 8 \
+    run compiled-whole-gpt2-medium-2 200 $PY experiments/bench.py $two --model gpt2-medium --batch-size 8 \
         --out "$out/compiled-whole-gpt2-medium-2.csv" --strategies $shared
     awk '/^\| strategy \| precision/ {table = 1} table && /^$/ {table = 0; print ""} table' \
         "$out"/compiled-whole-*.log 2> /dev/null | tee "$out/compiled-whole.md"
