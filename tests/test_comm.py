@@ -5,15 +5,18 @@ import ctypes
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from mpi4py import MPI
+from torch.utils._python_dispatch import TorchDispatchMode
 from mpi_launch import check_ok, child_env, run_mpi
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.routes import mpi_transport
 from fsdp_mpi.communication.settings import CUDA_AWARE, read_flag
+from fsdp_mpi.communication.transports import direct
 from fsdp_mpi.communication.transports.gpu_support import HostStagingBuffers, mpi_is_cuda_aware
 
 
@@ -221,6 +224,42 @@ def test_the_device_path_is_printed_once_by_rank_0(capsys, monkeypatch, rank, pr
 
 
 @pytest.mark.one_rank
+class _Stream(TorchDispatchMode):
+    """A GPU stream, modelled on the CPU: every operation but a view leaves work queued (an allocation too: its
+    memory may be a block whose last reader is still queued) until the host waits for the producer."""
+
+    def __init__(self):
+        super().__init__()
+        self.queued = True  # the inputs' producers
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.queued = self.queued or not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_direct_route_waits_for_the_stream_before_mpi_touches_any_piece(monkeypatch):
+    """A CUDA-aware MPI reads and writes device memory on the host's time, not the stream's: every buffer the
+    direct route hands it, a piece of a cut message included, must come after the host has waited for the
+    stream (on an H100 under Intel MPI, cut messages went to MPI before their copies had run)."""
+    stream = _Stream()
+    monkeypatch.setattr(direct, "wait_for_producer", lambda tensor: setattr(stream, "queued", False))
+    route = direct.Direct(SimpleNamespace(Get_size=lambda: 2), max_elements_per_message=4)
+    calls = []
+    route.mpi = SimpleNamespace(**{name: lambda *buffers, name=name, **_: calls.append((name, stream.queued))
+                                   for name in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce",
+                                                "broadcast")})
+    shard, full = torch.ones(10), torch.ones(20)  # 10 elements a rank in pieces of at most 4: 3 messages
+    with stream:
+        route.all_gather(full, shard)
+        route.reduce_scatter(shard, full)
+        route.all_to_all(torch.empty(20), full)
+        route.all_reduce(full)
+        route.broadcast(full, root=0)
+    assert [name for name, _ in calls] == ["all_gather"] * 3 + ["reduce_scatter"] * 3 + ["all_to_all"] * 3 + \
+        ["all_reduce"] * 5 + ["broadcast"] * 5
+    assert [call for call in calls if call[1]] == []
+
+
 def test_mismatched_buffers_are_refused():
     comm = Communicator()
     with pytest.raises(ValueError, match="full buffer has 3 elements, expected 1 x 2"):

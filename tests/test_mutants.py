@@ -94,6 +94,7 @@ RECOMPUTED = "tests/test_memory.py::test_a_forward_recomputed_in_backward_gather
 CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows"
 VOCABULARY = "tests/test_models.py::test_the_padded_vocabulary_never_shows_in_logits_loss_samples_or_gradients"
 EXPORT = "tests/test_checkpoint.py::test_export_streams_hugging_face_files_that_load_anywhere"
+DIRECT_ORDER = "tests/test_comm.py::test_the_direct_route_waits_for_the_stream_before_mpi_touches_any_piece"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
 MUTANTS = {
@@ -384,11 +385,16 @@ MUTANTS = {
         "models/cross_entropy.py", "SLAB_BYTES // (4 * vocab)", "SLAB_BYTES // (2 * vocab)", [SLABS]),
     "loading into shards leaves the padding rows as they were": (
         "fsdp_mpi/files/pretrained.py", "            param.view[stored - start:].zero_()", "            pass", [EXPORT]),
+    "the direct route hands MPI a fresh piece before the stream has run": (
+        "fsdp_mpi/communication/transports/direct.py", "wait_for_producer(gathered)", "None", [DIRECT_ORDER]),
+    "a process group answers for no device's backend": (
+        "fsdp_mpi/distributed.py", "    def _get_backend(self, device: torch.device) -> \"MpiProcessGroup\":\n        return self\n",
+        "", [TORCH_DISTRIBUTED]),
 }
 
 
 def copy_of_repository(destination: Path) -> Path:
-    ignored = shutil.ignore_patterns(".git", ".venv*", "results", "runs", "__pycache__", "*.egg-info", ".pytest_cache")
+    ignored = shutil.ignore_patterns(".git", ".venv*", ".gpu*", "results", "runs", "__pycache__", "*.egg-info", ".pytest_cache")
     shutil.copytree(REPO, destination, ignore=ignored)
     # The installed project maps fsdp_mpi_models to the checkout's models/ (setup.cfg): in the copy that name
     # must reach the copy's models/, or a mutant there would go untested. The copy's root comes first on sys.path.
