@@ -6,9 +6,11 @@ strategy, and the bytes a step sends over each node's link against the cost mode
 Where namespaces cannot be made (not root, no ``ip netns``), the tests skip and say why.
 """
 
+import contextlib
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -241,3 +243,34 @@ def test_a_two_node_job_warned_before_its_time_limit_checkpoints_requeues_and_re
     assert sorted(int(row["epoch"]) for row in rows) == [0, 1], log
     assert {row["world_size"] for row in rows} == {"4"}
 
+
+
+def test_a_job_that_loses_a_node_goes_on_at_once_on_the_node_left_from_its_last_checkpoint(with_slurm, tmp_path):
+    """Issue 65: hpc/run_gpt2_cpu.sbatch (--no-kill) on 2 nodes x 2 ranks, saving every 50 optimizer steps. Once a
+    checkpoint is written the second node goes down, its ranks killed. The job is not requeued (a requeued job
+    waits for as many nodes as it had): run_resumable starts the run again at once on the node left, which
+    resumes there on 2 ranks from the checkpoint, each step's global batch kept, none lost or done twice."""
+    results, checkpoints, output = tmp_path / "results", tmp_path / "checkpoints", tmp_path / "job.out"
+    job = job_id(slurm("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                       f"--output={output}", "hpc/run_gpt2_cpu.sbatch", "--epochs", "1", "--val-steps", "2",
+                       "--checkpoint-every", "50", "--out-dir", str(results),
+                       **job_environment(CHECKPOINT_DIR=str(checkpoints))))
+    try:
+        wait_for(job, lambda state: (checkpoints / "latest").exists() or state["JobState"] in FINISHED, 300, slurm)
+        assert slurm("scontrol", "update", "NodeName=fmnode1", "State=DOWN", "Reason=lost in a test").returncode == 0
+        for pid in subprocess.run(["ip", "netns", "pids", "fmnode1"], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(OSError):  # the node's ranks, not its slurmd, which the next tests need
+                if b"run_gpt2.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGKILL)
+        status, state = wait_for_end(job, 300, client=slurm)
+    finally:
+        slurm("scancel", job)
+        slurm("scontrol", "update", "NodeName=fmnode1", "State=RESUME")  # back at once, unless it already is
+    log = output.read_text()
+    assert status == 0 and state["Restarts"] == "0" and state["NodeList"] == "fmnode0", (state, log)
+    assert "the job lost node(s): it had fmnode[0-1], it has fmnode0" in log, log
+    saved_at = int(re.search(r"resuming from .*after optimizer step (\d+) of \d+ \(saved on 4 ranks, now 2\)", log)[1])
+    steps = [row for path in results.glob("*-steps.csv") for row in csv.DictReader(open(path))]
+    assert [int(row["step"]) for row in steps] == list(range(1, len(steps) + 1)), log
+    assert [int(row["world_size"]) for row in steps] == [4] * saved_at + [2] * (len(steps) - saved_at), log
+    assert {int(row["samples"]) for row in steps[:-1]} == {64}, log  # the last step takes what the epoch has left
