@@ -94,7 +94,7 @@ RECOMPUTED = "tests/test_memory.py::test_a_forward_recomputed_in_backward_gather
 CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_columns_at_a_time_give_the_bits_of_whole_rows"
 VOCABULARY = "tests/test_models.py::test_the_padded_vocabulary_never_shows_in_logits_loss_samples_or_gradients"
 EXPORT = "tests/test_checkpoint.py::test_export_streams_hugging_face_files_that_load_anywhere"
-NODE_LOST = "tests/test_cluster.py::test_a_job_that_loses_a_node_goes_on_at_once_on_the_node_left_from_its_last_checkpoint"
+NODE_LOST = "tests/test_resumable.py::test_a_run_that_lost_a_node_starts_again_at_once_on_the_nodes_left"
 DIRECT_ORDER = "tests/test_comm.py::test_the_direct_route_waits_for_the_stream_before_mpi_touches_any_piece"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
