@@ -3,8 +3,8 @@
 A tensor goes to mpi4py as its address (``mpi_buffers.py``); before MPI reads or
 writes device memory the host waits for the stream that produced it (an event,
 never the whole device), and so for every piece a cut message copies on the
-stream: MPI works on the host's time, not the stream's. A message longer than MPI's count limit (a C int of
-elements per rank) is cut into several. 16-bit values reach MPI's sums as fp32
+stream: MPI works on the host's time, not the stream's. A message longer than
+MPI's count limit (a C int of elements per rank) is cut into several. 16-bit values reach MPI's sums as fp32
 copies. A started collective of host memory in one message is MPI's nonblocking
 call, which MPI moves on inside later MPI calls, or in the background where the
 library has a progress thread or offloads to hardware; on device memory it runs
