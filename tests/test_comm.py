@@ -223,7 +223,6 @@ def test_the_device_path_is_printed_once_by_rank_0(capsys, monkeypatch, rank, pr
     assert capsys.readouterr().err == "fsdp_mpi: device buffers are staged (...)\n" * printed
 
 
-@pytest.mark.one_rank
 class _Stream(TorchDispatchMode):
     """A GPU stream, modelled on the CPU: every operation but a view leaves work queued (an allocation too: its
     memory may be a block whose last reader is still queued) until the host waits for the producer."""
@@ -260,6 +259,7 @@ def test_the_direct_route_waits_for_the_stream_before_mpi_touches_any_piece(monk
     assert [call for call in calls if call[1]] == []
 
 
+@pytest.mark.one_rank
 def test_mismatched_buffers_are_refused():
     comm = Communicator()
     with pytest.raises(ValueError, match="full buffer has 3 elements, expected 1 x 2"):

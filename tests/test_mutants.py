@@ -328,8 +328,8 @@ MUTANTS = {
         "fsdp_mpi/communication/transports/staged.py", "slot = i % RING_SLOTS",
         "slot = 0", [COLLECTIVES]),
     "a reduce-scatter cut into messages sends the first message's columns each time": (
-        "fsdp_mpi/communication/transports/direct.py", "self.mpi.reduce_scatter(shard[a:b], full if whole else full_by_rank[:, a:b].contiguous())",
-        "self.mpi.reduce_scatter(shard[a:b], full if whole else full_by_rank[:, :b - a].contiguous())", [COLLECTIVES]),
+        "fsdp_mpi/communication/transports/direct.py", "piece = full_by_rank[:, a:b].contiguous()",
+        "piece = full_by_rank[:, :b - a].contiguous()", [COLLECTIVES]),
     "broadcast_ through MPI sends rank 0's tensor whatever the root": (
         "fsdp_mpi/communication/transports/direct.py", "self.mpi.broadcast(flat[a:b], root)",
         "self.mpi.broadcast(flat[a:b], 0)", [COLLECTIVES]),
