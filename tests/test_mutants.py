@@ -95,6 +95,7 @@ CODEC_CHUNKS = "tests/test_compression.py::test_codecs_working_a_chunk_of_column
 VOCABULARY = "tests/test_models.py::test_the_padded_vocabulary_never_shows_in_logits_loss_samples_or_gradients"
 EXPORT = "tests/test_checkpoint.py::test_export_streams_hugging_face_files_that_load_anywhere"
 NODE_LOST = "tests/test_resumable.py::test_a_run_that_lost_a_node_starts_again_at_once_on_the_nodes_left"
+BOUND_GROUP = "tests/test_torch_distributed.py::test_a_group_bound_to_a_device_answers_for_its_backend_there"
 DIRECT_ORDER = "tests/test_comm.py::test_the_direct_route_waits_for_the_stream_before_mpi_touches_any_piece"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
@@ -392,7 +393,7 @@ MUTANTS = {
         "hpc/resumable.sh", '[ -n "$left" ] && [ "$left" != "$nodes" ] || break', "break", [NODE_LOST]),
     "a process group answers for no device's backend": (
         "fsdp_mpi/distributed.py", "    def _get_backend(self, device: torch.device) -> \"MpiProcessGroup\":\n        return self\n",
-        "", [TORCH_DISTRIBUTED]),
+        "", [BOUND_GROUP]),
 }
 
 

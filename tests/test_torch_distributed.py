@@ -84,3 +84,24 @@ def test_reduce_ops_are_read_as_sums_or_refused_by_name():
         _Reduction.of(_Options(dist.ReduceOp.MAX), "reduce_scatter")
     with pytest.raises(NotImplementedError, match="all_reduce with RedOpType.BAND"):
         _Reduction.of(_Options(dist.ReduceOp.BAND), "all_reduce", sums_only=False)
+
+
+@pytest.mark.one_rank
+def test_a_group_bound_to_a_device_answers_for_its_backend_there():
+    """torch asks a group bound to a device (init_process_group's device_id, as Lightning passes on a GPU) for
+    its backend on that device, to split it for a new group or connect it ahead: the backend's group is its own
+    backend on every device and does neither (torch_distributed.py makes a new group of such a world)."""
+    from torch.distributed.distributed_c10d import _get_split_source
+
+    from fsdp_mpi import Communicator
+    from fsdp_mpi.distributed import MpiProcessGroup
+
+    group = MpiProcessGroup(Communicator())
+    group.bound_device_id = torch.device("cuda", 0)
+    answers = []
+    for ask in (lambda: group._get_backend(group.bound_device_id), lambda: _get_split_source(group)):
+        try:
+            answers.append(ask())
+        except RuntimeError as error:  # torch's own: "No backend type associated with device type cuda"
+            answers.append(str(error))
+    assert answers == [group, None]  # no split: a new group is an MPI communicator of its own
