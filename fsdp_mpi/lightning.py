@@ -197,6 +197,15 @@ class FSDPMPIStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
 
+    def teardown(self) -> None:
+        """Lightning's teardown less its move of the model and the optimizer's state to the CPU (how it frees a
+        GPU after fit): a sharded module refuses to be moved (sharding/in_place.py), so its shards and their
+        optimizer state stay on the device, as Lightning's own FSDPStrategy leaves them."""
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     @contextmanager
     def block_backward_sync(self):
         """Lightning enters this for the micro-batches of an optimizer step before its last."""

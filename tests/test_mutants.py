@@ -96,6 +96,7 @@ VOCABULARY = "tests/test_models.py::test_the_padded_vocabulary_never_shows_in_lo
 EXPORT = "tests/test_checkpoint.py::test_export_streams_hugging_face_files_that_load_anywhere"
 NODE_LOST = "tests/test_resumable.py::test_a_run_that_lost_a_node_starts_again_at_once_on_the_nodes_left"
 BOUND_GROUP = "tests/test_torch_distributed.py::test_a_group_bound_to_a_device_answers_for_its_backend_there"
+LIGHTNING = "tests/test_lightning.py::test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_precision"
 DIRECT_ORDER = "tests/test_comm.py::test_the_direct_route_waits_for_the_stream_before_mpi_touches_any_piece"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
@@ -394,6 +395,8 @@ MUTANTS = {
     "a process group answers for no device's backend": (
         "fsdp_mpi/distributed.py", "    def _get_backend(self, device: torch.device) -> \"MpiProcessGroup\":\n        return self\n",
         "", [BOUND_GROUP]),
+    "Lightning's teardown moves the sharded model to the CPU": (
+        "fsdp_mpi/lightning.py", "        self.cluster_environment.teardown()", "        super().teardown()", [LIGHTNING]),
 }
 
 

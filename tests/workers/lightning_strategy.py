@@ -53,9 +53,15 @@ def network() -> nn.Sequential:
 
 
 class Regression(L.LightningModule):
+    moves_to_cpu = 0  # calls of .cpu(): Lightning's teardown makes one unless the strategy keeps the shards in place
+
     def __init__(self):
         super().__init__()
         self.net = network()
+
+    def cpu(self):
+        Regression.moves_to_cpu += 1
+        return super().cpu()
 
     def training_step(self, batch, _index):
         inputs, targets = batch
@@ -149,6 +155,7 @@ def main(out_path: str, checkpoint_dir: str) -> None:
             uninterrupted = weights
             strategy = fitted.strategy
     report["precision_plugin"] = type(strategy.precision_plugin).__name__
+    report["moves_to_cpu"] = Regression.moves_to_cpu  # after two fits (on a GPU such a move is refused)
     value = torch.tensor([comm.Get_rank() + 1.0])
     report["reduce_sum"] = float(strategy.reduce(value, reduce_op="sum"))
     report["reduce_mean"] = float(strategy.reduce(value))
