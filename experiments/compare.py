@@ -2,8 +2,8 @@
 
     python experiments/compare.py results/*.csv [--out-dir results/report]
 
-Training CSVs (run_gpt2.py, run_bert.py) give summary.md and summary.csv (mean
-epoch time, throughput speed-up over the same strategy on 1 rank, peak memory per
+Training CSVs (run_gpt2.py, run_bert.py) give summary.md and summary.csv (epoch
+time, throughput speed-up over the same strategy on 1 rank, peak memory per
 rank, model-state memory, final losses and metrics) and, one panel per
 experiment, epoch_time.png and peak_memory.png (a line per strategy and precision
 against the number of ranks) and loss_curves.png: training loss per optimizer step
@@ -11,9 +11,18 @@ from the runs' ``-steps.csv`` files where given (per epoch where not), validatio
 loss at each epoch's end. eval.py's CSVs, given among them or alone, give
 evaluation.md and evaluation.csv (quality, size and speed per precision and batch
 size) and evaluation.png.
+
+A configuration run several times is one line: the median of its runs' epoch times
+(each run's mean over its epochs after the first) with their min and max. Runs whose
+ids end in ``-r<N>`` are round N of an interleaved comparison (every strategy once
+per round, as ``hpc/gpu_check.sh seed-report`` names them): each line then also gets
+fsdp_mpi_ratio, fsdp-mpi's epoch time over this line's in the same round, on as
+many ranks at the same precision (below 1: fsdp-mpi is faster), as the median of the
+rounds' ratios with their min and max, the measure bench.py reports too.
 """
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -63,27 +72,38 @@ def load(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     return training, steps, evaluation
 
 
-def summarize(rows: pd.DataFrame) -> pd.DataFrame:
-    """One line per group; epoch time is the mean over epochs after the first when there are several."""
-    def timed(group):
-        later = group[group["epoch"] > 0]
-        return later if len(later) else group
+ROUND = re.compile(r"-r(\d+)$")  # a run id's ending that names its round of an interleaved comparison
+BASELINE = "fsdp-mpi"  # the strategy every other is compared with, round by round
 
+
+def summarize(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per group. A run's epoch time is its mean over the epochs after the first (where it has several);
+    a group's is the median over its runs, with their min and max; fsdp_mpi_ratio as the module says."""
+    steady = rows[(rows["epoch"] > 0) | (rows.groupby("run_id")["epoch"].transform("max") == 0)]
+    per_run = steady.groupby(GROUP + ["run_id"], as_index=False)[
+        ["epoch_time_s", "samples_per_s", "tflops", "mfu", "comm_mb_per_step"]].mean()
+    per_run["round"] = per_run["run_id"].map(lambda run_id: int(m[1]) if (m := ROUND.search(run_id)) else None)
+    ratios = round_ratios(per_run)
     lines = []
     for key, group in rows.groupby(GROUP, sort=True):
         last = group.sort_values(["run_id", "epoch"]).groupby("run_id").tail(1)
-        steady = group.groupby("run_id", group_keys=False).apply(timed)
+        runs = per_run[per_run["run_id"].isin(group["run_id"].unique())]
+        ratio = ratios.get(key, pd.Series(dtype=float))
         lines.append({
-            **dict(zip(GROUP, key)), "runs": group["run_id"].nunique(), "parameters": int(group["parameters"].iloc[0]),
-            "epoch_time_s": steady["epoch_time_s"].mean(), "samples_per_s": steady["samples_per_s"].mean(),
-            "tflops": steady["tflops"].mean(), "mfu": steady["mfu"].mean(),
-            "comm_mb_per_step": steady["comm_mb_per_step"].mean(),
+            **dict(zip(GROUP, key)), "runs": len(runs), "parameters": int(group["parameters"].iloc[0]),
+            "epoch_time_s": runs["epoch_time_s"].median(), "epoch_time_min": runs["epoch_time_s"].min(),
+            "epoch_time_max": runs["epoch_time_s"].max(), "samples_per_s": runs["samples_per_s"].median(),
+            "fsdp_mpi_ratio": ratio.median(), "fsdp_mpi_ratio_min": ratio.min(), "fsdp_mpi_ratio_max": ratio.max(),
+            "tflops": runs["tflops"].median(), "mfu": runs["mfu"].median(),
+            "comm_mb_per_step": runs["comm_mb_per_step"].median(),
             "peak_memory_mb": group["peak_memory_mb"].max(), "model_state_mb": group["model_state_mb"].max(),
             "final_train_loss": last["train_loss"].mean(), "final_val_loss": last["val_loss"].mean(),
             "val_perplexity": last["val_perplexity"].mean(), "val_mlm_accuracy": last["val_mlm_accuracy"].mean(),
             "val_nsp_accuracy": last["val_nsp_accuracy"].mean(),
         })
     table = pd.DataFrame(lines)
+    if (table["runs"] == 1).all():  # one run each: its time has no spread to show
+        table = table.drop(columns=["epoch_time_min", "epoch_time_max"])
     one_rank = table[table["world_size"] == 1].set_index(GROUP[:-1])["samples_per_s"]
     table["speedup_vs_1_rank"] = [
         row.samples_per_s / one_rank.get((row.experiment, row.model, row.device, row.strategy, row.precision),
@@ -91,6 +111,20 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
         for row in table.itertuples()
     ]
     return table.dropna(axis=1, how="all")
+
+
+def round_ratios(per_run: pd.DataFrame) -> dict[tuple, pd.Series]:
+    """For each group, fsdp-mpi's epoch time over the group's in each round both ran (runs with a round only)."""
+    rounds = per_run.dropna(subset=["round"])
+    same = [column for column in GROUP if column != "strategy"] + ["round"]
+    ours = rounds[rounds["strategy"] == BASELINE].set_index(same)["epoch_time_s"]
+    ratios = {}
+    for key, group in rounds.groupby(GROUP):
+        theirs = group.set_index(same)["epoch_time_s"]
+        paired = ours.reindex(theirs.index).dropna()
+        if len(paired):
+            ratios[key] = (paired / theirs.loc[paired.index]).reset_index(drop=True)
+    return ratios
 
 
 def markdown(table: pd.DataFrame) -> str:
@@ -107,14 +141,15 @@ def markdown(table: pd.DataFrame) -> str:
 
 
 def plot_scaling(table: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """epoch_time.png and peak_memory.png: a panel per experiment, a line per strategy and precision against ranks."""
+    """epoch_time.png and peak_memory.png: a panel per experiment, a line per strategy and precision against ranks
+    (epoch time with bars from its runs' min to max where a configuration ran several times)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    for column, title, file_name in (("epoch_time_s", "mean epoch time (s)", "epoch_time.png"),
+    for column, title, file_name in (("epoch_time_s", "epoch time (s), median of runs", "epoch_time.png"),
                                      ("peak_memory_mb", "peak memory per rank (MB)", "peak_memory.png")):
         experiments = sorted(table["experiment"].unique())
         figure, axes = plt.subplots(1, len(experiments), figsize=(8 * len(experiments), 4.5), squeeze=False,
@@ -123,8 +158,11 @@ def plot_scaling(table: pd.DataFrame, out_dir: Path) -> list[Path]:
             for (model, device, strategy, precision), runs in table[table["experiment"] == experiment].groupby(
                     ["model", "device", "strategy", "precision"]):
                 runs = runs.sort_values("world_size")
-                axis.plot(runs["world_size"], runs[column], marker="o",
-                          label=f"{strategy} {precision} on {device} ({model})")
+                spread = None
+                if column == "epoch_time_s" and "epoch_time_min" in runs:
+                    spread = [runs[column] - runs["epoch_time_min"], runs["epoch_time_max"] - runs[column]]
+                axis.errorbar(runs["world_size"], runs[column], yerr=spread, marker="o", capsize=3,
+                              label=f"{strategy} {precision} on {device} ({model})")
             axis.set_title(f"{experiment}: {title}")
             axis.set_xlabel("ranks")
             axis.set_xticks(sorted(table.loc[table["experiment"] == experiment, "world_size"].unique()))
@@ -155,7 +193,8 @@ def fit_legends(figure) -> None:
 
 def plot_losses(rows: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> Path:
     """loss_curves.png: a panel per experiment, a colour per run; training loss per optimizer step where the
-    run's step CSV was given (else per epoch), validation loss (crosses) at each epoch's last step."""
+    run's step CSV was given (else per epoch), validation loss (crosses) at each epoch's last step. A configuration
+    run several times (rounds) is drawn once, from its first run: its repeats would overlay it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,6 +202,7 @@ def plot_losses(rows: pd.DataFrame, steps: pd.DataFrame, out_dir: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     stepped = set(steps["run_id"]) if not steps.empty else set()
+    rows = rows[rows["run_id"].isin(rows.groupby(GROUP)["run_id"].min())]
     experiments = sorted(rows["experiment"].unique())
     figure, axes = plt.subplots(1, len(experiments), figsize=(8 * len(experiments), 4.5), squeeze=False,
                                 layout="constrained")

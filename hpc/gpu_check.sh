@@ -16,7 +16,8 @@
 #       # only the steps named (as the summary names them): a machine lent for minutes runs the check in parts
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh seed-report
 #       # the seed report on the GPU: run_gpt2.py and run_bert.py under every strategy on 1 rank and 2 sharing the
-#       # GPU, and compare.py's table and figures (seed/report/). Named only, about 5.5 minutes (14 launches)
+#       # GPU, three interleaved rounds, and compare.py's table and figures (seed/report/). Named only, about 13
+#       # minutes on an H200 (54 launches; FSDP_MPI_SEED_ROUNDS=1: one round)
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh pytest-all
 #       # README's test command, the whole suite, on parallel workers (pytest-xdist, FSDP_MPI_TEST_WORKERS): at
 #       # most 9 minutes (FSDP_MPI_PYTEST_ALL_S cuts it sooner; -v, so a cut log still says what passed)
@@ -97,22 +98,31 @@ run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time lim
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
-# The seed report on a GPU (issue 63), named only: run_gpt2.py and run_bert.py on the seed's models (gpt2-seed with
-# GPT-2's BPE, 256 tokens; bert-seed), bf16, 32 samples a step whatever the ranks, 2 epochs of 30 steps (the first
-# warms up), each strategy as its user launches it: fsdp-mpi on 1 rank and on 2 sharing the GPU; DDP (plain torch
-# on one rank), Lightning DDP and torch FSDP2 on one rank (nccl); Lightning DDP and FSDP2 on 2 ranks sharing the GPU
-# over the "fsdp_mpi" backend (nccl refuses that). compare.py makes the table and figures in seed/report/.
+# The seed report on a GPU (issues 63, 77), named only: run_gpt2.py and run_bert.py on the seed's models (gpt2-seed
+# with GPT-2's BPE, 256 tokens; bert-seed), bf16, 32 samples a step whatever the ranks, 2 epochs of 30 steps (the
+# first warms up), each strategy as its user launches it: fsdp-mpi and Lightning with fsdp_mpi's strategy on 1 rank
+# and on 2 sharing the GPU; DDP (plain torch on one rank), Lightning DDP and torch FSDP2 on one rank (nccl); Lightning
+# DDP and FSDP2 on 2 ranks sharing the GPU over the "fsdp_mpi" backend (nccl refuses that). FSDP_MPI_SEED_ROUNDS
+# rounds (default 3), interleaved: every strategy once per round, so that a drift of the machine falls on all alike;
+# each run's id ends in its round. FSDP_MPI_SEED_SCRIPTS names the scripts (default both: "run_gpt2 run_bert"), so
+# that the two can run as two streams on cores of their own. compare.py makes the table (medians and min-max over the rounds) and figures in
+# seed/report/. About 15 s a launch on an H200's 4 cores: 18 launches a round.
 if [[ "$only" == *" seed-report "* ]]; then
     seed="$out/seed"
     each="--device cuda --precision bf16-mixed --epochs 2 --steps-per-epoch 30 --val-steps 4 --no-progress"
-    for script in run_gpt2 run_bert; do
-        size=(--model gpt2-seed --seq-len 256 --tokenizer gpt2)
-        [ "$script" = run_bert ] && size=(--model bert-seed)
-        for job in fsdp-mpi:1 fsdp-mpi:2 ddp:1 lightning-ddp:1 torch-fsdp:1 lightning-ddp:2:fsdp_mpi torch-fsdp:2:fsdp_mpi; do
-            IFS=: read -r strategy ranks backend <<< "$job"
-            only="$only seed-$script-$strategy-n$ranks "
-            run "seed-$script-$strategy-n$ranks" 60 "$mpiexec" -n "$ranks" $PY "experiments/$script.py" "${size[@]}" \
-                $each --out-dir "$seed" --strategy "$strategy" --batch-size $((32 / ranks)) ${backend:+--backend $backend}
+    for round in $(seq 1 "${FSDP_MPI_SEED_ROUNDS:-3}"); do
+        for script in ${FSDP_MPI_SEED_SCRIPTS:-run_gpt2 run_bert}; do
+            size=(--model gpt2-seed --seq-len 256 --tokenizer gpt2)
+            [ "$script" = run_bert ] && size=(--model bert-seed)
+            for job in fsdp-mpi:1 fsdp-mpi:2 ddp:1 lightning-ddp:1 lightning-fsdp-mpi:1 lightning-fsdp-mpi:2 \
+                       torch-fsdp:1 lightning-ddp:2:fsdp_mpi torch-fsdp:2:fsdp_mpi; do
+                IFS=: read -r strategy ranks backend <<< "$job"
+                name="seed-$script-$strategy-n$ranks-r$round"
+                only="$only $name "
+                run "$name" 60 "$mpiexec" -n "$ranks" $PY "experiments/$script.py" "${size[@]}" $each \
+                    --out-dir "$seed" --run-id "$name" --strategy "$strategy" --batch-size $((32 / ranks)) \
+                    ${backend:+--backend $backend}
+            done
         done
     done
     only="$only seed-compare "

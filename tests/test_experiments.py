@@ -227,6 +227,35 @@ def test_compare_makes_tables_and_plots(results_dir, tmp_path):
 
 
 @pytest.mark.one_mpi
+def test_compare_gives_rounds_their_median_spread_and_ratios_paired_by_round():
+    """Runs named -r<N> are rounds: a line's time is the median of its runs with min-max, and fsdp_mpi_ratio pairs
+    each round's fsdp-mpi run with this line's run of the same round, never a median with a median."""
+    import pandas as pd
+
+    import compare
+
+    ours, theirs = [1.0, 2.0, 4.0], [4.0, 1.0, 2.0]  # per round: ratios 0.25, 2, 2 (the medians' ratio is 1)
+    rows = pd.DataFrame([
+        {"run_id": f"gpt2-{strategy}-n2-r{round_index + 1}", "experiment": "gpt2", "model": "gpt2-tiny",
+         "device": "cpu", "strategy": strategy, "precision": "32", "world_size": 2, "parameters": 10, "epoch": epoch,
+         "epoch_time_s": 99.0 if epoch == 0 else times[round_index], "samples_per_s": 8 / times[round_index],
+         "tflops": 0.0, "mfu": 0.0, "comm_mb_per_step": 1.0, "peak_memory_mb": 5.0, "model_state_mb": 1.0,
+         "train_loss": 1.0, "val_loss": 1.0, "val_perplexity": 2.7, "val_mlm_accuracy": None, "val_nsp_accuracy": None}
+        for strategy, times in (("fsdp-mpi", ours), ("ddp", theirs)) for round_index in range(3)
+        for epoch in range(2)])
+    table = compare.summarize(rows).set_index("strategy")
+    assert table.loc["fsdp-mpi", "epoch_time_s"] == 2.0  # the median of 1, 2, 4 (the first epochs left out)
+    assert (table.loc["fsdp-mpi", "epoch_time_min"], table.loc["fsdp-mpi", "epoch_time_max"]) == (1.0, 4.0)
+    assert table.loc["fsdp-mpi", "runs"] == 3
+    ddp = table.loc["ddp"]
+    assert (ddp["fsdp_mpi_ratio"], ddp["fsdp_mpi_ratio_min"], ddp["fsdp_mpi_ratio_max"]) == (2.0, 0.25, 2.0)
+    # Without round names (or with one run each) there is nothing to pair, and no spread to show.
+    single = compare.summarize(rows[rows["run_id"].str.endswith("-r1")].assign(
+        run_id=lambda frame: frame["run_id"].str.removesuffix("-r1")))
+    assert "fsdp_mpi_ratio" not in single and "epoch_time_min" not in single
+
+
+@pytest.mark.one_mpi
 def test_compare_rejects_bad_input(tmp_path):
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     for args, message in ((["missing.csv"], "no such file"), ([str(tmp_path / "other.csv")], "not a results CSV")):
