@@ -16,8 +16,9 @@
 #       # only the steps named (as the summary names them): a machine lent for minutes runs the check in parts
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh seed-report
 #       # the seed report on the GPU: run_gpt2.py and run_bert.py under every strategy on 1 rank and 2 sharing the
-#       # GPU, three interleaved rounds, and compare.py's table and figures (seed/report/). Named only, about 13
-#       # minutes on an H200 (54 launches; FSDP_MPI_SEED_ROUNDS=1: one round)
+#       # GPU, three interleaved rounds, and compare.py's table and figures (seed/report/). Named only: 54 launches
+#       # of 15-30 s each on an H200, about 9 minutes as two streams (FSDP_MPI_SEED_SCRIPTS=run_gpt2 on some cores,
+#       # run_bert on others); FSDP_MPI_SEED_ROUNDS=1: one round
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh pytest-all
 #       # README's test command, the whole suite, on parallel workers (pytest-xdist, FSDP_MPI_TEST_WORKERS): at
 #       # most 9 minutes (FSDP_MPI_PYTEST_ALL_S cuts it sooner; -v, so a cut log still says what passed)
@@ -106,7 +107,7 @@ cat "$out/machine.txt"
 # rounds (default 3), interleaved: every strategy once per round, so that a drift of the machine falls on all alike;
 # each run's id ends in its round. FSDP_MPI_SEED_SCRIPTS names the scripts (default both: "run_gpt2 run_bert"), so
 # that the two can run as two streams on cores of their own. compare.py makes the table (medians and min-max over the rounds) and figures in
-# seed/report/. About 15 s a launch on an H200's 4 cores: 18 launches a round.
+# seed/report/. 15-30 s a launch on an H200's 4 cores (Lightning's the longest): 18 launches a round.
 if [[ "$only" == *" seed-report "* ]]; then
     seed="$out/seed"
     each="--device cuda --precision bf16-mixed --epochs 2 --steps-per-epoch 30 --val-steps 4 --no-progress"
