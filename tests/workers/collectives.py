@@ -20,7 +20,8 @@ from fsdp_mpi.communication.transports.mpi_buffers import BIT_TYPES, DeviceBuffe
 from fsdp_mpi.communication.transports.worker import threads_may_call_mpi_at_once
 
 S = 5
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int64": torch.int64, "int32": torch.int32, "int8": torch.int8}  # int8's sums wrap, alike everywhere
 
 
 def check(comm: Communicator, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> dict:
@@ -69,6 +70,18 @@ def check(comm: Communicator, dtype: torch.dtype, device: torch.device = torch.d
     results["all_to_all"] = torch.equal(received.view(n, S), everything[mine].expand(n, S) +
                                         torch.arange(n, dtype=dtype, device=device)[:, None])
     return results
+
+
+def logical_sums(comm: Communicator, device: torch.device = torch.device("cpu")) -> dict:
+    """bool sums are a logical or on every route (torch's ``+`` on booleans): rank r sets the elements i with
+    i % n == r, so that every element ends set; a sum of all-false stays false."""
+    n, r = comm.world_size, comm.rank
+    flags = torch.arange(n * S, device=device) % n == r
+    summed, shard, none = flags.clone(), torch.empty(S, dtype=torch.bool, device=device), torch.zeros_like(flags)
+    comm.all_reduce_sum_(summed)
+    comm.reduce_scatter_sum(shard, flags)
+    comm.all_reduce_sum_(none)
+    return {"bool sums are a logical or": bool(summed.all() and shard.all() and not none.any())}
 
 
 def device_buffers(comm: Communicator, dtype: torch.dtype) -> dict:
@@ -164,6 +177,8 @@ def on_the_gpu(device: torch.device) -> dict:
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype, device).items():
                     report[f"cuda/{what}/{name}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
+            for what, ok in logical_sums(comm, device).items():
+                report[f"cuda/{what}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
             expected = "two-level" if spans_nodes() else route
             report[f"cuda/route/{route}/chunk={chunk}"] = comm.routes == {"cuda": expected}
         comm = Communicator(force_staging=route == "staged", node_transport=route == "node")  # whole chunks
@@ -199,6 +214,8 @@ if __name__ == "__main__":
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype).items():
                     report[f"{what}/{name}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
+            for what, ok in logical_sums(comm).items():
+                report[f"{what}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
             report[f"host buffers used if and only if staged, shared memory if node/{route}/chunk={chunk}"] = (
                 bool(comm.staging_slots) is (route == "staged")
                 and comm.routes == {"cpu": "two-level" if spans_nodes() else route})

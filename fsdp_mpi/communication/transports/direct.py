@@ -16,7 +16,7 @@ import torch
 from mpi4py import MPI
 
 from fsdp_mpi.communication.transports.chunks import chunk_bounds
-from fsdp_mpi.communication.transports.mpi_buffers import as_bits, as_numbers, wait_for_producer
+from fsdp_mpi.communication.transports.mpi_buffers import as_bits, summed, wait_for_producer
 from fsdp_mpi.communication.transports.sums import summed_in_fp32
 from fsdp_mpi.communication.transports.transport import Transport, WidenedForMpi
 
@@ -31,13 +31,15 @@ class MpiCalls:
         self.mpi_comm.Allgather(as_bits(shard), as_bits(full))
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        self.mpi_comm.Reduce_scatter_block(as_numbers(full), as_numbers(shard), op=MPI.SUM)
+        (sent, op), (received, _) = summed(full), summed(shard)
+        self.mpi_comm.Reduce_scatter_block(sent, received, op=op)
 
     def all_to_all(self, received: torch.Tensor, sent: torch.Tensor) -> None:
         self.mpi_comm.Alltoall(as_bits(sent), as_bits(received))
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        self.mpi_comm.Allreduce(MPI.IN_PLACE, as_numbers(tensor), op=MPI.SUM)
+        values, op = summed(tensor)
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, values, op=op)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         self.mpi_comm.Bcast(as_bits(tensor), root=root)
@@ -132,5 +134,6 @@ class Direct(WidenedForMpi, Transport):
 
         def start():
             wait_for_producer(full)
-            return self.mpi.mpi_comm.Ireduce_scatter_block(as_numbers(full), as_numbers(shard), op=MPI.SUM)
+            (sent, op), (received, _) = summed(full), summed(shard)
+            return self.mpi.mpi_comm.Ireduce_scatter_block(sent, received, op=op)
         return start

@@ -7,9 +7,10 @@ pin the storage's size, which resharding frees). A device tensor goes straight
 to a CUDA-aware MPI as its address (``DeviceBuffer``), once the host has waited
 for the stream that produced it (``wait_for_producer``: an event, never the
 whole device). Moving data needs only the bits, so every dtype travels as
-unsigned integers of its width (``as_bits``); sums need the real type
-(``as_numbers``), and MPI has none for 16-bit floats, which are summed in fp32
-(``sums.py``).
+unsigned integers of its width (``as_bits``); sums need the real type and its
+operation (``summed``): every integer, complex and float type as itself, bool as a
+logical or (what torch's ``+`` gives booleans, and the node transport's sums), and
+16-bit floats, for which MPI has no type, as fp32 copies (``sums.py``).
 """
 
 import torch
@@ -18,7 +19,9 @@ from mpi4py import MPI
 # Moving data needs only the bits: every dtype travels as unsigned integers of its width.
 BIT_TYPES = {1: MPI.UINT8_T, 2: MPI.INT16_T, 4: MPI.INT32_T, 8: MPI.INT64_T}
 # Arithmetic needs the real type; 16-bit floats reach MPI's sums as fp32 copies (sums.py).
-SUM_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
+SUM_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.complex64: MPI.C_FLOAT_COMPLEX,
+             torch.complex128: MPI.C_DOUBLE_COMPLEX, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
+             torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL}
 
 
 class DeviceBuffer:
@@ -51,9 +54,12 @@ def as_bits(tensor: torch.Tensor) -> list:
     return [memory_of(tensor), BIT_TYPES[tensor.element_size()]]
 
 
-def as_numbers(tensor: torch.Tensor) -> list:
-    """An mpi4py buffer spec for reductions over `tensor`'s values (fp32 or fp64)."""
-    return [memory_of(tensor), SUM_TYPES[tensor.dtype]]
+def summed(tensor: torch.Tensor) -> tuple[list, MPI.Op]:
+    """(an mpi4py buffer spec of `tensor`'s values, the MPI operation) that sums it: any dtype of ``SUM_TYPES``.
+    Raises TypeError naming the dtype for any other (16-bit floats are widened before they get here)."""
+    if tensor.dtype not in SUM_TYPES:
+        raise TypeError(f"MPI cannot sum tensors of dtype {tensor.dtype}")
+    return [memory_of(tensor), SUM_TYPES[tensor.dtype]], MPI.LOR if tensor.dtype == torch.bool else MPI.SUM
 
 
 def check_full_and_shard(full: torch.Tensor, shard: torch.Tensor, world_size: int, what: str) -> None:
