@@ -18,10 +18,15 @@ Two threads may then be inside MPI at once only on different communicators
 (a replica all-reduce beside a shard group's prefetch), which MPI allows at
 ``MPI_THREAD_MULTIPLE``; where the library gives less, nothing is handed over and
 a started staged collective completes before ``start()`` returns, as before.
+
+The worker is a daemon thread: a collective whose partners never come (one a torch
+group has given up on at its timeout, ``distributed/work.py``) keeps it inside MPI,
+and must not keep the process from exiting.
 """
 
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Callable
 
 import torch
@@ -45,7 +50,7 @@ class CommunicationThread:
     """
 
     def __init__(self):
-        self._executor: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue | None = None
         self._worker: threading.Thread | None = None
         self._queued: list[Future] = []
         self._side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -53,8 +58,10 @@ class CommunicationThread:
     def start(self, collective: Callable[[], None], device: torch.device, keep: tuple = ()) -> InFlight:
         """Queues `collective` (`keep`: its buffers, held until it is waited for); the returned ``wait()``
         completes it and every one queued before it, and on a GPU makes the caller's stream wait for its work."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_mpi communication")
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            self._worker = threading.Thread(target=self._serve, name="fsdp_mpi communication", daemon=True)
+            self._worker.start()
         caller_stream = ready = side = None
         if device.type == "cuda":
             caller_stream = torch.cuda.current_stream(device)
@@ -65,7 +72,8 @@ class CommunicationThread:
             side = self._side_streams[device]
         # done ones leave the queue, unless they failed: wait_for_all() re-raises that
         self._queued = [future for future in self._queued if not future.done() or future.exception() is not None]
-        future = self._executor.submit(self._run, collective, ready, side)
+        future = Future()
+        self._jobs.put((future, collective, ready, side))
         self._queued.append(future)
 
         def joined() -> None:
@@ -74,8 +82,16 @@ class CommunicationThread:
                 caller_stream.wait_event(done)
         return InFlight(steps=(joined,), keep=keep)
 
+    def _serve(self) -> None:
+        """The worker: runs what it is handed, one at a time, in order, for as long as the process lives."""
+        while True:
+            future, collective, ready, side = self._jobs.get()
+            try:
+                future.set_result(self._run(collective, ready, side))
+            except BaseException as error:  # noqa: BLE001 (handed to whoever waits)
+                future.set_exception(error)
+
     def _run(self, collective: Callable[[], None], ready, side):
-        self._worker = threading.current_thread()
         if side is None:
             collective()
             return None
