@@ -5,8 +5,8 @@ how failures are caught (``failures/``: abort, the collective log and its watchd
 communicator ties them: it checks a collective's buffers, logs and watches it, and hands it to the transport
 that its routes chose for that kind of memory.
 
-Read in this order: settings -> timing_points -> failures/ -> transports/ -> bookkeeping -> routes -> comm
--> compression.
+Read in this order: settings -> timing_points -> failures/ -> transports/ -> bookkeeping -> routes ->
+point_to_point -> comm -> compression.
 Nothing here knows about modules, parameters or units.
 """
 

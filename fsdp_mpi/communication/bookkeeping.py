@@ -39,19 +39,21 @@ class Traffic:
 
 
 def in_mpi(comm, operation: str, sent: torch.Tensor | None = None, unit: str = "", *, numel: int = 0,
-           dtype: str = "", finishes: bool = True) -> "InMPI":
+           dtype: str = "", finishes: bool = True, collective: bool = True) -> "InMPI":
     """Every MPI call runs inside this, as ``with in_mpi(comm, ...) as record``.
 
     `sent` is the tensor this rank contributes (its size and dtype are logged); `unit` names the sharded unit
     the collective serves. A nonblocking call passes ``finishes=False``: its ``InFlight.wait()`` completes the
     record (``waiting_in_mpi``). The communicator has first made what it handed to its communication thread
-    finish, so that its collectives enter MPI in program order.
+    finish, so that its collectives enter MPI in program order. A message between two ranks passes
+    ``collective=False``: logged and watched, but neither numbered among the collectives (the ranks it does not
+    involve do not count it) nor checked in verify mode (``point_to_point.py`` checks each message itself).
     """
     if sent is not None:
         numel, dtype = sent.numel(), _dtype_name(sent.dtype)
     record = PROCESS_LOG.begin(comm.collectives_started, operation, unit, numel, dtype)
-    comm.collectives_started += 1
-    return InMPI(comm, record, finishes)
+    comm.collectives_started += collective
+    return InMPI(comm, record, finishes, verify=collective and comm.verify)
 
 
 @contextmanager
@@ -70,16 +72,16 @@ class InMPI:
     (watched for hangs), verify mode checks the ranks agree, and the time is counted.
     A class rather than a generator-based context manager: every collective pays for it (0.6 µs less)."""
 
-    __slots__ = ("comm", "record", "finishes", "start")
+    __slots__ = ("comm", "record", "finishes", "verify", "start")
 
-    def __init__(self, comm, record: CollectiveRecord, finishes: bool):
-        self.comm, self.record, self.finishes = comm, record, finishes
+    def __init__(self, comm, record: CollectiveRecord, finishes: bool, verify: bool):
+        self.comm, self.record, self.finishes, self.verify = comm, record, finishes, verify
 
     def __enter__(self) -> CollectiveRecord:
         comm = self.comm
         PROCESS_LOG.enter(self.record, comm.timeout, comm.rank)
         self.start = time.perf_counter()
-        if comm.verify:
+        if self.verify:
             try:
                 verify_every_rank_enters(comm, self.record)
             except BaseException:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
+from fsdp_mpi.communication import point_to_point
 from fsdp_mpi.communication.bookkeeping import Traffic, in_mpi, waiting_in_mpi
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
@@ -209,6 +210,17 @@ class Communicator:
                            lambda t: t.reduce_scatter(shard, full), transport.nonblocking_reduce_scatter(shard, full),
                            summed=True).then(finish)
 
+    # ----------------------------------------------------------------- messages between two ranks
+
+    def start_send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> InFlight:
+        """Starts sending `tensor` to rank `peer` (``point_to_point.py``); ``wait()`` before changing it."""
+        return point_to_point.start_send(self, tensor, peer, tag)
+
+    def start_receive(self, tensor: torch.Tensor, peer: int | None = None, tag: int = 0) -> InFlight:
+        """Starts receiving into `tensor` from rank `peer`, or from any rank (None); ``wait()`` returns the rank
+        it came from."""
+        return point_to_point.start_receive(self, tensor, peer, tag)
+
     # ----------------------------------------------------------------- objects and numbers (pickled, small)
 
     def all_gather_object(self, obj) -> list:
@@ -237,13 +249,16 @@ class Communicator:
     def barrier(self) -> None:
         self._pickled("barrier", self.mpi_comm.Barrier, alone=None)
 
-    def split(self, color: int | None) -> "Communicator":
+    def split(self, color: int | None) -> "Communicator | None":
         """A communicator over the ranks that pass the same `color` (None: the ranks of this node), in rank
-        order, with this one's settings. A group of one rank is its own only split."""
+        order, with this one's settings; None for a rank that passes ``MPI.UNDEFINED``. A group of one rank is
+        its own only split."""
         if self.world_size == 1:
-            return self
+            return None if color == MPI.UNDEFINED else self
         sub = self._pickled("split", lambda: split_by_node(self.mpi_comm) if color is None
                             else self.mpi_comm.Split(color, self.rank), alone=None)
+        if sub == MPI.COMM_NULL:
+            return None
         child = Communicator(sub, force_staging=self.force_staging, cuda_aware=self.cuda_aware,
                              node_transport=self.node_transport, two_level=self.two_level, timeout=self.timeout,
                              verify=self.verify)

@@ -117,9 +117,15 @@ class Routes:
             del self.transports[kind], self.lines[kind]
 
 
+def mpi_reads_in_place(comm, device: torch.device) -> bool:
+    """Whether MPI reads and writes `device`'s memory itself (host memory; device memory where MPI is
+    CUDA-aware), unless `comm` forces staging: what collectives and messages alike go by."""
+    return not comm.force_staging and (device.type == "cpu" or comm.cuda_aware)
+
+
 def mpi_transport(comm, mpi_comm, device: torch.device) -> Direct | Staged:
-    """MPI over `mpi_comm`, with `comm`'s settings: direct where it can read `device`'s memory (host memory,
-    device memory where MPI is CUDA-aware), else staged through pinned host buffers, as it is when forced."""
-    if comm.force_staging or (device.type != "cpu" and not comm.cuda_aware):
+    """MPI over `mpi_comm`, with `comm`'s settings: direct where it can read `device`'s memory, else staged
+    through pinned host buffers, as it is when forced."""
+    if not mpi_reads_in_place(comm, device):
         return Staged(mpi_comm, comm.staging_chunk_bytes, comm.max_elements_per_message)
     return Direct(mpi_comm, comm.max_elements_per_message, comm.device_reductions_in_background)
