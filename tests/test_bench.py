@@ -83,7 +83,7 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     # dimension to a multiple of 2 ranks) aside: gpt2-tiny's dimensions are even, so none.
     assert float(summary["ddp", "32", "2"]["comm_mb_per_step"]) == pytest.approx(4 * 112_384 / 2**20, rel=1e-9)
     assert float(summary["torch-fsdp", "32", "2"]["comm_mb_per_step"]) == pytest.approx(megabytes["32"], rel=1e-9)
-    # the same FSDP2 over fsdp_mpi's backend (fsdp_mpi/distributed.py) makes the same calls
+    # the same FSDP2 over fsdp_mpi's backend (fsdp_mpi/distributed/) makes the same calls
     over_ours = summary["torch-fsdp+backend=fsdp_mpi", "32", "2"]
     assert float(over_ours["comm_mb_per_step"]) == pytest.approx(megabytes["32"], rel=1e-9)
     # sharding halves what each rank holds for parameters, gradients and Adam state (up to padding)

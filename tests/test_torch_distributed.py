@@ -10,7 +10,7 @@ import torch.distributed as dist
 from mpi_launch import check_ok, run_mpi
 from test_lightning import FP32_EPS
 
-from fsdp_mpi.distributed import _Reduction
+from fsdp_mpi.distributed import Reduction
 
 
 def check_steps(steps: list[dict]) -> None:
@@ -35,7 +35,7 @@ def check_torch_distributed(report: dict) -> None:
     every other call right."""
     assert report.pop("backend") == "fsdp_mpi"
     collectives = report.pop("collectives")
-    assert [name for name, ok in collectives.items() if not ok] == [] and len(collectives) == 11
+    assert [name for name, ok in collectives.items() if not ok] == [] and len(collectives) == 23
     assert sorted(report) == ["ddp", "fsdp2", "fsdp2_bf16", "hsdp"]
     for steps in report.values():
         assert len(steps) == 3
@@ -67,30 +67,44 @@ class _Options:
         self.reduceOp = op
 
 
-def test_reduce_ops_are_read_as_sums_or_refused_by_name():
-    """SUM and AVG (divided by the ranks after the sum), PREMUL_SUM (each rank's values times its factor first)
-    for every reduction; MAX, MIN and PRODUCT for an all-reduce only; anything else refused naming the call."""
-    assert _Reduction.of(_Options(dist.ReduceOp.AVG), "reduce_scatter").kind == dist.ReduceOp.AVG
-    premul = _Reduction.of(_Options(dist.ReduceOp.PREMUL_SUM(0.25)), "reduce_scatter")
-    values = torch.ones(3)
-    premul.before(values)
-    assert premul.factor == 0.25 and values.tolist() == [0.25] * 3
-    average = _Reduction.of(_Options(dist.ReduceOp.AVG), "all_reduce")
+def test_reduce_ops_are_sums_with_a_factor_before_and_a_division_after_or_every_ranks_values_combined():
+    """AVG divides after the sum, except 16-bit floats, divided before (their sum may overflow where the mean does
+    not), and integers, truncated; PREMUL_SUM multiplies before; MAX, MIN, PRODUCT and the bitwise ops combine
+    every rank's values; an op with no meaning for the dtype is refused naming the call."""
+    def of(op, dtype=torch.float32):
+        return Reduction.of(_Options(op), "all_reduce", dtype)
+    average = of(dist.ReduceOp.AVG)
+    values = torch.full((3,), 10.0)
     average.after(values, 4)
-    assert values.tolist() == [0.0625] * 3
-    assert _Reduction.of(_Options(dist.ReduceOp.MAX), "all_reduce", sums_only=False).kind == dist.ReduceOp.MAX
-    with pytest.raises(NotImplementedError, match="fsdp_mpi: reduce_scatter with RedOpType.MAX: SUM, AVG and "
-                                                  "PREMUL_SUM are supported"):
-        _Reduction.of(_Options(dist.ReduceOp.MAX), "reduce_scatter")
-    with pytest.raises(NotImplementedError, match="all_reduce with RedOpType.BAND"):
-        _Reduction.of(_Options(dist.ReduceOp.BAND), "all_reduce", sums_only=False)
+    assert average.scale_before(torch.float32, 4) is None and values.tolist() == [2.5] * 3
+    assert of(dist.ReduceOp.AVG, torch.float16).scale_before(torch.float16, 4) == 0.25
+    halves = torch.full((2,), 10.0, dtype=torch.bfloat16)
+    of(dist.ReduceOp.AVG, torch.bfloat16).after(halves, 4)
+    assert halves.tolist() == [10.0, 10.0]  # divided before, not again
+    integers = torch.tensor([7, -7])
+    of(dist.ReduceOp.AVG, torch.int64).after(integers, 2)
+    assert integers.tolist() == [3, -3]  # truncated, as C divides
+    assert of(dist.ReduceOp.PREMUL_SUM(0.25)).scale_before(torch.float32, 4) == 0.25
+    by_rank = torch.tensor([[1, 5, 6], [3, 2, 3]])
+    combined = {op: of(op, torch.int64).combine(by_rank).tolist() for op in (
+        dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT, dist.ReduceOp.BAND, dist.ReduceOp.BOR,
+        dist.ReduceOp.BXOR)}
+    assert list(combined.values()) == [[3, 5, 6], [1, 2, 3], [3, 10, 18], [1, 0, 2], [3, 7, 7], [2, 7, 5]]
+    assert not of(dist.ReduceOp.SUM).combined and of(dist.ReduceOp.MAX).combined
+    for op, dtype, refusal in ((dist.ReduceOp.PREMUL_SUM(0.5), torch.int64, "PREMUL_SUM of torch.int64 tensors"),
+                               (dist.ReduceOp.AVG, torch.bool, "AVG of bool tensors"),
+                               (dist.ReduceOp.BAND, torch.float32, "BAND of torch.float32 tensors"),
+                               (dist.ReduceOp.MAX, torch.complex64, "MAX of complex tensors")):
+        with pytest.raises(ValueError, match=f"fsdp_mpi: all_reduce with {refusal}"):
+            of(op, dtype)
 
 
 @pytest.mark.one_rank
-def test_a_group_bound_to_a_device_answers_for_its_backend_there():
+def test_a_group_bound_to_a_device_answers_for_its_backend_there_and_splits():
     """torch asks a group bound to a device (init_process_group's device_id, as Lightning passes on a GPU) for
-    its backend on that device, to split it for a new group or connect it ahead: the backend's group is its own
-    backend on every device and does neither (torch_distributed.py makes a new group of such a world)."""
+    its backend on that device, and a device mesh splits it (``split_group``, every rank naming its own part; a
+    rank in none gets None) where NCCL would split its communicator: the group is its own backend on every
+    device, and its splits are MPI's (torch_distributed.py splits a world of several ranks)."""
     from torch.distributed.distributed_c10d import _get_split_source
 
     from fsdp_mpi import Communicator
@@ -98,10 +112,13 @@ def test_a_group_bound_to_a_device_answers_for_its_backend_there():
 
     group = MpiProcessGroup(Communicator())
     group.bound_device_id = torch.device("cuda", 0)
-    answers = []
-    for ask in (lambda: group._get_backend(group.bound_device_id), lambda: _get_split_source(group)):
-        try:
-            answers.append(ask())
-        except RuntimeError as error:  # torch's own: "No backend type associated with device type cuda"
-            answers.append(str(error))
-    assert answers == [group, None]  # no split: a new group is an MPI communicator of its own
+    try:
+        backend = group._get_backend(group.bound_device_id)
+    except RuntimeError as error:  # torch's own answer: "No backend type associated with device type cuda"
+        backend = str(error)
+    assert backend is group and _get_split_source(group) is group
+    assert group.name() == "fsdp_mpi" and group.options is None  # torch calls name() and copies the options
+    group.perform_nocolor_split(group.bound_device_id)  # what a rank outside a new group calls
+    part = group.split_group([0], group_name="mine", group_desc="a part")
+    assert (part.group_name, part.group_desc, part.size()) == ("mine", "a part", 1)
+    assert group.split_group([1]) is None  # a part this rank is not in

@@ -3,7 +3,7 @@
 ``fsdp-mpi`` is ours. ``ddp`` and ``torch-fsdp`` (torch FSDP2's ``fully_shard``)
 use torch.distributed, initialised from the MPI ranks that mpiexec started, on
 ``--backend``: gloo on CPU and nccl on GPU by default, or ``fsdp_mpi``
-(torch.distributed over fsdp_mpi's transports, ``fsdp_mpi/distributed.py``: MPI from
+(torch.distributed over fsdp_mpi's transports, ``fsdp_mpi/distributed/``: MPI from
 pip, ranks sharing a GPU). The Lightning strategies live in ``lightning_runner``;
 ``lightning-fsdp-mpi`` is a Lightning Trainer with fsdp_mpi's ``FSDPMPIStrategy``.
 

@@ -33,8 +33,8 @@ EMULATED_NODE_SIZE = Setting("FSDP_MPI_EMULATED_NODE_SIZE", "the machine's ranks
                              "K, for tests and benchmarks only: consecutive blocks of K ranks act as the nodes "
                              "(one machine as several; the memory is still shared)")
 TIMEOUT = Setting("FSDP_MPI_TIMEOUT", "600",
-                  "seconds a rank may wait in one collective before the watchdog reports and aborts the job; 0: never",
-                  600.0)
+                  "seconds a rank may wait in one collective before the watchdog reports and aborts the job; 0: never "
+                  "(a torch group's timeout=, at which wait() raises, where this is set and smaller)", 600.0)
 VERIFY = Setting("FSDP_MPI_VERIFY", "0", "1: check before every collective that all ranks enter the same one", False)
 HYBRID_GROUP_SIZE = Setting("FSDP_MPI_HYBRID_GROUP_SIZE", "the node's ranks",
                             "K: HYBRID_SHARD's shard groups are K consecutive ranks")
