@@ -37,6 +37,9 @@
 #       # torch's own FSDP2 (fp32, bf16, HSDP) and DDP on the "fsdp_mpi" backend with 2 ranks sharing the GPU, and
 #       # Lightning's DDPStrategy and FSDPStrategy on it (issue 61); GPT-2's step as FSDP2 on the backend beside
 #       # fsdp-mpi, 2 ranks sharing the GPU. Named only, about 2 minutes
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh torch-test-base
+#       # torch's own tests of a backend (DistributedTest._DistTestBase) on the fsdp_mpi backend, 2 ranks sharing the
+#       # GPU (tests/test_torch_test_base.py's runner): counts and failures in torch-test-base.log. Named only
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh compiled-whole
 #       # the whole model in one compiled graph (issue 62): gpt2 (16 x 1024) and gpt2-medium (8 x 1024), bf16,
 #       # plain torch, fsdp-mpi and FSDP2 each compiled whole, on one rank and 2 ranks sharing the GPU; step s,
@@ -209,6 +212,13 @@ if [[ "$only" == *" torch-distributed "* ]]; then
     run torch-distributed-gpt2 120 env CUDA_VISIBLE_DEVICES=0 $PY experiments/bench.py --device cuda --model gpt2 \
         --seq-len 1024 --batch-size 16 --same-global-batch --ranks 2 --steps 4 --warmup 2 --rounds 1 \
         --out "$out/torch-distributed-gpt2.csv" --strategies fsdp-mpi:bf16-mixed,torch-fsdp+backend=fsdp_mpi:bf16-mixed
+fi
+
+# torch's own tests of a process-group backend (issue 71) on 2 ranks sharing the GPU, named only: the CPU ones,
+# and of torch's CUDA ones those it lets run with one GPU for two ranks. expecttest (torch's test utilities need
+# it) comes with the wheels where the image lacks it.
+if [[ "$only" == *" torch-test-base "* ]]; then
+    run torch-test-base 240 $PY tests/harness/torch_test_jobs.py fsdp_mpi 2 "$out/torch-test-base"
 fi
 
 # The whole model in one compiled graph (issue 62), named only: plain torch, fsdp-mpi (gathers and reductions
