@@ -275,9 +275,10 @@ def test_collectives_on_several_ranks_for_every_dtype(nprocs, node_size, tmp_pat
                      if node_size else None))
     report = json.loads(out.read_text())
     assert report.pop("sum_and_max_of_floats") == [sum(r + 0.5 for r in range(nprocs)), 0.0]
-    # (collectives x dtypes (4 float, 3 integer) + 16-bit sums in fp32 for the 2 16-bit dtypes + bool sums) x
-    # route (direct MPI, staged, node transport) x chunking, + the route taken, + device buffers handed to MPI, +
-    # started staged collectives returning before the partner joins (the communication thread), + a started 16-bit
-    # reduce-scatter handed to it in fp32, + the route line's word on Intel MPI's GPU offload
-    assert len(report) == (7 * 7 + 2 + 1) * 3 * 2 + 6 + 7 * 2 + 4 + 1 + 1
+    # (collectives x dtypes (4 float, 3 integer) + 16-bit sums in fp32 for the 2 16-bit dtypes + bool sums +
+    # collectives of no elements) x route (direct MPI, staged, node transport) x chunking, + the route taken, +
+    # device buffers handed to MPI, + started staged collectives returning before the partner joins (the
+    # communication thread), + a started 16-bit reduce-scatter handed to it in fp32, + the route line's word on
+    # Intel MPI's GPU offload
+    assert len(report) == (7 * 7 + 2 + 1 + 1) * 3 * 2 + 6 + 7 * 2 + 4 + 1 + 1
     assert [name for name, ok in report.items() if not ok] == []

@@ -43,9 +43,10 @@ def test_collectives_on_the_gpu_through_the_node_and_staged(tmp_path):
     report = json.loads(out.read_text())
     routes = {name.split("/")[2] for name in report if name.startswith("cuda/route/")}
     assert routes in ({"node", "staged"}, {"node", "staged", "direct"})  # direct where MPI is CUDA-aware
-    # (7 collectives x 7 dtypes + 16-bit sums in fp32 x 2 + bool sums + the route taken) x routes x (whole,
-    # 16-byte chunks), + 64 MiB on each route but the node transport, as on it, + no CUDA context on another GPU
-    assert len(report) == (7 * 7 + 2 + 1 + 1) * len(routes) * 2 + len(routes) - 1 + 1
+    # (7 collectives x 7 dtypes + 16-bit sums in fp32 x 2 + bool sums + no elements + the route taken) x routes x
+    # (whole, 16-byte chunks), + 64 MiB on each route but the node transport, as on it, + no CUDA context on
+    # another GPU
+    assert len(report) == (7 * 7 + 2 + 1 + 1 + 1) * len(routes) * 2 + len(routes) - 1 + 1
     assert [name for name, ok in report.items() if not ok] == []
 
 

@@ -406,6 +406,8 @@ MUTANTS = {
     "a message shorter than its receiving tensor is taken as it came": (
         "fsdp_mpi/communication/point_to_point.py", "if status.Get_count(MPI.BYTE) != received.nbytes:", "if False:",
         [TORCH_DISTRIBUTED]),
+    "a collective of no elements goes to its transport": (
+        "fsdp_mpi/communication/comm.py", "        if buffer.numel() == 0:\n            return\n", "", [COLLECTIVES_2X2]),
     "Lightning's teardown moves the sharded model to the CPU": (
         "fsdp_mpi/lightning.py", "        self.cluster_environment.teardown()", "        super().teardown()", [LIGHTNING]),
 }

@@ -276,8 +276,11 @@ class Communicator:
     def _run(self, operation: str, sent: torch.Tensor, unit: str, buffer: torch.Tensor, call: Call,
              summed: bool = False) -> None:
         """One collective: `call` on the transport of `buffer`'s memory, logged, watched and counted (`buffer`'s
-        bytes, widened where the transport sums 16-bit values through fp32); a group of one rank just calls."""
+        bytes, widened where the transport sums 16-bit values through fp32); a group of one rank just calls. A
+        collective of no elements moves nothing: every rank has none (their counts must agree), and none calls."""
         transport = self.transport(buffer.device)
+        if buffer.numel() == 0:
+            return
         if not transport.makes_mpi_calls:
             call(transport)
             return
@@ -295,6 +298,8 @@ class Communicator:
         """A started collective: on the communication thread, where the transport says so; else as MPI's
         nonblocking call, where the transport makes one for these buffers (`nonblocking` starts it and returns
         its request); else run to its end now."""
+        if buffer.numel() == 0:
+            return InFlight()
         if self._on_the_worker(transport, buffer):
             return self.communication_thread.start(lambda: self._run(operation, sent, unit, buffer, call, summed),
                                                    buffer.device, keep=buffers)

@@ -84,6 +84,25 @@ def logical_sums(comm: Communicator, device: torch.device = torch.device("cpu"))
     return {"bool sums are a logical or": bool(summed.all() and shard.all() and not none.any())}
 
 
+def empty(comm: Communicator, device: torch.device = torch.device("cpu")) -> dict:
+    """Collectives of no elements, on every route and kind of call: nothing to move, and no error (every rank
+    raises alike where one is refused, before any MPI call)."""
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            none = torch.empty(0, dtype=dtype, device=device)
+            comm.all_gather_into(none, none.clone())
+            comm.reduce_scatter_sum(none, none.clone())
+            comm.all_reduce_sum_(none)
+            comm.all_to_all(none, none.clone())
+            comm.broadcast_(none, root=comm.world_size - 1)
+            comm.start_all_gather_into(none, none.clone()).wait()
+            comm.start_reduce_scatter_sum(none, none.clone()).wait()
+    except (RuntimeError, ZeroDivisionError) as refused:
+        print(f"rank {comm.rank}: a collective of no elements: {refused!r}", file=sys.stderr)
+        return {"collectives of no elements": False}
+    return {"collectives of no elements": True}
+
+
 def device_buffers(comm: Communicator, dtype: torch.dtype) -> dict:
     """The CUDA-aware path's buffers, over host memory standing in for device memory (as mpi4py's own tests
     fake device arrays): MPI is handed each tensor's own address and length, and moves the same bits."""
@@ -177,7 +196,7 @@ def on_the_gpu(device: torch.device) -> dict:
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype, device).items():
                     report[f"cuda/{what}/{name}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
-            for what, ok in logical_sums(comm, device).items():
+            for what, ok in {**logical_sums(comm, device), **empty(comm, device)}.items():
                 report[f"cuda/{what}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
             expected = "two-level" if spans_nodes() else route
             report[f"cuda/route/{route}/chunk={chunk}"] = comm.routes == {"cuda": expected}
@@ -214,7 +233,7 @@ if __name__ == "__main__":
             for name, dtype in DTYPES.items():
                 for what, ok in check(comm, dtype).items():
                     report[f"{what}/{name}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
-            for what, ok in logical_sums(comm).items():
+            for what, ok in {**logical_sums(comm), **empty(comm)}.items():
                 report[f"{what}/{route}/chunk={chunk}"] = all(comm.all_gather_object(ok))
             report[f"host buffers used if and only if staged, shared memory if node/{route}/chunk={chunk}"] = (
                 bool(comm.staging_slots) is (route == "staged")
