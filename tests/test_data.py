@@ -133,15 +133,52 @@ def test_a_data_directorys_own_tiny_shakespeare_is_read_instead(tmp_path):
 
 
 def test_download_extracts_cornell_files_from_the_zip(tmp_path, monkeypatch):
+    conversations = b"u0 +++$+++ u1 +++$+++ m0 +++$+++ ['L1', 'L2']\n"
+    lines = b"L1 +++$+++ u0 +++$+++ m0 +++$+++ A +++$+++ Hi.\nL2 +++$+++ u1 +++$+++ m0 +++$+++ B +++$+++ Hello.\n"
     archive = io.BytesIO()
     with zipfile.ZipFile(archive, "w") as z:
-        z.writestr("cornell movie-dialogs corpus/movie_conversations.txt", "u0 +++$+++ u1 +++$+++ m0 +++$+++ ['L1', 'L2']\n")
-        z.writestr("cornell movie-dialogs corpus/movie_lines.txt", "L1 +++$+++ u0 +++$+++ m0 +++$+++ A +++$+++ Hi.\n"
-                   "L2 +++$+++ u1 +++$+++ m0 +++$+++ B +++$+++ Hello.\n")
+        z.writestr("cornell movie-dialogs corpus/movie_conversations.txt", conversations)
+        z.writestr("cornell movie-dialogs corpus/movie_lines.txt", lines)
     monkeypatch.setattr(files.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(archive.getvalue()))
+    monkeypatch.setitem(files.PINS, "cornell_movie_dialogs/movie_conversations.txt",  # pinned as these small ones
+                        files.Pin(len(conversations), hashlib.sha256(conversations).hexdigest()))
+    monkeypatch.setitem(files.PINS, "cornell_movie_dialogs/movie_lines.txt", files.Pin(git_blob=files.git_blob_id(lines)))
     corpus = read_cornell(tmp_path)
     assert corpus.dialogues == [["Hi.", "Hello."]] and corpus.speakers == [["A", "B"]] and corpus.skipped == 0
     assert (tmp_path / "cornell_movie_dialogs/movie_lines.txt").is_file()
+
+
+@needs_shared_data
+@pytest.mark.parametrize("damage", ["as published", "one byte changed", "truncated", "not a zip"])
+def test_a_download_is_written_only_as_published(damage, tmp_path, monkeypatch):
+    """Each fetched file is checked against its pin before it reaches the data directory: the published bytes
+    are written; a changed, short or unreadable download is refused naming the file and both digests (or
+    sizes), and leaves nothing behind. movie_lines.txt is pinned by git's object id (no SHA-256 of it is known
+    here): a stand-in pinned the same way shows that check."""
+    name = "tokenizers/gpt2/merges.txt" if damage != "not a zip" else "cornell_movie_dialogs/movie_lines.txt"
+    published = (SHARED_DATA / name).read_bytes() if damage != "not a zip" else b"not a zip"
+    served = {"as published": published, "one byte changed": published[:100] + b"#" + published[101:],
+              "truncated": published[:-1000], "not a zip": published}[damage]
+    monkeypatch.setattr(files.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(served))
+    if damage == "as published":
+        assert data_file(tmp_path, name).read_bytes() == published
+        return
+    with pytest.raises(DataError) as refused:
+        data_file(tmp_path, name)
+    message = str(refused.value)
+    assert name in message and "nothing was written" in message.lower()
+    expected = {"one byte changed": f"SHA-256 {hashlib.sha256(served).hexdigest()} where {files.PINS[name].sha256}",
+                "truncated": f"{len(served):,} bytes where {len(published):,} were expected",
+                "not a zip": "is not the corpus's zip"}[damage]
+    assert expected in message
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
+
+
+def test_a_git_object_id_pins_a_file_and_its_size():
+    lines = b"L1 +++$+++ u0 +++$+++ m0 +++$+++ A +++$+++ Hi.\n"
+    pin = files.Pin(git_blob="ddb69ddae910fbb85ebe0fb376803ddb8ffc5ccd")  # git hash-object of those bytes
+    assert files.git_blob_id(lines) == pin.git_blob and pin.mismatch(lines) is None
+    assert "git object id" in pin.mismatch(lines[:-1]) and "git object id" in pin.mismatch(lines.upper())
 
 
 def test_unreadable_text_is_reported(tmp_path):

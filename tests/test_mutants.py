@@ -98,6 +98,7 @@ NODE_LOST = "tests/test_resumable.py::test_a_run_that_lost_a_node_starts_again_a
 BOUND_GROUP = ("tests/test_torch_distributed.py::"
                "test_a_group_bound_to_a_device_answers_for_its_backend_there_and_splits")
 LIGHTNING = "tests/test_lightning.py::test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_precision"
+DOWNLOAD = "tests/test_data.py::test_a_download_is_written_only_as_published[truncated]"
 DIRECT_ORDER = "tests/test_comm.py::test_the_direct_route_waits_for_the_stream_before_mpi_touches_any_piece"
 
 # name: (file, the line's text as it is, what it becomes, tests that must fail)
@@ -408,6 +409,8 @@ MUTANTS = {
         [TORCH_DISTRIBUTED]),
     "a collective of no elements goes to its transport": (
         "fsdp_mpi/communication/comm.py", "        if buffer.numel() == 0:\n            return\n", "", [COLLECTIVES_2X2]),
+    "a download is written without its check": (
+        "experiments/corpora/files.py", "    wrong = PINS[relative].mismatch(payload)", "    wrong = None", [DOWNLOAD]),
     "Lightning's teardown moves the sharded model to the CPU": (
         "fsdp_mpi/lightning.py", "        self.cluster_environment.teardown()", "        super().teardown()", [LIGHTNING]),
 }

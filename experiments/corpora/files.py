@@ -7,8 +7,11 @@ a data directory's own ``tinyshakespeare/input.txt`` is read instead where it ha
 Lookup order for the data directory: ``--data-dir``, then ``$FSDP_MPI_DATA_DIR``,
 then ``~/.cache/fsdp_mpi/data`` (``$XDG_CACHE_HOME`` respected). A file missing
 there is downloaded from its public source when the machine is online;
-otherwise the error names the file and where to put it. The layout is the one
-of the repository's ``shared/data``::
+otherwise the error names the file and where to put it. Every file fetched is
+checked against its pin (``PINS``: size and SHA-256, or git's object id where
+that is the one identity known) before it is written into the data directory: a
+short or altered download is refused, naming the file and both digests, and
+leaves nothing behind. The layout is the one of the repository's ``shared/data``::
 
     tinyshakespeare/input.txt                         (optional: the embedded copy otherwise)
     cornell_movie_dialogs/movie_lines.txt             (or movie_lines.PARTIAL_first_1885_lines.txt)
@@ -18,6 +21,7 @@ of the repository's ``shared/data``::
 """
 
 import gzip
+import hashlib
 import io
 import os
 import urllib.request
@@ -38,6 +42,43 @@ SOURCES = {
     "cornell_movie_dialogs/movie_lines.txt": _CORNELL_ZIP,
     "cornell_movie_dialogs/movie_conversations.txt": _CORNELL_ZIP,
 }
+
+
+@dataclass(frozen=True)
+class Pin:
+    """What a fetched file must be: its size and SHA-256, or, where no SHA-256 of it is known, git's object id (the
+    SHA-1 of a header with its size, then its bytes: it pins the size too)."""
+
+    size: int | None = None
+    sha256: str | None = None
+    git_blob: str | None = None
+
+    def mismatch(self, payload: bytes) -> str | None:
+        """What is wrong with `payload` (expected against actual), or None."""
+        if self.size is not None and len(payload) != self.size:
+            return f"{len(payload):,} bytes where {self.size:,} were expected"
+        if self.sha256 is not None and (actual := hashlib.sha256(payload).hexdigest()) != self.sha256:
+            return f"SHA-256 {actual} where {self.sha256} was expected"
+        if self.git_blob is not None and (actual := git_blob_id(payload)) != self.git_blob:
+            return f"git object id {actual} where {self.git_blob} was expected ({len(payload):,} bytes)"
+        return None
+
+
+def git_blob_id(payload: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(payload) + payload).hexdigest()
+
+
+# The published files, as shared/data's README records them (the tokenizers' digests are those tiktoken and
+# Hugging Face pin); of the full movie_lines.txt, which no copy here has, only its git object id is known.
+PINS = {
+    "tokenizers/gpt2/vocab.json": Pin(1_042_301, "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+    "tokenizers/gpt2/merges.txt": Pin(456_318, "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+    "tokenizers/bert-base-uncased/vocab.txt": Pin(
+        231_508, "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"),
+    "cornell_movie_dialogs/movie_conversations.txt": Pin(
+        6_760_930, "600bc1d34ca629533643ca85c14b18849a548dce663e6d36977c14f24b75e055"),
+    "cornell_movie_dialogs/movie_lines.txt": Pin(git_blob="66ea02a571e1c98f42bc216ccac6e29ccb406abe"),
+}
 PARTIAL_MOVIE_LINES = "cornell_movie_dialogs/movie_lines.PARTIAL_first_1885_lines.txt"
 CORNELL_SEPARATOR = " +++$+++ "
 
@@ -56,17 +97,29 @@ def default_data_dir(explicit: str | None = None) -> Path:
 
 
 def _download(relative: str, target: Path) -> None:
+    """Fetches `relative` into `target`, whole and as pinned, or raises and leaves nothing there."""
     url = SOURCES[relative]
     with urllib.request.urlopen(url, timeout=30) as response:
         payload = response.read()
     if url == _CORNELL_ZIP:
-        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
-            member = next(name for name in archive.namelist() if name.endswith("/" + Path(relative).name))
-            payload = archive.read(member)
+        try:
+            with zipfile.ZipFile(io.BytesIO(payload)) as archive:
+                member = next(name for name in archive.namelist() if name.endswith("/" + Path(relative).name))
+                payload = archive.read(member)
+        except (zipfile.BadZipFile, StopIteration) as error:
+            raise DataError(f"{url} is not the corpus's zip, or lacks {Path(relative).name} ({error!r}): "
+                            f"nothing was written to {target}") from error
+    wrong = PINS[relative].mismatch(payload)
+    if wrong:
+        raise DataError(f"the download of {relative} from {url} is not the published file: {wrong}. Nothing was "
+                        f"written to {target}; try again, or put a verified copy there")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(target.suffix + ".download")
-    partial.write_bytes(payload)
-    partial.rename(target)
+    try:
+        partial.write_bytes(payload)
+        partial.rename(target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def data_file(data_dir: Path, relative: str, download: bool = True) -> Path:
