@@ -169,12 +169,8 @@ class MpiProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         """outputs[i] (ranks * n_i) <- every rank's inputs[i] (n_i), in rank order: one collective for all."""
         def gather():
-            rows = self._gathered_bytes(inputs)  # (ranks, bytes of all inputs)
-            at = 0
-            for output, tensor in zip(outputs, inputs):
-                width = tensor.numel() * tensor.element_size()
-                _write_bytes(output, rows[:, at:at + width])
-                at += width
+            for output, by_rank in zip(outputs, self._gathered_bytes(inputs)):
+                _write_bytes(output, by_rank)
         return self._run(gather, "all_gather", inputs, outputs)
 
     def allgather(self, output_lists, inputs, opts=None):
@@ -193,21 +189,18 @@ class MpiProcessGroup(dist.ProcessGroup):
 
     def _all_gather_lists(self, output_of, inputs, result):
         def gather():
-            rows = self._gathered_bytes(inputs)
-            for rank in range(self.comm.world_size):
-                at = 0
-                for i, tensor in enumerate(inputs):
-                    width = tensor.numel() * tensor.element_size()
-                    _write_bytes(output_of(i, rank), rows[rank, at:at + width])
-                    at += width
+            for i, by_rank in enumerate(self._gathered_bytes(inputs)):
+                for rank, part in enumerate(by_rank):
+                    _write_bytes(output_of(i, rank), part)
         return self._run(gather, "all_gather", inputs, result)
 
-    def _gathered_bytes(self, inputs) -> torch.Tensor:
-        """(ranks, B) bytes: every rank's `inputs`, each as its bytes, one after another, in one all-gather."""
+    def _gathered_bytes(self, inputs) -> list[torch.Tensor]:
+        """Every rank's `inputs` in one all-gather of their bytes: per input, its (ranks, bytes) view."""
         sent = torch.cat([_bytes_of(tensor) for tensor in inputs]) if inputs else torch.empty(0, dtype=torch.uint8)
         full = torch.empty(self.comm.world_size * sent.numel(), dtype=torch.uint8, device=sent.device)
         self.comm.all_gather_into(full, sent)
-        return full.view(self.comm.world_size, sent.numel())
+        rows = full.view(self.comm.world_size, sent.numel())
+        return list(rows.split([tensor.numel() * tensor.element_size() for tensor in inputs], dim=1))
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -242,8 +235,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._run(lambda: self._all_to_all_parts(outputs, inputs), "all_to_all", inputs, outputs)
 
     def _all_to_all_parts(self, received: list, sent: list) -> None:
-        """received[j] <- rank j's sent[this rank]. Parts of one size go as they are; others are padded to the
-        largest part of any rank (one small reduction finds it) and cut back on arrival."""
+        """received[j] <- rank j's sent[this rank], parts of any sizes: each padded to the largest part of any rank
+        (one small reduction finds it), moved in one even all-to-all, and cut back on arrival."""
         world, sizes = self.comm.world_size, [part.numel() for part in sent + received]
         widest = int(self.comm.all_reduce_max_float(max(sizes, default=0)))
         reference = sent[0] if sent else received[0]

@@ -35,7 +35,7 @@ os.environ.update(WORLD_SIZE=str(WORLD), TEMP_DIR=TEMP_DIR, INIT_METHOD=f"file:/
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.common_distributed import TEST_SKIPS  # noqa: E402
 from torch.testing._internal.common_utils import TestCase  # noqa: E402
-from torch_test_base_skips import SKIPPED, skipped_here  # noqa: E402
+from torch_test_base_skips import skipped_here  # noqa: E402
 
 import fsdp_mpi.distributed  # noqa: E402
 
