@@ -58,6 +58,9 @@ sets compiled and eager side by side.
 or int8).
 ``fsdp-mpi+mpi`` moves the node's bytes through MPI instead of the memory its
 ranks share (``FSDP_MPI_NODE_TRANSPORT=0``), as before the node transport.
+``+sample_dropout`` (any strategy but Lightning's) draws dropout per sample
+(``fsdp_mpi.use_sample_dropout``), as the experiments train; without it the
+model's ``nn.Dropout`` draws per rank (attention's inside torch's fused kernel).
 ``fsdp-mpi+flat`` sends a group that spans nodes through one flat ring instead
 of in two levels (``FSDP_MPI_TWO_LEVEL=0``).
 ``fsdp-mpi+SHARD_GRAD_OP`` (or any sharding strategy) runs fsdp-mpi with that

@@ -24,7 +24,9 @@ class BertTask:
 
     def __init__(self, config: RunConfig, comm):
         data_dir = default_data_dir(config.data_dir)
-        self.config = bert_config(config.model, gradient_checkpointing=config.gradient_checkpointing)
+        dropout = {} if config.dropout is None else {"hidden_dropout_prob": config.dropout,
+                                                     "attention_probs_dropout_prob": config.dropout}
+        self.config = bert_config(config.model, gradient_checkpointing=config.gradient_checkpointing, **dropout)
         if config.seq_len > self.config.max_position_embeddings:
             raise UsageError(f"--seq-len {config.seq_len} exceeds {config.model}'s "
                              f"{self.config.max_position_embeddings} positions")

@@ -6,7 +6,7 @@
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from corpora.datasets import shakespeare_windows
 from corpora.files import default_data_dir
@@ -35,13 +35,13 @@ class GPT2Task:
             make_tokenizer = CharTokenizer.from_text
         else:
             make_tokenizer = lambda _text: GPT2Tokenizer(data_dir, download)  # noqa: E731
-        self.config = gpt2_config(config.model, gradient_checkpointing=config.gradient_checkpointing)
+        dropout = {} if config.dropout is None else {"dropout": config.dropout}
+        self.config = gpt2_config(config.model, gradient_checkpointing=config.gradient_checkpointing, **dropout)
         if config.seq_len > self.config.n_positions:
             raise UsageError(f"--seq-len {config.seq_len} exceeds {config.model}'s context of "
                              f"{self.config.n_positions}")
         self.tokenizer, self.train, self.val = shakespeare_windows(data_dir, make_tokenizer, config.seq_len, download)
-        self.config = gpt2_config(config.model, vocab_size=self.tokenizer.vocab_size,
-                                  gradient_checkpointing=config.gradient_checkpointing)
+        self.config = replace(self.config, vocab_size=self.tokenizer.vocab_size)
         self.seq_len = config.seq_len
         self.model_name = config.model
 

@@ -7,7 +7,7 @@ The package has four layers, each a subpackage, and imports point only downwards
 
     communication/   talking to MPI: the Communicator, its log and watchdog, GPU paths, compression
     sharding/        flat shards and the unit lifecycle, state dicts, the FullyShardedDataParallel wrapper
-    loop/            what a training loop calls beside the model: clipping, loss scaling, uneven data
+    loop/            what a training loop calls beside the model: clipping, loss scaling, uneven data, dropout
     files/           checkpoints and Hugging Face files on disk
 
 Read them in that order (each subpackage's docstring orders its files); last, two adapters on top, each
@@ -29,6 +29,7 @@ from fsdp_mpi.sharding.wrap import ModuleWrapPolicy, SizeBasedWrapPolicy
 from fsdp_mpi.loop.clip import clip_grad_norm_
 from fsdp_mpi.loop.even_batches import even_batches
 from fsdp_mpi.loop.grad_scaler import ShardedGradScaler
+from fsdp_mpi.loop.sample_dropout import SampleDropout, SampleKeys, use_sample_dropout
 from fsdp_mpi.files.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_mpi.files.pretrained import PretrainedError, export_pretrained, load_pretrained
 
@@ -41,6 +42,8 @@ __all__ = [
     "FullyShardedDataParallel",
     "MixedPrecision",
     "PretrainedError",
+    "SampleDropout",
+    "SampleKeys",
     "ModuleWrapPolicy",
     "ShardedGradScaler",
     "ShardingStrategy",
@@ -57,4 +60,5 @@ __all__ = [
     "load_pretrained",
     "save_checkpoint",
     "summon_full_params",
+    "use_sample_dropout",
 ]

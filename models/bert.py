@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .attention import attention
 from .bert_configuration import BertConfig, config_from_hf, config_from_tensors, config_to_hf
 from .cross_entropy import cross_entropy
 from .initialization import finish_construction
@@ -81,7 +82,7 @@ class BertSelfAttention(nn.Module):
                 f"hidden_size ({config.hidden_size}) must be divisible by num_attention_heads ({config.num_attention_heads})"
             )
         self.num_heads = config.num_attention_heads
-        self.dropout = config.attention_probs_dropout_prob
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)  # on the attention probabilities
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
@@ -92,7 +93,7 @@ class BertSelfAttention(nn.Module):
             layer(x).view(batch, seq, self.num_heads, hidden // self.num_heads).transpose(1, 2)
             for layer in (self.query, self.key, self.value)
         )  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, self.dropout, attend=attend)
         return y.transpose(1, 2).reshape(batch, seq, hidden)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .attention import attention
 from .cross_entropy import cross_entropy
 from .initialization import finish_construction
 from .pretrained_model import PretrainedModel
@@ -132,10 +133,10 @@ class CausalSelfAttention(nn.Module):
         if config.n_embd % config.n_head:
             raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
         self.n_head = config.n_head
-        self.dropout = config.dropout
         self.c_attn = Conv1D(config.n_embd, 3 * config.n_embd)  # query, key, value together
         self.c_proj = Conv1D(config.n_embd, config.n_embd)
         self.c_proj.is_residual_projection = True
+        self.attn_dropout = nn.Dropout(config.dropout)  # on the attention probabilities
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,9 +144,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(embd, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, embd // self.n_head).transpose(1, 2) for t in (q, k, v))
         # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = attention(q, k, v, self.attn_dropout, causal=True)
         y = y.transpose(1, 2).reshape(batch, seq, embd)
         return self.resid_dropout(self.c_proj(y))
 

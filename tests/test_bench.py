@@ -138,6 +138,7 @@ BAD_ARGUMENTS = [  # each refused before anything is launched
     (["--strategies", "ddp+backend=mpi"], "unknown strategy 'ddp+backend=mpi'"),
     (["--strategies", "ddp+backend=gloo+backend=fsdp_mpi"], "unknown strategy 'ddp+backend=gloo+backend=fsdp_mpi'"),
     (["--strategies", "fsdp-mpi+NO_SHARD+HYBRID_SHARD"], "unknown strategy 'fsdp-mpi+NO_SHARD+HYBRID_SHARD'"),
+    (["--strategies", "lightning-ddp+sample_dropout"], "unknown strategy 'lightning-ddp+sample_dropout'"),
     (["--rounds", "0"], "--rounds must be positive"),
     (["--layers", "0"], "--layers must be positive"),
     (["--model", "gpt2-tiny", "--seq-len", "999"], "exceeds gpt2-tiny's context"),
@@ -154,6 +155,8 @@ def test_bad_arguments_are_refused_with_their_reason(capsys):
     assert bench.arguments(["--strategies", "plain,fsdp-mpi@3"])[1] == [("plain", 1), ("fsdp-mpi", 3)]
     assert bench.arguments(["--strategies", "fsdp-mpi+flat,fsdp-mpi+mpi+flat"])[1] == [("fsdp-mpi+flat", 2),
                                                                                        ("fsdp-mpi+mpi+flat", 2)]
+    assert [name for name, _ in bench.arguments(["--strategies", "plain+sample_dropout,ddp+sample_dropout"])[1]] == [
+        "plain+sample_dropout", "ddp+sample_dropout"]
     assert bench.arguments(["--strategies", "torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed@1"])[1] == [
         ("torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed", 1)]
     result = run_bench("--strategies", "horovod")

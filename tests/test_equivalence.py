@@ -31,6 +31,7 @@ def test_every_model_trains_as_on_one_process(nprocs, tmp_path):
     results = json.loads(out.read_text())
     expected = {f"{m}/{o}/none" for m in MODELS for o in ("sgd", "adamw")}
     expected |= {"gpt2/adamw/sharded", "gpt2/adamw/no_sync", "hf_gpt2/sgd/no_sync"}
+    expected |= {"gpt2_dropout/adamw/sharded", "bert_dropout/adamw/none"}  # dropout 0.2, drawn per sample
     expected |= {"mlp/sgd/none/bf16", "gpt2/adamw/sharded/bf16", "bert/sgd/none/bf16", "torch_encoder/adamw/none/bf16",
                  "hf_gpt2/adamw/none/bf16"}
     assert set(results) == expected

@@ -28,6 +28,7 @@ from fsdp_mpi import consolidate_checkpoint
 BERT_STEPS_PER_EPOCH = 4
 BERT = [*QUICK, "--steps-per-epoch", BERT_STEPS_PER_EPOCH]
 BERT_TOTAL_STEPS = 2 * BERT_STEPS_PER_EPOCH
+DROPOUT = ["--dropout", "0.1"]  # GPT-2's quick configuration has none
 STOP_LINE = re.compile(r"stopped by SIGUSR1 after optimizer step (\d+) of (\d+)")
 
 
@@ -185,11 +186,12 @@ def test_a_checkpoint_of_another_run_state_format_is_refused_with_a_message(tmp_
 @needs_data
 @pytest.mark.one_mpi  # the experiments' bookkeeping; the resharding itself is test_checkpoint's
 def test_a_run_saved_on_two_ranks_continues_on_one_and_on_three_at_the_same_sample(tmp_path):
-    """GPT-2 (no dropout) trained 2 epochs of 3 steps on 2 ranks, checkpointed after step 3; that checkpoint
-    resumed on 1 and on 3 ranks trains epoch 1 on the same global batches: every step's loss, the validation and
-    the parameters those of the run never stopped, up to the rounding of other sums over other ranks."""
+    """GPT-2 with dropout 0.1 trained 2 epochs of 3 steps on 2 ranks, checkpointed after step 3; that checkpoint
+    resumed on 1 and on 3 ranks trains epoch 1 on the same global batches with the same dropout masks (drawn per
+    sample): every step's loss, the validation and the parameters those of the run never stopped, up to the
+    rounding of other sums over other ranks."""
     whole = tmp_path / "whole"
-    check_ok(launch("run_gpt2.py", 2, *QUICK, "--out-dir", tmp_path / "whole-csv", "--checkpoint-dir", whole,
+    check_ok(launch("run_gpt2.py", 2, *QUICK, *DROPOUT, "--out-dir", tmp_path / "whole-csv", "--checkpoint-dir", whole,
                     "--checkpoint-every", 3))
     assert step_directories(whole) == ["step-00000003", "step-00000006"]
     reference_steps, reference_rows = read_rows(tmp_path / "whole-csv", per="step"), read_rows(tmp_path / "whole-csv")
@@ -201,8 +203,8 @@ def test_a_run_saved_on_two_ranks_continues_on_one_and_on_three_at_the_same_samp
         shutil.copytree(whole / "step-00000003", parts / "step-00000003")
         shutil.copy(whole / "run.json", parts / "run.json")
         (parts / "latest").write_text("step-00000003\n")
-        resumed = launch("run_gpt2.py", ranks, *QUICK, "--out-dir", tmp_path / f"on-{ranks}-csv", "--checkpoint-dir",
-                         parts, "--resume")
+        resumed = launch("run_gpt2.py", ranks, *QUICK, *DROPOUT, "--out-dir", tmp_path / f"on-{ranks}-csv",
+                         "--checkpoint-dir", parts, "--resume")
         check_ok(resumed)
         assert f"after optimizer step 3 of 6 (saved on 2 ranks, now {ranks})" in resumed.stdout
         steps, rows = read_rows(tmp_path / f"on-{ranks}-csv", per="step"), read_rows(tmp_path / f"on-{ranks}-csv")

@@ -23,6 +23,7 @@ COMPILE_WHOLE = "compile_whole"  # the whole (wrapped) model: torch.compile(mode
 COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
 THROUGH_MPI = "mpi"  # the node's ranks exchange through MPI, not the memory they share
 FLAT = "flat"  # a group spanning nodes goes through one flat ring, not in two levels
+SAMPLE_DROPOUT = "sample_dropout"  # dropout drawn per sample (fsdp_mpi.use_sample_dropout), as the experiments train
 VARIABLES = {THROUGH_MPI: {"FSDP_MPI_NODE_TRANSPORT": "0"}, FLAT: {"FSDP_MPI_TWO_LEVEL": "0"}}  # set for the run
 # fsdp-mpi's alone; a sharding strategy (fsdp-mpi+NO_SHARD) replaces --sharding-strategy for that run
 FSDP_MPI_SWITCHES = (*OVERLAP, *SHARDING_STRATEGIES, THROUGH_MPI, FLAT)
@@ -92,11 +93,13 @@ def check_spec(spec: Spec, item: str, device: str) -> None:
 
 def switches_fit(spec: Spec) -> bool:
     """Whether every switch (the options but comm=) is known and fits the strategy: fsdp-mpi's own on
-    fsdp-mpi alone, one sharding strategy and one way of compiling at the most, compiling where it is offered."""
+    fsdp-mpi alone, one sharding strategy and one way of compiling at the most, compiling where it is offered,
+    per-sample dropout on all but Lightning's (whose loop is its own)."""
     switches = {option for option in spec.options if not option.startswith(COMPRESSION)}
     compiling = switches & set(COMPILING)
-    return (switches <= {*FSDP_MPI_SWITCHES, *COMPILING}
-            and (spec.base == "fsdp-mpi" or not switches - compiling)
+    return (switches <= {*FSDP_MPI_SWITCHES, *COMPILING, SAMPLE_DROPOUT}
+            and (spec.base == "fsdp-mpi" or not switches - compiling - {SAMPLE_DROPOUT})
+            and (spec.base not in CPU_ONLY or SAMPLE_DROPOUT not in switches)
             and len(switches & set(SHARDING_STRATEGIES)) <= 1 and len(compiling) <= 1
             and (spec.base in COMPILED or not compiling))
 

@@ -33,7 +33,7 @@ from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
 from training.startup import allow_tf32
 from training.strategies import Prepared, compression_from_option, node_placement, prepare, torch_amp
 
-from fsdp_mpi import Communicator, ShardingStrategy, abort_job_on_uncaught_exception
+from fsdp_mpi import Communicator, ShardingStrategy, abort_job_on_uncaught_exception, use_sample_dropout
 
 
 def arguments():
@@ -271,6 +271,8 @@ def torch_run(model, batch, args, comm: Communicator, device: torch.device, opti
               sharding: str) -> Measured:
     """Wraps `model` for the strategy, compiles it if an option says so, and times its steps."""
     block_class = bench_models.unit_class(model)
+    if bench_plan.SAMPLE_DROPOUT in options:  # as the experiments train: each sample's masks from its keys
+        use_sample_dropout(model, seed=0).set_batch(0, torch.arange(args.batch_size) + comm.rank * args.batch_size)
     breakdown = None
     if args.strategy == "fsdp-mpi" and bench_plan.COMPILE_WHOLE not in options:  # compiled whole: no hook is timed
         breakdown = StepBreakdown()

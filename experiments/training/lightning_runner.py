@@ -28,29 +28,32 @@ from training.sampling import epoch_steps, total_optimizer_steps
 from training.saved_run import save_trained
 from training.strategies import build_model, compression_from_option, full_state_dict_on_rank0, torch_backend
 
-from fsdp_mpi import Communicator, full_state_dict
+from fsdp_mpi import Communicator, SampleKeys, full_state_dict
 from fsdp_mpi.lightning import FSDPMPIStrategy
 
 
 class _EpochMicroBatches(Dataset):
-    """One epoch's micro-batches for this rank, in order: each item is a whole batch with its loss weight."""
+    """One epoch's micro-batches for this rank, in order: each item is a whole batch with its loss weight, its
+    samples over all ranks, its sample indices and the run's optimizer step it belongs to (dropout's keys)."""
 
     def __init__(self, samples, steps, epoch: int):
         self.samples, self.epoch = samples, epoch
-        self.micro_batches = [micro for step in steps for micro in step]
+        first = epoch * len(steps)  # every epoch has as many optimizer steps
+        self.micro_batches = [(first + number, micro) for number, step in enumerate(steps) for micro in step]
 
     def __len__(self) -> int:
         return len(self.micro_batches)
 
     def __getitem__(self, index: int):
-        micro = self.micro_batches[index]
-        return self.samples.batch(micro.indices, self.epoch), micro.weight, micro.samples
+        step, micro = self.micro_batches[index]
+        return self.samples.batch(micro.indices, self.epoch), micro.weight, micro.samples, micro.indices, step
 
 
 class TaskModule(L.LightningModule):
-    def __init__(self, task, model: torch.nn.Module, config: RunConfig, comm: Communicator):
+    def __init__(self, task, model: torch.nn.Module, dropout_keys: SampleKeys, config: RunConfig, comm: Communicator):
         super().__init__()
         self.task, self.model, self.config, self.comm = task, model, config, comm
+        self.dropout_keys = dropout_keys
         self.tally = EpochTally()  # the epoch's, started afresh by _EpochRecorder
 
     def train_dataloader(self):
@@ -65,7 +68,8 @@ class TaskModule(L.LightningModule):
         return self.model(*args, **kwargs)
 
     def training_step(self, item, index):
-        batch, weight, samples = item
+        batch, weight, samples, indices, step = item
+        self.dropout_keys.set_batch(int(step), indices)
         losses = self.task.sample_losses(self.model, batch)
         if index % self.trainer.accumulate_grad_batches == 0:  # an optimizer step's first micro-batch
             self.tally.add_step(0.0, 0, self.comm.world_size)
@@ -146,7 +150,7 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
     """Trains with ``lightning-ddp``, ``lightning-fsdp`` (GPU only) or ``lightning-fsdp-mpi``; returns the CSV
     path on rank 0. `comm` carries the runner's own collectives (timing, validation, the CSV rows); Lightning's
     strategies make theirs (FSDPMPIStrategy over a Communicator of its own)."""
-    model = build_model(task, config.seed, comm)
+    model, dropout_keys = build_model(task, config.seed, comm)
     recorder = RunRecorder(task, config, comm, device, experiment, model, config.batching)
     environment = _RankAlone()
     if config.strategy == "lightning-ddp":
@@ -170,7 +174,7 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not config.no_progress,
         callbacks=[_EpochRecorder(recorder, device)],
     )
-    trainer.fit(TaskModule(task, model, config, comm))
+    trainer.fit(TaskModule(task, model, dropout_keys, config, comm))
     if config.save_dir:  # --save-dir is refused for lightning-fsdp
         if config.strategy == "lightning-fsdp-mpi":  # the whole TaskModule was wrapped: its names start with "model."
             state = full_state_dict(trainer.strategy.model, rank0_only=True)

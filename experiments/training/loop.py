@@ -24,24 +24,27 @@ from training.sampling import Batching, MicroBatch, epoch_steps, seed_step, tota
 from training.saved_run import save_trained
 from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
-from fsdp_mpi import Communicator
+from fsdp_mpi import Communicator, SampleKeys
 
 
-def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], config: RunConfig, epoch: int,
-                   device: torch.device) -> tuple[float, torch.Tensor]:
+def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tuple[float, torch.Tensor]:
     """Accumulates the gradients of `step`'s micro-batches, clips them and updates the weights.
 
     Gradients are reduced on the last micro-batch, and on every one under a sharded
     strategy (which keeps gradient memory at 1/N) unless --accum-no-sync says otherwise.
     Under 16-mixed the loss is scaled, and a step whose gradients overflowed is skipped
-    on every rank. Returns this rank's loss sum and its last micro-batch's per-sample losses.
+    on every rank. Dropout draws each sample's masks from (seed, the run's step, the sample): the same on any
+    number of ranks. Returns this rank's loss sum and its last micro-batch's per-sample losses.
     """
+    task, prepared, optimizer, config = run.task, run.prepared, run.optimizer, run.config
     loss_sum, losses, scaler = 0.0, None, prepared.scaler
-    for position, micro in enumerate(step):
-        defer_sync = position < len(step) - 1 and (config.accum_no_sync or not prepared.shards_gradients)
+    for index, micro in enumerate(step):
+        defer_sync = index < len(step) - 1 and (config.accum_no_sync or not prepared.shards_gradients)
+        run.dropout_keys.set_batch(position.step, micro.indices)
         with prepared.no_sync() if defer_sync else nullcontext():
             with prepared.autocast():
-                losses = task.sample_losses(prepared.model, to_device(task.train.batch(micro.indices, epoch), device))
+                batch = to_device(task.train.batch(micro.indices, position.epoch), run.device)
+                losses = task.sample_losses(prepared.model, batch)
             scaler.scale(losses.sum() * micro.weight).backward()
         loss_sum += losses.sum().item() if micro.weight else 0.0
     if config.clip_norm:
@@ -49,7 +52,7 @@ def optimizer_step(task, prepared, optimizer, schedule, step: list[MicroBatch], 
         prepared.clip_grad_norm(config.clip_norm)
     scaler.step(optimizer)
     scaler.update()
-    schedule.step()
+    run.schedule.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, losses
 
@@ -85,6 +88,7 @@ class Run:
     recorder: RunRecorder
     batching: Batching  # the options' batching, with the ranks the run started on
     total_steps: int  # optimizer steps in the whole run
+    dropout_keys: SampleKeys  # set before each micro-batch: dropout's masks follow the sample
 
 
 def train(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str,
@@ -96,14 +100,14 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
     --checkpoint-dir), write the rows of the epochs completed, and return.
     """
     batching = run_batching(config, comm)
-    model = build_model(task, config.seed, comm)
+    model, dropout_keys = build_model(task, config.seed, comm)
     recorder = RunRecorder(task, config, comm, device, experiment, model, batching)
     prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision, config.backend,
                        compression=compression_from_option(config.comm_compression))
     total_steps = total_optimizer_steps(len(task.train), batching, config.epochs, comm.world_size)
     optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
                                                  config.warmup_steps)
-    run = Run(task, config, comm, device, prepared, optimizer, schedule, recorder, batching, total_steps)
+    run = Run(task, config, comm, device, prepared, optimizer, schedule, recorder, batching, total_steps, dropout_keys)
     checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
     # Restored last: loading sets the random generators, which the set-up above draws from.
     position = checkpoints.restore() if config.resume else Position()
@@ -150,8 +154,7 @@ def train_epoch(run: Run, position: Position, stop: StopSignals, checkpoints: Ru
     clock.start()
     for step in progress:
         seed_step(config.seed, position.step, comm.rank)
-        step_loss, losses = optimizer_step(run.task, run.prepared, run.optimizer, run.schedule, step, config,
-                                           position.epoch, run.device)
+        step_loss, losses = optimizer_step(run, step, position)
         tally.add_step(step_loss, sum(micro.samples for micro in step), comm.world_size)
         position.step += 1
         if comm.rank == 0:

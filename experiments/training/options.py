@@ -30,6 +30,7 @@ class RunConfig:
     precision: str  # choices.PRECISIONS
     comm_compression: str  # WEIGHTS[/GRADIENTS], strategies.compression_from_option
     gradient_checkpointing: bool
+    dropout: float | None  # every dropout layer's probability; None: the model's
     # The data: sequence length, batches, how long.
     seq_len: int
     batch_size: int
@@ -120,6 +121,9 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add("--resume", action="store_true",
         help="continue from the latest checkpoint in --checkpoint-dir; start fresh if there is none")
     add("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    add("--dropout", type=float, default=None, metavar="P",
+        help="every dropout layer's probability (default: the model's); masks are drawn per sample, the same on "
+             "any number of ranks")
     return parser
 
 
@@ -146,6 +150,8 @@ def check_config(config: RunConfig) -> None:
                          f"(it is for {', '.join(TORCH_DISTRIBUTED)})")
     if not config.lr > 0:
         raise UsageError("--lr must be positive")
+    if config.dropout is not None and not 0 <= config.dropout < 1:
+        raise UsageError("--dropout must be at least 0 and below 1")
     try:
         compression = compression_from_option(config.comm_compression)
     except ValueError as error:

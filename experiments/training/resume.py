@@ -17,8 +17,10 @@ schedule, the loss scaler, each rank's running sums for the epoch's CSV row, the
 so far and the run id, and the options that determine the numbers. The data order
 needs nothing more: each epoch's order is a permutation seeded by (seed, epoch),
 cut into global batches fixed by the ranks the run started on (sampling.py), so the
-steps done in the epoch say which samples come next on any number of ranks; and
-each step's random generators are seeded from (seed, step, rank). On M ranks a
+steps done in the epoch say which samples come next on any number of ranks; dropout
+draws each sample's masks from (seed, step, sample) (fsdp_mpi.use_sample_dropout), the same
+on any number of ranks; and anything else random in a step draws from generators seeded
+by (seed, step, rank). On M ranks a
 checkpoint saved on N is resharded as it loads (fsdp_mpi.load_checkpoint), the
 epoch's running sums go to rank 0, and the global batch stays N's: each step takes
 as many micro-batches as its samples need. Checkpoints are taken only between

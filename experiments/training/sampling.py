@@ -84,6 +84,7 @@ def total_optimizer_steps(num_samples: int, batching: Batching, epochs: int, wor
 
 
 def seed_step(seed: int, step: int, rank: int) -> None:
-    """Seeds this rank's random generators (dropout's) for optimizer step `step` of the run: a run resumed at
-    any step draws what it would have drawn there uninterrupted on as many ranks, without carrying streams."""
+    """Seeds this rank's random generators for optimizer step `step` of the run: a run resumed at any step draws
+    what it would have drawn there uninterrupted on as many ranks, without carrying streams. Dropout does not draw
+    from them: its masks follow the sample (fsdp_mpi.use_sample_dropout), on any number of ranks."""
     torch.manual_seed((seed * 1_000_003 + step) * 1009 + rank)

@@ -28,7 +28,7 @@ from torch import nn
 from training.choices import PRECISIONS, STRATEGIES, compression_formats
 
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
-                      ShardedGradScaler, clip_grad_norm_)
+                      SampleKeys, ShardedGradScaler, clip_grad_norm_, use_sample_dropout)
 
 
 def torch_backend(backend: str, device: torch.device) -> str:
@@ -91,12 +91,14 @@ def init_torch_distributed(comm: Communicator, device: torch.device, backend: st
     dist.init_process_group(torch_backend(backend, device), rank=comm.rank, world_size=comm.world_size)
 
 
-def build_model(task, seed: int, comm: Communicator):
-    """The same initial weights on every rank, then a different random stream per rank (dropout)."""
+def build_model(task, seed: int, comm: Communicator) -> tuple[nn.Module, SampleKeys]:
+    """The same initial weights on every rank, and its dropout drawn per sample (fsdp_mpi.use_sample_dropout):
+    (the model, the keys to set before each micro-batch). Then a random stream per rank, for anything else."""
     torch.manual_seed(seed)
     model = task.build_model()
+    keys = use_sample_dropout(model, seed)
     torch.manual_seed(seed * 1000 + 1 + comm.rank)
-    return model
+    return model, keys
 
 
 def compression_from_option(text: str) -> Compression | None:

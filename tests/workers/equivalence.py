@@ -24,6 +24,10 @@ same fp32 master parameters cast to bf16, inputs cast, the whole global batch. E
 bound above then takes bf16's unit roundoff instead of float32's; the optimizer
 check is unchanged (masters and their gradients are float32).
 
+Dropout: our GPT-2 and BERT also train with dropout 0.2 everywhere, drawn per sample
+(fsdp_mpi.use_sample_dropout): each process is told which samples of the step it computes,
+so every model above draws the same masks, and the same bounds hold.
+
 Each run is a model x optimizer x accumulation mode (x precision). Optimizers use parameter
 groups chosen by name (nanoGPT's recipe: no weight decay on biases and norms,
 and here a different learning rate per group).
@@ -39,8 +43,8 @@ from common import (NestedMLP, ResidualBlock, bert_batch, gpt_batch, local_part,
 from gradients import compare_gradients, full_gradients, reference_gradients
 from torch import nn
 
-from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, ShardingStrategy,
-                      clip_grad_norm_, full_state_dict)
+from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, SampleDropout,
+                      ShardingStrategy, clip_grad_norm_, full_state_dict, use_sample_dropout)
 
 STEPS = 3
 U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
@@ -114,8 +118,29 @@ def hf_bert(num_hidden_layers: int = 2):
     return model, {layer}, lambda step: bert_batch(step, 100), loss
 
 
+def with_dropout(model_kind: str, p: float = 0.2):
+    """One of our models with dropout `p` everywhere (embeddings, attention probabilities, residuals), drawn per
+    sample (fsdp_mpi.use_sample_dropout): one process draws the masks that N ranks draw for the same samples."""
+    def build():
+        model, wrap_classes, batch, loss = MODELS[model_kind]()
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = p
+        use_sample_dropout(model, seed=5)
+        return model, wrap_classes, batch, loss
+    return build
+
+
+def set_dropout_samples(model: nn.Module, step: int, samples: range) -> None:
+    """Tells `model`'s per-sample dropout (where it has one) which samples of step `step`'s batch it computes."""
+    keys = next((module.keys for module in model.modules() if isinstance(module, SampleDropout)), None)
+    if keys is not None:
+        keys.set_batch(step, torch.tensor(samples))
+
+
 MODELS = {"mlp": mlp, "gpt2": our_gpt2, "bert": our_bert, "torch_encoder": torch_encoder,
           "hf_gpt2": hf_gpt2, "hf_bert": hf_bert}
+DROPOUT_MODELS = {"gpt2_dropout": with_dropout("gpt2"), "bert_dropout": with_dropout("bert")}
 
 
 # ----------------------------------------------------------------- families with their own pitfalls
@@ -200,7 +225,7 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
     if compiled == "one_rank_whole":
         comm = comm.split(comm.rank)
     torch.manual_seed(0)
-    initial, wrap_classes, batch_fn, loss_fn = {**MODELS, **FAMILY_MODELS}[model_kind]()
+    initial, wrap_classes, batch_fn, loss_fn = {**MODELS, **DROPOUT_MODELS, **FAMILY_MODELS}[model_kind]()
     reference, reference64 = copy.deepcopy(initial).to(device), copy.deepcopy(initial).to(device, torch.float64)
     # One process with the same policy: computes in param_dtype from the same masters (fp32: `reference` itself).
     same_policy = copy.deepcopy(initial).to(device, param_dtype) if param_dtype else reference
@@ -221,7 +246,10 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
         batch = [t[:t.shape[0] // parts * parts].to(device) for t in batch_fn(step)]
         our_loss = 0.0
         for micro in range(micro_batches):
-            local = [local_part(t, micro * comm.world_size + comm.rank, parts) for t in batch]
+            part = micro * comm.world_size + comm.rank
+            local = [local_part(t, part, parts) for t in batch]
+            per_part = batch[0].shape[0] // parts
+            set_dropout_samples(sharded, step, range(part * per_part, (part + 1) * per_part))
             syncing = accumulation != "no_sync" or micro == micro_batches - 1
             if syncing:
                 loss = loss_fn(calls, *local) / micro_batches
@@ -240,6 +268,7 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
         for name, model, dtype in (("policy", same_policy, policy_dtype), ("fp64", reference64, torch.float64)):
             model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in start.items()})
             model.zero_grad(set_to_none=True)
+            set_dropout_samples(model, step, range(batch[0].shape[0]))
             loss = loss_fn(model, *(t.to(dtype) if t.is_floating_point() else t for t in batch))
             loss.backward()
             losses[name], grads[name] = loss.item(), reference_gradients(model, torch.float64)
@@ -340,6 +369,7 @@ def compare_parameters(our_state: dict, reference, start: dict, reference_optimi
 # training (the units compiled in place, and the whole model).
 MAIN_RUNS = [(m, o, "none", None) for m in MODELS for o in ("sgd", "adamw")]
 MAIN_RUNS += [("gpt2", "adamw", "sharded", None), ("gpt2", "adamw", "no_sync", None), ("hf_gpt2", "sgd", "no_sync", None)]
+MAIN_RUNS += [("gpt2_dropout", "adamw", "sharded", None), ("bert_dropout", "adamw", "none", None)]
 MAIN_RUNS += [("mlp", "sgd", "none", "bf16"), ("gpt2", "adamw", "sharded", "bf16"), ("bert", "sgd", "none", "bf16"),
               ("torch_encoder", "adamw", "none", "bf16"), ("hf_gpt2", "adamw", "none", "bf16")]
 FAMILY_RUNS = [("hf_albert", "adamw", "none", None), ("hf_albert", "sgd", "no_sync", None),
