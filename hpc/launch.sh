@@ -7,12 +7,13 @@
 #   mpiexec           the launcher of the MPI in the environment, inside the allocation (pip MPICH or Open MPI)
 #
 # A launcher that does not match the MPI starts N one-rank jobs; fsdp_mpi refuses to run then and
-# names these choices.
+# names these choices. Under srun a rank that dies ends the step at once (--kill-on-bad-exit), as both
+# mpiexecs do, rather than leaving the others to the watchdog's FSDP_MPI_TIMEOUT.
 
 launch_ranks() {
   local launcher="${FSDP_MPI_LAUNCHER:-srun}"
   case "$launcher" in
     mpiexec*|mpirun*) $launcher -n "$SLURM_NTASKS" "$@" ;;
-    *) $launcher "$@" ;;
+    *) $launcher --kill-on-bad-exit=1 "$@" ;;
   esac
 }

@@ -57,6 +57,8 @@ COST_COLLECTIVES = "tests/test_costmodel.py::test_each_strategy_issues_the_colle
 EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
 INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_half_a_step_of_each_blocks_absmax"
 CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
+NODE_DROPPED_LATE = "tests/test_resumable.py::test_a_run_that_lost_a_node_starts_again_at_once_on_the_nodes_left[137 n1 5]"
+CONTROLLER_FAILS = "tests/test_resumable.py::test_a_controller_that_fails_now_and_then_changes_nothing"
 SPLIT_DROPOUT = "tests/test_dropout.py::test_a_batch_split_any_way_draws_the_masks_of_the_whole_batch"
 COMPILED_WHOLE = ("tests/test_equivalence.py::"
                   "test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model[3-compiled_whole]")
@@ -414,6 +416,11 @@ MUTANTS = {
         "experiments/corpora/files.py", "    wrong = PINS[relative].mismatch(payload)", "    wrong = None", [DOWNLOAD]),
     "Lightning's teardown moves the sharded model to the CPU": (
         "fsdp_mpi/lightning.py", "        self.cluster_environment.teardown()", "        super().teardown()", [LIGHTNING]),
+    "a crashed node the controller still lists ends the job": (
+        "hpc/resumable.sh", "deadline=$((SECONDS + $(node_loss_wait)))", "deadline=0", [NODE_DROPPED_LATE]),
+    "a controller that fails once is taken at its word": (
+        "hpc/resumable.sh", "for ((try = 1; try <= SCONTROL_TRIES; try++)); do",
+        "for ((try = SCONTROL_TRIES; try <= SCONTROL_TRIES; try++)); do", [CONTROLLER_FAILS]),
     "dropout keyed by the row of the batch, not the sample": (
         "fsdp_mpi/loop/sample_dropout.py", "_combine(run, torch.as_tensor(samples, dtype=torch.int64).flatten())",
         "_combine(run, torch.arange(len(samples)))", [SPLIT_DROPOUT]),
