@@ -62,6 +62,8 @@ def test_every_dropout_of_our_gpt2_is_replaced_and_named_by_its_path():
     assert names == ["transformer.drop"] + [f"transformer.h.{i}.{part}" for i in range(2)
                                             for part in ("attn.attn_dropout", "attn.resid_dropout", "mlp.dropout")]
     assert not any(type(module) is nn.Dropout for module in model.modules())
+    with pytest.raises(ValueError, match="already draws dropout per sample"):
+        use_sample_dropout(model, seed=1)  # the new keys would drive nothing
 
 
 def test_gradient_checkpointing_recomputes_the_same_masks():

@@ -92,6 +92,9 @@ def use_sample_dropout(model: nn.Module, seed: int) -> SampleKeys:
     """Replaces every ``nn.Dropout`` of `model` by a SampleDropout named by its path in `model`, and returns the keys
     they share. Call it before wrapping, so that the names (the layers' keys) are those of the model itself.
     Refuses, naming them, the dropouts it cannot replace: they would keep drawing per rank."""
+    if any(isinstance(module, SampleDropout) for module in model.modules()):
+        raise ValueError("the model already draws dropout per sample: set the SampleKeys that use_sample_dropout "
+                         "returned then")
     keys = SampleKeys(seed)
     unreachable = [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
                    if (isinstance(module, nn.modules.dropout._DropoutNd) and type(module) not in (nn.Dropout, SampleDropout))
