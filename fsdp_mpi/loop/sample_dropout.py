@@ -76,7 +76,9 @@ class SampleDropout(nn.Dropout):
         if x.dim() == 0 or x.shape[0] != per_sample.numel():
             raise ValueError(f"dropout layer {self.name!r}: its input {tuple(x.shape)} must be batch-first with one "
                              f"row per sample set by set_batch ({per_sample.numel()})")
-        keep = self.kept(per_sample.to(x.device), x.shape)
+        if per_sample.device != x.device:  # moved once per micro-batch, for every layer after this one
+            self.keys.per_sample = per_sample = per_sample.to(x.device)
+        keep = self.kept(per_sample, x.shape)
         return torch.where(keep, x * (1 / (1 - self.p) if self.p < 1 else 0.0), x.new_zeros(()))
 
     def kept(self, per_sample: torch.Tensor, shape: torch.Size) -> torch.Tensor:
