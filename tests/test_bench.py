@@ -25,7 +25,7 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
             "torch-fsdp+backend=fsdp_mpi"]
     result = run_bench("--model", "gpt2-tiny", "--vocab-size", "128", "--batch-size", "2", "--seq-len", "16",
                        "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
-                       "--strategies", ",".join(plan))
+                       "--strategies", ",".join(plan), timeout=600)  # 16 launches: past 300 s on a GPU image
     check_ok(result)
     assert "| strategy | precision | ranks | step s (min-max) | fsdp-mpi / this (min-max) |" in result.stdout
     with open(out) as f:
