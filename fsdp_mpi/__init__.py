@@ -20,6 +20,7 @@ from fsdp_mpi.communication.bookkeeping import CollectiveMismatchError
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception
+from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.sharding.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.sharding.lifecycle import TrainingState
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
@@ -42,6 +43,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "MixedPrecision",
     "PretrainedError",
+    "RankLostError",
     "SampleDropout",
     "SampleKeys",
     "ModuleWrapPolicy",
@@ -52,6 +54,7 @@ __all__ = [
     "abort_job_on_uncaught_exception",
     "clip_grad_norm_",
     "consolidate_checkpoint",
+    "continuation_unavailable",
     "even_batches",
     "export_pretrained",
     "full_state_dict",

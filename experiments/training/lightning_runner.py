@@ -127,6 +127,9 @@ class _EpochRecorder(L.Callback):
         module.comm.barrier()
         tally, config = module.tally, module.config
         tally.seconds = time.perf_counter() - self.start
+        step_loss_sums = torch.tensor(tally.step_loss_sums, dtype=torch.float64)  # (steps,) this rank's, then all's
+        module.comm.all_reduce_sum_(step_loss_sums)
+        tally.step_loss_sums = step_loss_sums.tolist()
         val = evaluate(module.task, trainer.strategy.model, config.batch_size, config.val_steps, config.seed,
                        module.comm, self.device, trainer.precision_plugin.forward_context)
         self.recorder.add_epoch(trainer.current_epoch, trainer.global_step - tally.steps, tally, val,

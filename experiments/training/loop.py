@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from training.evaluation import evaluate, to_device
+from training.keep_going import Left, go_on_without_the_lost
 from training.options import RunConfig
 from training.recipe import optimizer_and_schedule
 from training.recorder import RunRecorder
@@ -24,7 +25,7 @@ from training.sampling import Batching, MicroBatch, epoch_steps, seed_step, tota
 from training.saved_run import save_trained
 from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
-from fsdp_mpi import Communicator, SampleKeys
+from fsdp_mpi import Communicator, RankLostError, SampleKeys, ShardingStrategy, continuation_unavailable
 
 
 def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tuple[float, torch.Tensor]:
@@ -34,7 +35,8 @@ def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tu
     strategy (which keeps gradient memory at 1/N) unless --accum-no-sync says otherwise.
     Under 16-mixed the loss is scaled, and a step whose gradients overflowed is skipped
     on every rank. Dropout draws each sample's masks from (seed, the run's step, the sample): the same on any
-    number of ranks. Returns this rank's loss sum and its last micro-batch's per-sample losses.
+    number of ranks. Returns the step's loss sum over all ranks and this rank's last micro-batch's per-sample
+    losses. Under --keep-going the survivors agree before the update, so that all of them take it or none.
     """
     task, prepared, optimizer, config = run.task, run.prepared, run.optimizer, run.config
     loss_sum, losses, scaler = 0.0, None, prepared.scaler
@@ -50,6 +52,9 @@ def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tu
     if config.clip_norm:
         scaler.unscale_(optimizer)
         prepared.clip_grad_norm(config.clip_norm)
+    loss_sum = run.comm.all_reduce_sum_float(loss_sum)
+    if config.keep_going:  # every survivor takes this step, or none does (keep_going.py)
+        run.comm.agree()
     scaler.step(optimizer)
     scaler.update()
     run.schedule.step()
@@ -89,6 +94,7 @@ class Run:
     batching: Batching  # the options' batching, with the ranks the run started on
     total_steps: int  # optimizer steps in the whole run
     dropout_keys: SampleKeys  # set before each micro-batch: dropout's masks follow the sample
+    experiment: str  # the CSVs' name for it
 
 
 def train(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str,
@@ -97,30 +103,61 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
 
     Under --resume it continues from the latest checkpoint. After every optimizer step
     the ranks agree whether a stop signal arrived; if so they save a checkpoint (with
-    --checkpoint-dir), write the rows of the epochs completed, and return.
+    --checkpoint-dir), write the rows of the epochs completed, and return. Under --keep-going a lost rank does
+    not end the run: the survivors go on (``keep_going``); a rank that leaves gets (None, ``Left``).
     """
     batching = run_batching(config, comm)
-    model, dropout_keys = build_model(task, config.seed, comm)
-    recorder = RunRecorder(task, config, comm, device, experiment, model, batching)
-    prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision, config.backend,
-                       compression=compression_from_option(config.comm_compression))
-    total_steps = total_optimizer_steps(len(task.train), batching, config.epochs, comm.world_size)
-    optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
-                                                 config.warmup_steps)
-    run = Run(task, config, comm, device, prepared, optimizer, schedule, recorder, batching, total_steps, dropout_keys)
+    unavailable = continuation_unavailable() if config.keep_going else None
+    if unavailable and comm.rank == 0:
+        print(f"--keep-going is unavailable, so a lost rank ends the job: {unavailable}", flush=True)
+    run = start_run(task, config, comm, device, experiment, batching)
     checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
     # Restored last: loading sets the random generators, which the set-up above draws from.
     position = checkpoints.restore() if config.resume else Position()
+    while True:
+        try:
+            stopped = train_to_the_end(run, position, stop, checkpoints)
+            return run.recorder.finish(), stopped
+        except RankLostError as lost:
+            if not config.keep_going:
+                raise
+            survived = go_on_without_the_lost(run, position, lost, start_run)
+            if isinstance(survived, Left):
+                return None, survived
+            run, position = survived
+            checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
+
+
+def start_run(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str,
+              batching: Batching) -> "Run":
+    """The model built and wrapped on `comm`'s ranks, its optimizer, schedule and CSV recorder."""
+    model, dropout_keys = build_model(task, config.seed, comm)
+    recorder = RunRecorder(task, config, comm, device, experiment, model, batching)
+    prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision, config.backend,
+                       compression=compression_from_option(config.comm_compression),
+                       sharding_strategy=ShardingStrategy[config.sharding_strategy])
+    total_steps = total_optimizer_steps(len(task.train), batching, config.epochs, comm.world_size)
+    optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
+                                                 config.warmup_steps)
+    return Run(task, config, comm, device, prepared, optimizer, schedule, recorder, batching, total_steps,
+               dropout_keys, experiment)
+
+
+def train_to_the_end(run: "Run", position: Position, stop: StopSignals,
+                     checkpoints: RunCheckpoints | None) -> Stopped | None:
+    """The epochs left from `position`, then the last checkpoint and the saved model; how a signal stopped it."""
+    config = run.config
     while position.epoch < config.epochs:
         stopped = train_epoch(run, position, stop, checkpoints)
         if stopped:
-            return recorder.finish(), stopped
+            return stopped
         finish_epoch(run, position)
     if checkpoints:
         checkpoints.save(position)
     if config.save_dir:
-        save_trained(task, full_state_dict_on_rank0(config.strategy, prepared.model, comm), config, recorder.fixed)
-    return recorder.finish(), None
+        save_trained(run.task, full_state_dict_on_rank0(config.strategy, run.prepared.model, run.comm), config,
+                     run.recorder.fixed)
+    return None
 
 
 def run_batching(config: RunConfig, comm: Communicator) -> Batching:

@@ -9,7 +9,8 @@ import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from training.choices import BACKENDS, COMPRESSING, PRECISIONS, STRATEGIES, TORCH_DISTRIBUTED
+from training.choices import (BACKENDS, COMPRESSING, PRECISIONS, REPLICATED, SHARDING_STRATEGIES, STRATEGIES,
+                              TORCH_DISTRIBUTED)
 from training.resume import LATEST
 from training.sampling import Batching
 from training.strategies import compression_from_option
@@ -26,6 +27,7 @@ class RunConfig:
     # What is trained, and by whom.
     model: str
     strategy: str  # choices.STRATEGIES
+    sharding_strategy: str  # fsdp-mpi's: a fsdp_mpi.ShardingStrategy's name
     backend: str  # choices.BACKENDS: torch.distributed's, for its strategies
     precision: str  # choices.PRECISIONS
     comm_compression: str  # WEIGHTS[/GRADIENTS], strategies.compression_from_option
@@ -57,6 +59,7 @@ class RunConfig:
     checkpoint_dir: str | None
     checkpoint_every: int
     resume: bool
+    keep_going: bool  # fsdp-mpi: go on without a lost rank, in the same job (keep_going.py)
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> "RunConfig":
@@ -83,6 +86,9 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add = parser.add_argument
     add("--model", default=defaults["model"], choices=model_choices, help="named model configuration")
     add("--strategy", default="fsdp-mpi", choices=STRATEGIES, help="who trains (default: %(default)s)")
+    add("--sharding-strategy", default="FULL_SHARD", choices=SHARDING_STRATEGIES,
+        help="fsdp-mpi's sharding strategy; HYBRID_SHARD's groups are the nodes, or FSDP_MPI_HYBRID_GROUP_SIZE "
+             "consecutive ranks (default: %(default)s)")
     add("--backend", default="auto", choices=BACKENDS,
         help="torch.distributed's backend for ddp, torch-fsdp, lightning-ddp and lightning-fsdp: auto (nccl on "
              "GPUs, gloo otherwise), or fsdp_mpi (over fsdp_mpi's MPI and node transport) (default: %(default)s)")
@@ -120,6 +126,10 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
         help="optimizer steps between checkpoints; 0: only at the end and on a signal (default: %(default)s)")
     add("--resume", action="store_true",
         help="continue from the latest checkpoint in --checkpoint-dir; start fresh if there is none")
+    add("--keep-going", action="store_true",
+        help="fsdp-mpi under `mpirun --with-ft ulfm --mca btl tcp,self` (Open MPI): a lost rank does not end the "
+             "job; the survivors go on (HYBRID_SHARD, NO_SHARD: the replicas left, from memory; otherwise from "
+             "the latest checkpoint, which --checkpoint-dir then needs)")
     add("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     add("--dropout", type=float, default=None, metavar="P",
         help="every dropout layer's probability (default: the model's); masks are drawn per sample, the same on "
@@ -162,6 +172,15 @@ def check_config(config: RunConfig) -> None:
     for name in ("warmup_steps", "weight_decay", "clip_norm"):
         if (getattr(config, name) or 0) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
+    if config.sharding_strategy != "FULL_SHARD" and config.strategy != "fsdp-mpi":
+        raise UsageError(f"--sharding-strategy is fsdp-mpi's; {config.strategy} shards as it does")
+    if config.keep_going and config.strategy != "fsdp-mpi":
+        raise UsageError(f"--keep-going needs --strategy fsdp-mpi: {config.strategy} communicates through torch, "
+                         "which cannot go on without a lost rank")
+    if config.keep_going and not config.checkpoint_dir and config.sharding_strategy not in REPLICATED:
+        raise UsageError(f"--keep-going under {config.sharding_strategy} goes on from the latest checkpoint (no "
+                         f"rank left holds the lost rank's shards): give it a --checkpoint-dir, or shard with "
+                         f"{' or '.join(REPLICATED)}")
     if config.checkpoint_dir and not config.resume and (Path(config.checkpoint_dir) / LATEST).exists():
         raise UsageError(f"{config.checkpoint_dir} already holds checkpoints: pass --resume to continue from the "
                          "latest, or choose another --checkpoint-dir")

@@ -56,8 +56,7 @@ class RunRecorder:
 
         `first_step`: the run's optimizer steps before this epoch. `tally.comm_seconds` is NaN where unmeasured.
         """
-        step_loss_sums = numpy.array(tally.step_loss_sums, dtype=numpy.float64)  # (steps,) this rank's, then all's
-        self.comm.all_reduce_sum_(torch.from_numpy(step_loss_sums))  # in place: the tensor shares its memory
+        step_loss_sums = numpy.array(tally.step_loss_sums, dtype=numpy.float64)  # (steps,) every rank's
         samples, seconds = sum(tally.step_samples), tally.seconds
         train_loss = float(step_loss_sums.sum()) / samples  # a Python float: rows go into checkpoints
         # On a GPU, torch's peak plus the node transport's slots, which torch's allocator does not see.

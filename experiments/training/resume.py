@@ -46,11 +46,13 @@ STOPPED_WITHOUT_CHECKPOINT = 4  # stopped by a signal without --checkpoint-dir: 
 KEEP = 2  # step checkpoints kept: the newest, and one more in case the newest turns out damaged
 LATEST = "latest"
 RUN_FILE = "run.json"
-FORMAT = 3  # of the run state below; 2: per-step losses; 3: global batches, per-step seeds. Others: refused
+FORMAT = 4  # of the run state below; 2: per-step losses; 3: global batches, per-step seeds; 4: each step's loss
+# summed over the ranks, on every rank. Others: refused
 STEP_NAME = re.compile(r"step-\d{8}")
 # Options a resumed run may change: where files go and how fast it runs, not what it computes.
 MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume", "out_dir", "save_dir",
-                                  "no_progress", "threads", "device", "data_dir", "no_download"})
+                                  "no_progress", "threads", "device", "data_dir", "no_download", "keep_going",
+                                  "sharding_strategy"})
 
 
 class ResumeError(Exception):
@@ -82,7 +84,8 @@ class StopSignals:
 class EpochTally:
     """One epoch's training so far on this rank, as its CSV rows sum it; carried across a stop and resume."""
 
-    step_loss_sums: list[float] = field(default_factory=list)  # per optimizer step: this rank's per-sample losses
+    step_loss_sums: list[float] = field(default_factory=list)  # per optimizer step: its per-sample losses, all ranks'
+    # (the same on every rank: a run that loses ranks keeps those of the steps done)
     step_samples: list[int] = field(default_factory=list)  # per optimizer step: its samples over all ranks
     step_ranks: list[int] = field(default_factory=list)  # per optimizer step: the ranks that trained it
     seconds: float = 0.0  # in training steps: start-up, validation and checkpoint saves excluded
@@ -239,17 +242,10 @@ class RunCheckpoints:
         return Position(extra["step"], extra["epoch"], self._tally(extra["tallies"]))
 
     def _tally(self, saved: list[dict]) -> EpochTally:
-        """This rank's part of the epoch's running sums: its own on as many ranks; on another number, the loss
-        sums all on rank 0 (the row adds them up over the ranks) and the saving rank 0's times."""
+        """This rank's part of the epoch's running sums: its own on as many ranks, else the saving rank 0's (the
+        loss sums are every rank's, the times rank 0's)."""
         comm = self.run.comm
-        if len(saved) == comm.world_size:
-            return EpochTally(**saved[comm.rank])
-        first = EpochTally(**saved[0])
-        if comm.rank == 0:
-            first.step_loss_sums = [sum(sums) for sums in zip(*(tally["step_loss_sums"] for tally in saved))]
-        else:
-            first.step_loss_sums = [0.0] * first.steps
-        return first
+        return EpochTally(**saved[comm.rank if len(saved) == comm.world_size else 0])
 
     def _announce(self, line: str) -> None:
         if self.run.comm.rank == 0:

@@ -18,6 +18,7 @@ import torch
 
 from corpora.files import DataError
 from training.choices import TORCH_DISTRIBUTED
+from training.keep_going import Left
 from training.loop import train
 from training.options import RunConfig, UsageError, check_checkpoint_options, check_config
 from training.resume import ResumeError, StopSignals
@@ -68,7 +69,9 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
             if comm.rank == 0:
                 print(f"{parser.prog}: error: {failure}", file=sys.stderr)
             return 2
-    if comm.rank == 0:
+    if isinstance(stopped, Left):
+        print(f"rank {comm.rank}: {stopped.message()}", flush=True)
+    elif path is not None:  # the rank that wrote it: rank 0 of the ranks that finished
         print(f"wrote {path}" + (" (the epochs completed so far)" if stopped else ""))
         if stopped:
             print(stopped.message(), flush=True)

@@ -1,7 +1,8 @@
 """The bookkeeping around every MPI call a ``Communicator`` makes: logged, checked across ranks, watched and timed.
 
 Every call is recorded in the process's collective log and watched for hangs
-(``collective_log``); in verify mode the ranks first check that they are all
+(``collective_log``), and MPI's report of a lost rank becomes ``RankLostError``
+(``lost_ranks``); in verify mode the ranks first check that they are all
 entering the same collective (``verify_every_rank_enters``). The time a rank is
 blocked in MPI, and the bytes each operation moves, add up in its ``Traffic``.
 
@@ -21,6 +22,7 @@ import torch
 from mpi4py import MPI
 
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG, CollectiveRecord
+from fsdp_mpi.communication.failures.lost_ranks import RankLostError, is_rank_lost
 from fsdp_mpi.communication.settings import VERIFY
 
 
@@ -63,6 +65,9 @@ def waiting_in_mpi(comm, record: CollectiveRecord):
         start = time.perf_counter()
         try:
             yield
+        except MPI.Exception as error:
+            _raise_if_rank_lost(error, comm, record)
+            raise
         finally:
             comm.traffic.seconds_in_mpi += time.perf_counter() - start
 
@@ -89,9 +94,19 @@ class InMPI:
                 raise
         return self.record
 
-    def __exit__(self, *exception) -> None:
+    def __exit__(self, exception_type=None, error=None, traceback=None) -> None:
         self.comm.traffic.seconds_in_mpi += time.perf_counter() - self.start
         PROCESS_LOG.leave(self.record, self.finishes)
+        if error is not None:
+            _raise_if_rank_lost(error, self.comm, self.record)
+
+
+def _raise_if_rank_lost(error: BaseException, comm, record: CollectiveRecord) -> None:
+    """Raises ``RankLostError`` in place of MPI's report that a rank of `comm` was lost."""
+    if is_rank_lost(error):
+        waited = time.monotonic() - record.started
+        raise RankLostError(f"rank {comm.rank} of {comm.world_size} in {record.describe()}, after {waited:.3f} s "
+                            f"in it: {error.Get_error_string()}", waited) from error
 
 
 def verify_every_rank_enters(comm, record: CollectiveRecord) -> None:

@@ -24,6 +24,7 @@ from fsdp_mpi.communication.bookkeeping import Traffic, in_mpi, waiting_in_mpi
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
 from fsdp_mpi.communication.failures.liveness import Liveness
+from fsdp_mpi.communication.failures.lost_ranks import continuation_unavailable
 from fsdp_mpi.communication.routes import Routes
 from fsdp_mpi.communication.settings import (FORCE_STAGING, MAX_ELEMENTS_PER_MESSAGE, NODE_TRANSPORT,
                                              STAGING_CHUNK_BYTES, TIMEOUT, TWO_LEVEL, VERIFY, read_flag,
@@ -87,11 +88,11 @@ class Communicator:
         self.node_exchange_bytes: int | None = None  # the node transport's exchange; None: its default per device
         self._routes = Routes()  # the transport of each kind of tensor, chosen at its first collective
         self.traffic = Traffic()  # shared with the communicators split from this one
+        self._splits: list[Communicator] = []  # revoked with this one when a rank is lost
         # Where the library lets two threads call MPI at once, collectives started early may run there.
         self.communication_thread = CommunicationThread() if threads_may_call_mpi_at_once() else None
-        if (self.mpi_comm == MPI.COMM_WORLD and self.world_size > 1 and self.communication_thread is not None
-                and PROCESS_LOG.liveness is None):  # collective: every rank builds a first world Communicator
-            PROCESS_LOG.start_answering(Liveness(self.mpi_comm))  # so the watchdog can ask who is still there
+        if self.mpi_comm == MPI.COMM_WORLD and PROCESS_LOG.liveness is None:  # every rank builds a first one
+            self.watch_liveness()
 
     # ----------------------------------------------------------------- routes
 
@@ -263,7 +264,54 @@ class Communicator:
                              node_transport=self.node_transport, two_level=self.two_level, timeout=self.timeout,
                              verify=self.verify)
         child.traffic, child.node_exchange_bytes = self.traffic, self.node_exchange_bytes
+        self._splits.append(child)
         return child
+
+    # ----------------------------------------------------------------- going on without a lost rank
+
+    def agree(self, flag: bool = True) -> bool:
+        """`flag` and-ed over the ranks, the same answer on every survivor (ULFM's ``MPI_Comm_agree``): raises
+        ``RankLostError`` on every one of them alike if a rank has been lost. A training loop that agrees before
+        its optimizer step knows that every survivor takes the step, or none does (``failures/lost_ranks.py``)."""
+        return bool(self._pickled("agree", lambda: self.mpi_comm.Agree(int(flag)), alone=flag))
+
+    def revoke(self) -> None:
+        """After ``RankLostError``: makes every call on this communicator, on those split from it and on their
+        transports fail at once on every rank, so that no survivor goes on waiting for a partner that has given
+        up. Local; a communicator already revoked, or gone, is left as it is."""
+        for mpi_comm in [self.mpi_comm, *self._routes.mpi_comms]:
+            try:
+                mpi_comm.Revoke()
+            except MPI.Exception:
+                pass
+        for child in self._splits:
+            child.revoke()
+
+    def watch_liveness(self) -> None:
+        """Lets the watchdog ask these ranks, when a collective hangs, which of them still answer (collective).
+        The first world communicator does it as it is built; survivors once they have settled after ``shrink``.
+        Nothing where a thread cannot call MPI beside the main one, or alone."""
+        if self.world_size > 1 and self.communication_thread is not None:
+            with in_mpi(self, "watch who answers", collective=False):
+                liveness = Liveness(self.mpi_comm)
+            PROCESS_LOG.start_answering(liveness)
+
+    def shrink(self) -> "Communicator":
+        """After ``RankLostError``: a communicator, with this one's settings, over the ranks of this one still
+        alive, in the same order (collective over them). Revokes this one first. Until the survivors call
+        ``watch_liveness`` the watchdog reports a hang without asking who is still there. Refused, naming why,
+        where MPI cannot report a lost rank (``continuation_unavailable``)."""
+        unavailable = continuation_unavailable()
+        if unavailable:
+            raise RuntimeError(f"cannot go on without the lost rank: {unavailable}")
+        self.revoke()
+        with in_mpi(self, "shrink to the survivors", collective=False):  # watched: a survivor may never come
+            shrunk = self.mpi_comm.Shrink()
+        survivors = Communicator(shrunk, force_staging=self.force_staging, cuda_aware=self.cuda_aware,
+                                 node_transport=self.node_transport, two_level=self.two_level,
+                                 timeout=self.timeout, verify=self.verify)
+        survivors.node_exchange_bytes = self.node_exchange_bytes
+        return survivors
 
     # ----------------------------------------------------------------- the one call
 

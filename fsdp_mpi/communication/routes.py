@@ -37,6 +37,7 @@ class Routes:
     def __init__(self):
         self.transports: dict[str, Transport] = {}
         self.lines: dict[str, str] = {}
+        self.mpi_comms: list = []  # every MPI communicator made for a transport: revoked with the communicator
 
     def of(self, comm, device: torch.device) -> Transport:
         """The transport of `device`'s tensors between `comm`'s ranks (collective the first time, then kept)."""
@@ -52,6 +53,7 @@ class Routes:
                                "gradients as they are)")
         with in_mpi(comm, "choose a route"):
             node_comm = split_by_node(comm.mpi_comm)
+            self.mpi_comms.append(node_comm)
             if node_comm.Get_size() == comm.world_size:
                 transport, line = self._one_node(comm, node_comm, device)
             else:
@@ -79,7 +81,9 @@ class Routes:
             node_comm.Free()
             why = f"{TWO_LEVEL.name}=0" if layout is not None else how
             return self._mpi(comm, comm.mpi_comm, device, f"{spanning}, one flat ring: {why}")
-        across, across_line = self._mpi(comm, comm.mpi_comm.Split(layout.local, comm.rank), device, "", owned=True)
+        across_comm = comm.mpi_comm.Split(layout.local, comm.rank)
+        self.mpi_comms.append(across_comm)
+        across, across_line = self._mpi(comm, across_comm, device, "", owned=True)
         inside, inside_line = None, ""
         if comm.node_transport:
             inside, inside_line = open_node_transport(node_comm, device, comm.node_exchange_bytes)
@@ -115,6 +119,7 @@ class Routes:
                 with in_mpi(comm, "close a transport"):
                     transport.close()
             del self.transports[kind], self.lines[kind]
+        self.mpi_comms.clear()
 
 
 def mpi_reads_in_place(comm, device: torch.device) -> bool:

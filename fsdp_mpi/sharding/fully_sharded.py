@@ -163,6 +163,12 @@ class FullyShardedDataParallel(nn.Module):
     def comm(self) -> Communicator:
         return self._unit.comm
 
+    @property
+    def groups(self) -> ShardGroups:
+        """This rank's shard group and replica group (``strategy.ShardGroups``): which ranks split a shard,
+        which hold copies of it."""
+        return self._unit.groups
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Whether backward reduce-scatters gradients (default) or keeps them unsharded to reduce later.
 

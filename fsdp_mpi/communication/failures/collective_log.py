@@ -22,6 +22,8 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from mpi4py import MPI
+
 from fsdp_mpi.communication.failures.abort import abort_job
 from fsdp_mpi.communication.failures.liveness import Liveness
 from fsdp_mpi.communication.settings import TIMEOUT, VERIFY
@@ -115,7 +117,10 @@ class CollectiveLog:
             pause = 0.1  # how long another rank's question may wait for its answer
             with self._lock:  # not while `stop_answering` closes it
                 if self.liveness is not None:
-                    self.liveness.answer_questions()
+                    try:
+                        self.liveness.answer_questions()
+                    except MPI.Exception:  # a rank was lost (ULFM): the survivors' communicator brings a new one
+                        self.liveness = None
             for thread, (record, since, timeout, rank) in list(self.blocked.items()):
                 if timeout <= 0:
                     continue
@@ -130,9 +135,14 @@ class CollectiveLog:
             time.sleep(pause)
 
     def start_answering(self, liveness: Liveness) -> None:
-        """Lets the watchdog answer other ranks' questions and ask its own, until the interpreter exits."""
-        self.liveness = liveness
-        atexit.register(self.stop_answering)  # runs before mpi4py's MPI_Finalize, registered earlier
+        """Lets the watchdog answer other ranks' questions and ask its own, until the interpreter exits or another
+        replaces it."""
+        with self._lock:
+            previous, self.liveness = self.liveness, liveness
+        if previous is not None:  # the communicator of ranks before some were lost
+            previous.close()
+        else:
+            atexit.register(self.stop_answering)  # runs before mpi4py's MPI_Finalize, registered earlier
 
     def stop_answering(self) -> None:
         with self._lock:

@@ -1,0 +1,129 @@
+"""A lost rank does not end the job (--keep-going, Open MPI's ULFM): the survivors finish the run, and every step
+after the loss computes what a run that lost nothing computes.
+
+Ranks are SIGKILLed (tests/workers/keep_going.py) in a step's forward, in its backward, inside a gradient
+reduce-scatter, and a whole emulated node's ranks at once. The reference is one process on the same global batch:
+N ranks equal one process (test_equivalence), the global batch stays the one the run started with, and dropout
+follows the sample, so a run that loses ranks must end where an unbroken one ends.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from experiment_runs import EXPERIMENTS, SHARED_DATA, launch, needs_data, read_rows
+from mpi_launch import WORKERS, child_env, mpiexec
+from test_experiments import SAME_TRAINING
+
+from fsdp_mpi import continuation_unavailable
+
+ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]  # as failures/lost_ranks.ULFM_LAUNCH says
+RUN = ["--model", "gpt2-tiny", "--device", "cpu", "--epochs", "2", "--steps-per-epoch", "4", "--seq-len", "32",
+       "--val-steps", "2", "--no-progress"]
+LOST = re.compile(r"--keep-going: lost rank\(s\) ([\d, ]+) of the job \((\d+) training before\); (\d+) rank\(s\) go on "
+                  r"from (memory|the latest checkpoint)[^;]*? at optimizer step (\d+)\. Noticed after ([\d.]+) s in a "
+                  r"collective, shrunk in ([\d.]+) s, rebuilt in ([\d.]+) s")
+WATCHDOG_SECONDS = "60"  # a survivor left waiting fails the test with the watchdog's report, not the pytest timeout
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The unbroken run on one process, per global batch: {global batch: its step rows, its epoch rows}."""
+    runs = {}
+    for global_batch in (8, 12):
+        out = tmp_path_factory.mktemp(f"one_process_{global_batch}")
+        result = launch("run_gpt2.py", 1, *RUN, "--batch-size", global_batch, "--out-dir", out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[global_batch] = read_rows(out, per="step"), read_rows(out)
+    return runs
+
+
+def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None) -> subprocess.CompletedProcess:
+    """run_gpt2.py on `nprocs` ranks under ULFM, with --keep-going, killing ranks as `kills` (RANK:STEP:MOMENT)."""
+    env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA), FSDP_MPI_TIMEOUT=WATCHDOG_SECONDS, **(env or {}))
+    exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE", "FSDP_MPI_DATA_DIR")
+                if name in env for word in ("-x", name)]
+    killing = [word for kill in kills for word in ("--kill", kill)]
+    command = [mpiexec(), *ULFM, *exported, "-n", str(nprocs), sys.executable, str(WORKERS / "keep_going.py"),
+               *killing, "--", *RUN, "--keep-going", *map(str, options)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=EXPERIMENTS)
+
+
+def recoveries(result: subprocess.CompletedProcess) -> list[tuple]:
+    """Each recovery's (lost job ranks, ranks before, ranks after, from where, step), and its times printed."""
+    found = LOST.findall(result.stdout)
+    for *_, noticed, shrunk, rebuilt in found:
+        print(f"recovery: noticed after {noticed} s, shrunk in {shrunk} s, rebuilt in {rebuilt} s")
+    return [(lost, int(before), int(after), source, int(step)) for lost, before, after, source, step, *_ in found]
+
+
+def assert_ends_where_one_process_ends(out, reference) -> None:
+    steps, epochs = read_rows(out, per="step"), read_rows(out)
+    reference_steps, reference_epochs = reference
+    assert [row["step"] for row in steps] == [row["step"] for row in reference_steps]
+    for row, ref in zip(steps, reference_steps):
+        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING), row["step"]
+    for row, ref in zip(epochs, reference_epochs, strict=True):
+        assert float(row["train_loss"]) == pytest.approx(float(ref["train_loss"]), abs=SAME_TRAINING)
+        assert float(row["val_loss"]) == pytest.approx(float(ref["val_loss"]), abs=SAME_TRAINING)
+
+
+def shared_memory_files() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.open_mpi
+@needs_data
+def test_full_shard_survivors_reload_the_checkpoint_three_times_and_end_where_one_process_ends(one_process, tmp_path):
+    """4 ranks, FULL_SHARD, a checkpoint every step: a rank dies in a forward, another in a backward, a third
+    inside a reduce-scatter; each time the survivors reload the latest checkpoint resharded onto their number,
+    in the same processes, down to one."""
+    before = shared_memory_files()
+    result = run_killing(4, ["1:2:forward", "2:4:backward", "3:6:reduce_scatter"], "--batch-size", 2,
+                         "--checkpoint-dir", tmp_path / "checkpoints", "--checkpoint-every", 1,
+                         "--out-dir", tmp_path / "out")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert recoveries(result) == [("1", 4, 3, "the latest checkpoint", 2), ("2", 3, 2, "the latest checkpoint", 4),
+                                  ("3", 2, 1, "the latest checkpoint", 6)]
+    assert [row["world_size"] for row in read_rows(tmp_path / "out", per="step")] == list("44332211")
+    assert_ends_where_one_process_ends(tmp_path / "out", one_process[8])
+    assert shared_memory_files() <= before  # the node transport's segments went with the processes
+
+
+@pytest.mark.open_mpi
+@needs_data
+def test_hybrid_shard_groups_left_whole_go_on_from_memory_after_a_rank_and_then_a_node_die(one_process, tmp_path):
+    """6 ranks as 3 emulated nodes of 2, HYBRID_SHARD by node, no checkpoints at all: a rank dies inside a
+    reduce-scatter (its node's other rank leaves), then both ranks of another node die together in a forward;
+    the node left whole goes on from its own memory each time, with the global batch kept."""
+    result = run_killing(6, ["1:2:reduce_scatter", "4:5:forward", "5:5:forward"], "--batch-size", 2,
+                         "--sharding-strategy", "HYBRID_SHARD", "--out-dir", tmp_path,
+                         env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert recoveries(result) == [("1", 6, 4, "memory", 2), ("4, 5", 4, 2, "memory", 5)]
+    assert "rank 0: left the run at optimizer step 2" in result.stdout
+    assert "resuming from" not in result.stdout
+    assert [row["world_size"] for row in read_rows(tmp_path, per="step")] == list("66444222")
+    assert_ends_where_one_process_ends(tmp_path, one_process[12])
+
+
+def test_where_a_job_cannot_go_on_it_says_why(monkeypatch):
+    """MPICH and Intel MPI cannot report a lost rank; Open MPI can only when started with ULFM and without its
+    shared-memory transport, and not under srun."""
+    from mpi4py import MPI
+
+    monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
+    if "Open MPI" not in MPI.Get_library_version():
+        assert re.match(r"(MPICH|Intel).* cannot report a lost rank", continuation_unavailable())
+        return
+    assert "start the job with `mpirun --with-ft ulfm --mca btl tcp,self`" in continuation_unavailable()
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.delenv("PRTE_LAUNCHED", raising=False)
+    assert "started by srun" in continuation_unavailable()
+    monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "1")
+    monkeypatch.setenv("OMPI_MCA_btl", "sm,self")
+    assert "shared-memory transport cannot see a dead peer" in continuation_unavailable()
+    monkeypatch.setenv("OMPI_MCA_btl", "tcp,self")
+    assert continuation_unavailable() is None

@@ -1,0 +1,80 @@
+"""experiments/run_gpt2.py with ranks killed at chosen moments, for tests/test_keep_going.py.
+
+    python keep_going.py --kill RANK:STEP:MOMENT [--kill ...] -- <run_gpt2.py's options>
+
+RANK is the rank in the world the job started with, STEP the optimizer step (counted from 0 over the whole run),
+MOMENT one of forward (the third unit hook of the step's forward), backward (the second of its backward) or
+reduce_scatter (as the step's first gradient reduce-scatter starts: the other ranks are inside it). The rank
+sends itself SIGKILL: no handler, no MPI call, nothing flushed, as when a node dies. Every rank prints when
+each optimizer step is done and when it is killed (wall clock), from which experiments/keep_going_bench.sh
+takes the time from a failure to the next completed step.
+"""
+
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
+
+import run_gpt2  # noqa: E402
+from training import loop  # noqa: E402
+from training.run import main  # noqa: E402
+
+from fsdp_mpi.communication import timing_points  # noqa: E402
+
+
+class Killer:
+    """A timing-points listener that kills this rank at its planned (step, moment)."""
+
+    def __init__(self, plan: set[tuple[int, str]]):
+        self.plan, self.step, self.seen = plan, -1, Counter()
+
+    def enter(self, point: str) -> None:
+        if point == timing_points.HOOK:  # autograd runs backward's hooks with gradients off
+            self._reached("forward" if torch.is_grad_enabled() else "backward", 3 if torch.is_grad_enabled() else 2)
+
+    def leave(self, point: str) -> None:
+        pass
+
+    def collective_started(self, record) -> None:
+        if record.operation == "reduce_scatter":
+            self._reached("reduce_scatter", 1)
+
+    def _reached(self, moment: str, nth: int) -> None:
+        self.seen[self.step, moment] += 1
+        if (self.step, moment) in self.plan and self.seen[self.step, moment] == nth:
+            print(f"rank {MPI.COMM_WORLD.Get_rank()}: killed in step {self.step}'s {moment} at {time.time():.3f}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(kills: list[str]) -> None:
+    rank = MPI.COMM_WORLD.Get_rank()
+    plan = set()
+    for kill in kills:
+        victim, step, moment = kill.split(":")
+        if int(victim) == rank:
+            plan.add((int(step), moment))
+    killer = Killer(plan)
+    timing_points.add_listener(killer)
+    counted = loop.optimizer_step
+
+    def optimizer_step(run, step, position):
+        killer.step = position.step
+        done = counted(run, step, position)
+        print(f"rank {rank}: step {position.step} done at {time.time():.3f}", flush=True)  # for the benchmark
+        return done
+    loop.optimizer_step = optimizer_step
+
+
+if __name__ == "__main__":
+    separator = sys.argv.index("--")
+    ours, sys.argv = sys.argv[1:separator], [sys.argv[0], *sys.argv[separator + 1:]]
+    install([ours[index + 1] for index, word in enumerate(ours) if word == "--kill"])
+    sys.exit(main(run_gpt2.GPT2Task, run_gpt2.GPT2RunConfig, run_gpt2.parser(), "gpt2"))
