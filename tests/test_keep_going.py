@@ -2,7 +2,7 @@
 after the loss computes what a run that lost nothing computes.
 
 Ranks are SIGKILLed (tests/workers/keep_going.py) in a step's forward, in its backward, inside a gradient
-reduce-scatter, and a whole emulated node's ranks at once. The reference is one process on the same global batch:
+reduce-scatter, while the survivors of an earlier loss rebuild, and a whole emulated node's ranks at once. The reference is one process on the same global batch:
 N ranks equal one process (test_equivalence), the global batch stays the one the run started with, and dropout
 follows the sample, so a run that loses ranks must end where an unbroken one ends.
 """
@@ -76,18 +76,18 @@ def shared_memory_files() -> set[str]:
 
 @pytest.mark.open_mpi
 @needs_data
-def test_full_shard_survivors_reload_the_checkpoint_three_times_and_end_where_one_process_ends(one_process, tmp_path):
-    """4 ranks, FULL_SHARD, a checkpoint every step: a rank dies in a forward, another in a backward, a third
-    inside a reduce-scatter; each time the survivors reload the latest checkpoint resharded onto their number,
-    in the same processes, down to one."""
+def test_full_shard_survivors_reload_the_checkpoint_and_end_where_one_process_ends(one_process, tmp_path):
+    """4 ranks, FULL_SHARD, a checkpoint every step: rank 1 dies inside a reduce-scatter; then rank 2 in a backward,
+    and rank 0 (which writes the CSVs) while the survivors rebuild after that. Each time the survivors reload the
+    latest checkpoint resharded onto their number, in the same processes, down to one."""
     before = shared_memory_files()
-    result = run_killing(4, ["1:2:forward", "2:4:backward", "3:6:reduce_scatter"], "--batch-size", 2,
+    result = run_killing(4, ["1:1:reduce_scatter", "2:3:backward", "0:3:rebuild"], "--batch-size", 2,
                          "--checkpoint-dir", tmp_path / "checkpoints", "--checkpoint-every", 1,
                          "--out-dir", tmp_path / "out")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert recoveries(result) == [("1", 4, 3, "the latest checkpoint", 2), ("2", 3, 2, "the latest checkpoint", 4),
-                                  ("3", 2, 1, "the latest checkpoint", 6)]
-    assert [row["world_size"] for row in read_rows(tmp_path / "out", per="step")] == list("44332211")
+    assert recoveries(result) == [("1", 4, 3, "the latest checkpoint", 1),
+                                  ("0, 2", 3, 1, "the latest checkpoint", 3)]
+    assert [row["world_size"] for row in read_rows(tmp_path / "out", per="step")] == list("43311111")
     assert_ends_where_one_process_ends(tmp_path / "out", one_process[8])
     assert shared_memory_files() <= before  # the node transport's segments went with the processes
 
@@ -95,10 +95,10 @@ def test_full_shard_survivors_reload_the_checkpoint_three_times_and_end_where_on
 @pytest.mark.open_mpi
 @needs_data
 def test_hybrid_shard_groups_left_whole_go_on_from_memory_after_a_rank_and_then_a_node_die(one_process, tmp_path):
-    """6 ranks as 3 emulated nodes of 2, HYBRID_SHARD by node, no checkpoints at all: a rank dies inside a
-    reduce-scatter (its node's other rank leaves), then both ranks of another node die together in a forward;
-    the node left whole goes on from its own memory each time, with the global batch kept."""
-    result = run_killing(6, ["1:2:reduce_scatter", "4:5:forward", "5:5:forward"], "--batch-size", 2,
+    """6 ranks as 3 emulated nodes of 2, HYBRID_SHARD by node, no checkpoints at all: a rank dies in a forward
+    (its node's other rank leaves), then both ranks of another node die together in a backward; the node left
+    whole goes on from its own memory each time, with the global batch kept."""
+    result = run_killing(6, ["1:2:forward", "4:5:backward", "5:5:backward"], "--batch-size", 2,
                          "--sharding-strategy", "HYBRID_SHARD", "--out-dir", tmp_path,
                          env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -50,31 +50,45 @@ class Left:
 
 def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_run):
     """After `lost`: the run rebuilt on the ranks that go on, and where it is (``(run, position)``), or ``Left``.
-    Collective over the survivors. `start_run` builds a run on a communicator (``loop.start_run``)."""
+    Collective over the survivors. `start_run` builds a run on a communicator (``loop.start_run``). A rank lost
+    while the survivors rebuild (a node's ranks noticed one after the other, or a second failure) makes them
+    shrink again and rebuild from the same state: `run`'s memory, or the checkpoint."""
     noticed = time.perf_counter()
-    world = run.comm
-    survivors, alive = _shrink_until_it_holds(world)
-    shrunk = time.perf_counter()
-    lost_ranks = sorted(set(_job_ranks(world.mpi_comm)) - set(alive))
-    whole = survivors.all_gather_object(set(_job_ranks(run.prepared.model.groups.shard.mpi_comm)) <= set(alive))
-    from_memory = run.config.sharding_strategy in REPLICATED and any(whole)
-    if from_memory and not whole[survivors.rank]:
-        survivors.split(MPI.UNDEFINED)
-        return Left(lost_ranks, position.step)
-    going_on = survivors.split(0) if from_memory else survivors
+    world, before = run.comm, run.comm.world_size
+    lost_ranks: set[int] = set()
+    while True:
+        survivors, alive = _shrink_until_it_holds(world)
+        shrunk = time.perf_counter()
+        lost_ranks |= set(_job_ranks(world.mpi_comm)) - set(alive)
+        whole = survivors.all_gather_object(set(_job_ranks(run.prepared.model.groups.shard.mpi_comm)) <= set(alive))
+        from_memory = run.config.sharding_strategy in REPLICATED and any(whole)
+        if from_memory and not whole[survivors.rank]:
+            survivors.split(MPI.UNDEFINED)
+            return Left(sorted(lost_ranks), position.step)
+        going_on = survivors.split(0) if from_memory else survivors
+        try:
+            rebuilt, resumed_at = _rebuild(run, position, going_on, from_memory, start_run)
+            break
+        except RankLostError:
+            world = going_on  # the ranks that leave have left: only these shrink
+    if going_on.rank == 0:
+        source = "memory (the shard groups left whole)" if from_memory else "the latest checkpoint"
+        print(f"--keep-going: lost rank(s) {', '.join(map(str, sorted(lost_ranks)))} of the job ({before} training "
+              f"before); {going_on.world_size} rank(s) go on from {source} at optimizer step {resumed_at.step}. "
+              f"Noticed after {lost.waited:.3f} s in a collective, shrunk in {shrunk - noticed:.3f} s, rebuilt in "
+              f"{time.perf_counter() - shrunk:.3f} s ({lost})", flush=True)
+    return rebuilt, resumed_at
+
+
+def _rebuild(run, position: Position, going_on, from_memory: bool, start_run):
+    """`run` built again on `going_on`'s ranks, with `run`'s state or the latest checkpoint's: (run, position)."""
     rebuilt = start_run(run.task, run.config, going_on, run.device, run.experiment, run.batching)
     rebuilt.recorder.resume(run.recorder.run_id, run.recorder.rows, run.recorder.step_rows)
     if from_memory:
         _move_state(run, rebuilt)
-        source = "memory (the shard groups left whole)"
     else:
         position = RunCheckpoints(rebuilt).restore()
-        source = "the latest checkpoint"
-    if going_on.rank == 0:
-        print(f"--keep-going: lost rank(s) {', '.join(map(str, lost_ranks))} of the job ({world.world_size} "
-              f"training before); {going_on.world_size} rank(s) go on from {source} at optimizer step "
-              f"{position.step}. Noticed after {lost.waited:.3f} s in a collective, shrunk in "
-              f"{shrunk - noticed:.3f} s, rebuilt in {time.perf_counter() - shrunk:.3f} s ({lost})", flush=True)
+    going_on.watch_liveness()
     return rebuilt, position
 
 

@@ -3,8 +3,9 @@
     python keep_going.py --kill RANK:STEP:MOMENT [--kill ...] -- <run_gpt2.py's options>
 
 RANK is the rank in the world the job started with, STEP the optimizer step (counted from 0 over the whole run),
-MOMENT one of forward (the third unit hook of the step's forward), backward (the second of its backward) or
-reduce_scatter (as the step's first gradient reduce-scatter starts: the other ranks are inside it). The rank
+MOMENT one of forward (the third unit hook of the step's forward), backward (the second of its backward),
+reduce_scatter (as the step's first gradient reduce-scatter starts: the other ranks are inside it) or rebuild
+(as the survivors of a loss in that step start building the model again). The rank
 sends itself SIGKILL: no handler, no MPI call, nothing flushed, as when a node dies. Every rank prints when
 each optimizer step is done and when it is killed (wall clock), from which experiments/keep_going_bench.sh
 takes the time from a failure to the next completed step.
@@ -37,16 +38,16 @@ class Killer:
 
     def enter(self, point: str) -> None:
         if point == timing_points.HOOK:  # autograd runs backward's hooks with gradients off
-            self._reached("forward" if torch.is_grad_enabled() else "backward", 3 if torch.is_grad_enabled() else 2)
+            self.reached("forward" if torch.is_grad_enabled() else "backward", 3 if torch.is_grad_enabled() else 2)
 
     def leave(self, point: str) -> None:
         pass
 
     def collective_started(self, record) -> None:
         if record.operation == "reduce_scatter":
-            self._reached("reduce_scatter", 1)
+            self.reached("reduce_scatter", 1)
 
-    def _reached(self, moment: str, nth: int) -> None:
+    def reached(self, moment: str, nth: int) -> None:
         self.seen[self.step, moment] += 1
         if (self.step, moment) in self.plan and self.seen[self.step, moment] == nth:
             print(f"rank {MPI.COMM_WORLD.Get_rank()}: killed in step {self.step}'s {moment} at {time.time():.3f}",
@@ -71,6 +72,12 @@ def install(kills: list[str]) -> None:
         print(f"rank {rank}: step {position.step} done at {time.time():.3f}", flush=True)  # for the benchmark
         return done
     loop.optimizer_step = optimizer_step
+    build = loop.start_run
+
+    def start_run(*args):
+        killer.reached("rebuild", 1)  # the run's first build comes before step 0
+        return build(*args)
+    loop.start_run = start_run
 
 
 if __name__ == "__main__":
