@@ -122,3 +122,20 @@ def test_a_controller_that_fails_now_and_then_changes_nothing(tmp_path):
     assert len(attempts) == 1 and requeued == "", output
     assert "scontrol requeue 7 failed 2 times" in output and "could not requeue job 7: submit the same" in output
     assert "returned 3" in output, output
+
+
+@pytest.mark.parametrize("launcher, expected", [
+    ("", "srun --kill-on-bad-exit=1 python run.py"),
+    ("srun --mpi=pmi2", "srun --mpi=pmi2 --kill-on-bad-exit=1 python run.py"),
+    ("mpiexec", "mpiexec -n 4 python run.py"),
+    ("ulfm", "mpirun --with-ft ulfm --mca btl tcp,self -n 4 python run.py"),  # what --keep-going needs
+])
+def test_each_launcher_starts_the_ranks_as_documented(tmp_path, launcher, expected):
+    """hpc/launch.sh's FSDP_MPI_LAUNCHER choices, with the launchers faked to print how they were called."""
+    for name in ("srun", "mpiexec", "mpirun"):
+        (tmp_path / name).write_text(f'#!/bin/bash\necho "{name} $*"\n')
+        (tmp_path / name).chmod(0o755)
+    environment = {"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_NTASKS": "4", "FSDP_MPI_LAUNCHER": launcher}
+    result = subprocess.run(["bash", "-c", "set -euo pipefail; source hpc/launch.sh; launch_ranks python run.py"],
+                            cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == expected, result.stderr
