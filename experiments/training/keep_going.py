@@ -23,6 +23,7 @@ have taken the interrupted step while another has not: the loop agrees
 (``Communicator.agree``, uniform over the survivors) before each optimizer step.
 """
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,12 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
         if from_memory and not whole[survivors.rank]:
             survivors.split(MPI.UNDEFINED)
             return Left(sorted(lost_ranks), position.step)
+        if not from_memory and not run.config.checkpoint_dir:
+            if survivors.rank == 0:
+                print(f"--keep-going: lost rank(s) {', '.join(map(str, sorted(lost_ranks)))}, and no shard group is "
+                      f"left whole to go on from memory nor a --checkpoint-dir to reload: the run ends here",
+                      file=sys.stderr, flush=True)
+            raise SystemExit(2)
         going_on = survivors.split(0) if from_memory else survivors
         try:
             rebuilt, resumed_at = _rebuild(run, position, going_on, from_memory, start_run)
