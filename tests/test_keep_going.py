@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from experiment_runs import EXPERIMENTS, SHARED_DATA, launch, needs_data, read_rows
-from mpi_launch import WORKERS, child_env, mpiexec
+from mpi_launch import WORKERS, RunFailed, child_env, mpiexec
 from test_experiments import SAME_TRAINING
 
 from fsdp_mpi import continuation_unavailable
@@ -48,7 +48,11 @@ def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None
     killing = [word for kill in kills for word in ("--kill", kill)]
     command = [mpiexec(), *ULFM, *exported, "-n", str(nprocs), sys.executable, str(WORKERS / "keep_going.py"),
                *killing, "--", *RUN, "--keep-going", *map(str, options)]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=EXPERIMENTS)
+    try:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=EXPERIMENTS)
+    except subprocess.TimeoutExpired as hung:  # say where it hung: the survivors' last lines
+        tails = [(text or b"").decode(errors="replace")[-4000:] for text in (hung.stdout, hung.stderr)]
+        raise RunFailed(f"still running after 240 s\nstdout:\n{tails[0]}\nstderr:\n{tails[1]}") from None
 
 
 def recoveries(result: subprocess.CompletedProcess) -> list[tuple]:

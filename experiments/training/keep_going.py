@@ -23,6 +23,7 @@ have taken the interrupted step while another has not: the loop agrees
 (``Communicator.agree``, uniform over the survivors) before each optimizer step.
 """
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +34,23 @@ from training.choices import REPLICATED
 from training.resume import Position, RunCheckpoints
 
 from fsdp_mpi import RankLostError
+
+
+_lost_ranks_here = False  # whether this process has gone on without a rank (set by go_on_without_the_lost)
+
+
+def lost_a_rank() -> bool:
+    """Whether this process has lost a rank of its job and gone on (or left)."""
+    return _lost_ranks_here
+
+
+def exit_without_finalize(code: int):
+    """Ends this process with `code` at once, its output flushed, without ``MPI_Finalize``: after a lost rank,
+    Open MPI 5.0.11's finalize now and then waits forever (a survivor hung there once in about twelve 6-rank
+    runs), and a ULFM job is content with a process that ends without it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass
@@ -54,6 +72,8 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
     Collective over the survivors. `start_run` builds a run on a communicator (``loop.start_run``). A rank lost
     while the survivors rebuild (a node's ranks noticed one after the other, or a second failure) makes them
     shrink again and rebuild from the same state: `run`'s memory, or the checkpoint."""
+    global _lost_ranks_here
+    _lost_ranks_here = True
     noticed = time.perf_counter()
     world, before = run.comm, run.comm.world_size
     lost_ranks: set[int] = set()
@@ -71,7 +91,7 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
                 print(f"--keep-going: lost rank(s) {', '.join(map(str, sorted(lost_ranks)))}, and no shard group is "
                       f"left whole to go on from memory nor a --checkpoint-dir to reload: the run ends here",
                       file=sys.stderr, flush=True)
-            raise SystemExit(2)
+            exit_without_finalize(2)
         going_on = survivors.split(0) if from_memory else survivors
         try:
             rebuilt, resumed_at = _rebuild(run, position, going_on, from_memory, start_run)

@@ -18,7 +18,7 @@ import torch
 
 from corpora.files import DataError
 from training.choices import TORCH_DISTRIBUTED
-from training.keep_going import Left
+from training.keep_going import Left, exit_without_finalize, lost_a_rank
 from training.loop import train
 from training.options import RunConfig, UsageError, check_checkpoint_options, check_config
 from training.resume import ResumeError, StopSignals
@@ -75,7 +75,10 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
         print(f"wrote {path}" + (" (the epochs completed so far)" if stopped else ""))
         if stopped:
             print(stopped.message(), flush=True)
-    return stopped.exit_code if stopped else 0
+    code = stopped.exit_code if stopped else 0
+    if lost_a_rank():
+        exit_without_finalize(code)
+    return code
 
 
 def _set_up(task_type, config: RunConfig, comm: Communicator, node: tuple[int, int]):

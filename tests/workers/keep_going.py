@@ -11,6 +11,7 @@ each optimizer step is done and when it is killed (wall clock), from which exper
 takes the time from a failure to the next completed step.
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -81,6 +82,7 @@ def install(kills: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a hung test dumps every rank's threads on SIGUSR2
     separator = sys.argv.index("--")
     ours, sys.argv = sys.argv[1:separator], [sys.argv[0], *sys.argv[separator + 1:]]
     install([ours[index + 1] for index, word in enumerate(ours) if word == "--kill"])

@@ -20,6 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 QUESTION, ANSWER = 1, 2
+# How long closing waits for MPI to withdraw the receive for questions: on a communicator that lost a rank (ULFM)
+# a cancelled receive from any rank may never complete, and a process must not hang on its way out.
+CLOSE_SECONDS = 1.0
 
 
 class Liveness:
@@ -44,7 +47,9 @@ class Liveness:
         """Withdraws the receive for questions: MPI must finish with no communication pending."""
         try:
             self._question.Cancel()
-            self._question.Wait()
+            deadline = time.monotonic() + CLOSE_SECONDS
+            while not self._question.Test() and time.monotonic() < deadline:  # never a Wait: see CLOSE_SECONDS
+                time.sleep(0.001)
         except MPI.Exception:  # its communicator lost a rank (ULFM): nothing is pending any more
             pass
 
