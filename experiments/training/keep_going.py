@@ -110,10 +110,10 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
 def _rebuild(run, position: Position, going_on, from_memory: bool, start_run):
     """`run` built again on `going_on`'s ranks, with `run`'s state or the latest checkpoint's: (run, position)."""
     rebuilt = start_run(run.task, run.config, going_on, run.device, run.experiment, run.batching)
-    rebuilt.recorder.resume(run.recorder.run_id, run.recorder.rows, run.recorder.step_rows)
     if from_memory:
+        rebuilt.recorder.resume(run.recorder.run_id, run.recorder.rows, run.recorder.step_rows)
         _move_state(run, rebuilt)
-    else:
+    else:  # the checkpoint holds the rows too
         position = RunCheckpoints(rebuilt).restore()
     going_on.watch_liveness()
     return rebuilt, position
