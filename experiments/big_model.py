@@ -3,6 +3,8 @@
     mpiexec -n 2 python experiments/big_model.py --model gpt2-large --optimizer adamw
     mpiexec -n 2 python experiments/big_model.py --model gpt2-xl --optimizer sgd-stateless
     mpiexec -n 2 python experiments/big_model.py --model gpt2-medium --steps 1 --checkpoint-dir /tmp/ckpt
+    python experiments/big_model.py --model gpt2-medium --unwrapped     # what plain torch needs beyond its state
+    mpiexec -n 2 python experiments/big_model.py --model gpt2-medium --unwrapped-beyond-state-mib 650
 
 Builds the model on the meta device and initialises it in shards (deferred
 initialisation), then takes optimizer steps on random tokens. Each phase's peak
@@ -11,6 +13,12 @@ reset between phases), beside what the phase should hold: the fp32 shard, the
 largest unit, gradients and optimizer state. With --checkpoint-dir it also times
 save_checkpoint and load_checkpoint against torch.save/torch.load of the full
 state dict (gathered on rank 0). Prints one table from rank 0.
+
+A step's peak against its bound: ``--unwrapped`` trains the same model unsharded in
+one process and prints what its peak holds beyond the parameters, gradients and
+optimizer state (activations, autograd's gradients in flight, temporaries); given
+that figure, ``--unwrapped-beyond-state-mib``, a sharded run prints its peak over the
+bound, sharded state plus that.
 """
 
 import argparse
@@ -57,6 +65,11 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--unwrapped", action="store_true",
+                        help="one process, the model unsharded: prints what the peak holds beyond the state")
+    parser.add_argument("--unwrapped-beyond-state-mib", type=float,
+                        help="what --unwrapped printed for this batch: the sharded peak is then shown over "
+                             "the bound, sharded state plus this")
     return parser.parse_args()
 
 
@@ -83,9 +96,10 @@ def optimizer_for(name: str, model) -> tuple[torch.optim.Optimizer, int]:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, **implementation[name]), 8
 
 
-def train(args, model, optimizer, handles) -> tuple[float, list[float], list[float], int]:
+def train(args, model, optimizer, weights: set) -> tuple[float, list[float], list[float], int]:
     """--steps optimizer steps on random tokens: (the last loss, each step's seconds, the resident MiB after each
-    step, the bytes of the activations the first forward saved). The training peak restarts after --warmup."""
+    step, the bytes of the activations the first forward saved, the storages in `weights` aside). The training
+    peak restarts after --warmup."""
     vocab = model.config.vocab_size
     step_times, resident_after_step = [], []
     for step in range(args.steps):
@@ -94,7 +108,7 @@ def train(args, model, optimizer, handles) -> tuple[float, list[float], list[flo
         tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(step))
         start = time.perf_counter()
         if step == 0:
-            with saved_tensor_bytes({h.full_flat.untyped_storage()._cdata for h in handles}) as activations:
+            with saved_tensor_bytes(weights) as activations:
                 loss = model(tokens[:, :-1], tokens[:, 1:])[1]
         else:
             loss = model(tokens[:, :-1], tokens[:, 1:])[1]
@@ -118,6 +132,9 @@ def main() -> None:
     phases.record("interpreter + torch + MPI", 0.0, "baseline")
     baseline = phases.rows[0][2]
     torch.manual_seed(0)
+    if args.unwrapped:
+        unwrapped(args, GPT2LMHeadModel(gpt2_config(args.model)), baseline)
+        return
     with torch.device("meta"):
         model = GPT2LMHeadModel(gpt2_config(args.model))
     params = model.num_parameters()
@@ -134,7 +151,8 @@ def main() -> None:
 
     optimizer, state_bytes = optimizer_for(args.optimizer, model)
     watch = GatheredWatch(model, handles)
-    loss, step_times, resident_after_step, activation_bytes = train(args, model, optimizer, handles)
+    loss, step_times, resident_after_step, activation_bytes = train(
+        args, model, optimizer, {h.full_flat.untyped_storage()._cdata for h in handles})
     per_param = 4 + 4 + state_bytes  # parameter, gradient, optimizer state
     budget = per_param * shard_mib / 4
     measured = f"steps {args.warmup + 1}-{args.steps}" if args.warmup else f"{args.steps} training steps"
@@ -159,7 +177,25 @@ def main() -> None:
         for kind, mib in kinds.items():
             print(f"  {kind:58} {mib:8.0f}")
         print(f"(peak - baseline - activations) / sharded state ({state_mib:.0f} MiB) = {peak_over_state:.3f}")
+        if args.unwrapped_beyond_state_mib is not None:
+            bound = state_mib + args.unwrapped_beyond_state_mib
+            print(f"(peak - baseline) / (sharded state + unwrapped's beyond its state = {bound:.0f} MiB) = "
+                  f"{(peak - baseline) / bound:.3f}")
         print_resident_after_each_step(resident_after_step)
+
+
+def unwrapped(args, model, baseline: float) -> None:
+    """The model unsharded in this one process, trained as the sharded one is: what its peak holds beyond the
+    parameters, their gradients and the optimizer's state (the bound's second part)."""
+    optimizer, state_bytes = optimizer_for(args.optimizer, model)
+    reset_peak_resident()
+    loss, step_times, _, activation_bytes = train(args, model, optimizer,
+                                                  {p.untyped_storage()._cdata for p in model.parameters()})
+    state_mib = model.num_parameters() * (4 + 4 + state_bytes) / MIB
+    beyond = peak_resident_bytes() / MIB - baseline - state_mib
+    print(f"{args.model} unwrapped, one process, {args.optimizer}: loss {loss:.3f}, last step {step_times[-1]:.1f} s; "
+          f"activations saved by one forward {activation_bytes / MIB:.0f} MiB")
+    print(f"peak - baseline - state ({state_mib:.0f} MiB) = beyond its state: {beyond:.0f} MiB")
 
 
 def print_table(rows: list[tuple]) -> None:

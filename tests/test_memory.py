@@ -78,6 +78,25 @@ def test_a_steps_peak_holds_the_computing_unit_and_what_prefetch_started(case, p
     assert peaks["backward_peak"] <= (1 + prefetched + 2 + 1 / 2) * unit + heap
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak")
+def test_a_steps_peak_with_the_allocator_as_shipped_is_the_state_and_one_units_work(tmp_path):
+    """With the allocator settings a user gets (no GLIBC_TUNABLES; units of 36 MiB, which glibc maps fresh), each
+    of 4 AdamW steps peaks, above the process before the model, at no more than the sharded state (the shard,
+    its gradient, AdamW's two moments: 4 shards), backward's work on one unit (its gathered weights, autograd's
+    gradients and the flat gradient they are assembled into, the reduced half: 3.5 units) and AdamW's
+    temporaries (two of the largest parameter's shard). Memory the
+    allocator keeps beyond that, up to the 1.2x that issue #73 allows, fails it: a heap that is never trimmed keeps
+    the holes between live blocks (1.21-1.36x here). Blocks' gathered weights and full gradients take their
+    memory from two buffers made in the first step and reused after; the root, which keeps its weights from
+    forward to backward, takes none from the pool."""
+    out = tmp_path / "peak.json"
+    check_ok(run_mpi("step_peak.py", 2, out))
+    for rank in json.loads(out.read_text()):
+        bound = 4 * rank["shard_bytes"] + 3.5 * rank["unit_bytes"] + 2 * rank["largest_shard_param_bytes"]
+        assert max(rank["step_peaks"]) <= 1.2 * bound, (rank["step_peaks"], bound)
+        assert rank["pooled_after_step"] == [2 * rank["unit_bytes"]] * 4
+
+
 def test_forward_prefetch_gathers_the_next_unit_while_one_computes(tmp_path):
     report = run_memory(2, tmp_path)
     first_step, second_step = report["seen_with_prefetch"][:2], report["seen_with_prefetch"][2:]
@@ -132,6 +151,53 @@ def test_freed_host_memory_is_kept_for_reuse_unless_turned_off(value, tunables, 
     assert applied == str(kept)
     # Kept: the freed 64 MiB stay resident, ready for the next gather. Returned: glibc unmaps them at once.
     assert (float(retained_mib) > 60) if kept else (float(retained_mib) < 4)
+
+
+# A handle's way with host memory, as host_memory.py gives it: a 64 MiB gathered buffer filled, its memory
+# written through a view made before, drained, then a second storage filled; printed as JSON.
+POOL_AT_WORK = """
+import json, os, torch
+from fsdp_mpi.sharding.host_memory import HostBuffers, buffers_for
+resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+buffers = buffers_for(torch.device("cpu"))
+full = torch.empty(16 * 2**20)
+view = full[4:8]  # made while the storage is full, as a handle's kept views are
+full.untyped_storage().resize_(0)
+buffers.fill(full.untyped_storage(), full.numel() * 4)
+full.fill_(1.0)
+view_saw_the_fill = view.tolist() == [1.0] * 4
+first_address = full.data_ptr()
+before = resident()
+buffers.drain(full.untyped_storage())
+retained = (resident() - before) / 2**20
+kept = buffers.kept_bytes / 2**20
+other = torch.UntypedStorage(0)
+buffers.fill(other, 64 * 2**20)
+print(json.dumps({"pooled": isinstance(buffers, HostBuffers), "emptied": full.untyped_storage().nbytes() == 0,
+                  "retained_mib": retained, "kept_mib": kept, "kept_after_refill": buffers.kept_bytes,
+                  "same_memory_again": other.data_ptr() == first_address,
+                  "view_saw_the_fill": view_saw_the_fill,
+                  "meta_pooled": isinstance(buffers_for(torch.device("meta")), HostBuffers)}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc to read resident memory")
+@pytest.mark.parametrize("value,pooled", [("", True), ("0", False)])
+def test_freed_gathered_memory_is_reused_unless_turned_off(value, pooled):
+    """On a CPU a drained buffer stays resident and the next fill of that size takes the same memory, which
+    views made before see; FSDP_MPI_REUSE_HOST_MEMORY=0 returns it to the kernel at once (64 MiB: glibc maps
+    it). Memory elsewhere (the meta device here) is never pooled."""
+    result = subprocess.run([sys.executable, "-c", POOL_AT_WORK], env=child_env(FSDP_MPI_REUSE_HOST_MEMORY=value),
+                            capture_output=True, text=True, timeout=120)
+    check_ok(result)
+    report = json.loads(result.stdout)
+    assert report["pooled"] == pooled
+    assert report["emptied"] and report["view_saw_the_fill"] and not report["meta_pooled"]
+    assert report["kept_after_refill"] == 0
+    if pooled:  # kept, resident, and given to the next storage of that size
+        assert report["kept_mib"] == 64 and report["retained_mib"] > -1 and report["same_memory_again"]
+    else:
+        assert report["kept_mib"] == 0 and report["retained_mib"] < -60
 
 
 @pytest.mark.one_mpi

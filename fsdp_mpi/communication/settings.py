@@ -39,8 +39,8 @@ VERIFY = Setting("FSDP_MPI_VERIFY", "0", "1: check before every collective that 
 HYBRID_GROUP_SIZE = Setting("FSDP_MPI_HYBRID_GROUP_SIZE", "the node's ranks",
                             "K: HYBRID_SHARD's shard groups are K consecutive ranks")
 REUSE_HOST_MEMORY = Setting("FSDP_MPI_REUSE_HOST_MEMORY", "1",
-                            "0: let glibc return freed host memory to the kernel (on by default: gathered buffers "
-                            "come back every step)", True)
+                            "0: gathered parameters and full gradients take new host memory each time, not "
+                            "buffers kept for reuse (on by default: they come back every step)", True)
 
 SETTINGS = (CUDA_AWARE, FORCE_STAGING, NODE_TRANSPORT, TWO_LEVEL, EMULATED_NODE_SIZE, TIMEOUT, VERIFY,
             HYBRID_GROUP_SIZE, REUSE_HOST_MEMORY)

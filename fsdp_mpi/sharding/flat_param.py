@@ -17,8 +17,8 @@ view updates the shard that the next all-gather sends.
 ``full_flat`` is the gathered buffer, in the dtype the module computes with
 (``param_dtype`` under mixed precision: the shard is cast once, then gathered, so
 16-bit compute halves the bytes of every all-gather). Its storage exists only between ``unshard()``
-and ``reshard()``; in between the storage is released (resized to zero bytes), not
-merely dereferenced, so it is really returned to the allocator. While a unit
+and ``reshard()``; in between the storage is emptied, not merely dereferenced, its memory
+given back (to the pool of ``host_memory.py`` on a CPU, to the allocator elsewhere). While a unit
 computes, each parameter attribute (``linear.weight``) is shadowed by a full-shape
 view into ``full_flat`` (an entry in the module's ``__dict__``, which Python looks
 up before ``nn.Module``'s registered parameters); ``use_sharded_views()`` removes
@@ -52,6 +52,7 @@ from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.sharding.collectives import choose_gather, choose_reduction
 from fsdp_mpi.sharding.full_views import FullViews, split_into_views
+from fsdp_mpi.sharding.host_memory import BorrowedBuffer, buffers_for
 
 # Set on each original parameter once it is flattened, so that a second unit
 # claiming the same (shared) parameter is caught instead of silently untying it.
@@ -124,7 +125,7 @@ class FlatParamHandle:
         # (then the sum, in reduce_dtype or fp32, is divided).
         self.gradient_divisor = comm.world_size * (replicas.world_size if replicas is not None else 1)
         self.scale_in_backward = self.param_dtype == self.reduce_dtype and self.param_dtype.itemsize > 2
-        self._gradient_scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0
+        self.gradient_scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0
         self.slots: list[ParamSlot] = []
         offset = 0
         for param, uses in params:
@@ -146,6 +147,10 @@ class FlatParamHandle:
             for slot, (param, _) in zip(self.slots, params):
                 self.copy_into_shard(slot, param.detach())
         self.shard_grad: torch.Tensor | None = None  # (shard_numel,): the reduced gradient
+        self.buffers = buffers_for(device)  # where gathered and full-gradient memory comes from (host_memory.py)
+        # Holds the full gradient that backward assembles until its reduction is done, where the reduction makes
+        # a new shard of it (a shard group of one rank keeps the full gradient as its shard).
+        self._full_gradient_buffer = BorrowedBuffer(self.buffers, device) if comm.world_size > 1 else None
         # On one rank, unless cast, the shard is the whole buffer: full_flat aliases it, nothing is copied.
         self.aliases_shard = comm.world_size == 1 and self.param_dtype == self.shard.dtype
         if self.aliases_shard:
@@ -155,7 +160,7 @@ class FlatParamHandle:
         else:
             self.full_flat = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
             self.full_flat.requires_grad_(self.requires_grad)
-            self._free_full_storage()  # (padded_numel,) of param_dtype while gathered
+            self.full_flat.untyped_storage().resize_(0)  # (padded_numel,) of param_dtype while gathered
         # True from a forward that autograd records until this handle's gradient is reduced.
         self.awaiting_gradient = False
         self._full_views: tuple[torch.Tensor, ...] | None = None  # full-shape views into full_flat, one per slot
@@ -218,11 +223,18 @@ class FlatParamHandle:
         if self.is_unsharded and not self.aliases_shard:
             self._free_full_storage()
 
+    def reuse_buffers(self, comes_back: bool) -> None:
+        """Takes gathered and full-gradient memory from the pool if the unit's buffers `comes_back` within a step
+        (it gathers again in backward), else anew (``host_memory.buffers_for``). Before the first gather."""
+        self.buffers = buffers_for(self.shard.device, comes_back)
+        if self._full_gradient_buffer is not None:
+            self._full_gradient_buffer = BorrowedBuffer(self.buffers, self.shard.device)
+
     def _allocate_full_storage(self) -> None:
-        self.full_flat.untyped_storage().resize_(self.padded_numel * self.full_flat.element_size())
+        self.buffers.fill(self.full_flat.untyped_storage(), self.padded_numel * self.full_flat.element_size())
 
     def _free_full_storage(self) -> None:
-        self.full_flat.untyped_storage().resize_(0)
+        self.buffers.drain(self.full_flat.untyped_storage())
 
     # ------------------------------------------------------------ which tensor a parameter attribute is
 
@@ -246,7 +258,8 @@ class FlatParamHandle:
             with torch.no_grad():
                 self._full_views = split_into_views(self.full_flat.detach(), self._shapes)
         if new_forward and self.requires_grad and torch.is_grad_enabled():
-            FullViews.apply(self.full_flat, self._full_views, self._gradient_scale, self.got_gradient)
+            FullViews.apply(self.full_flat, self._full_views, self.gradient_scale, self.got_gradient,
+                            self._full_gradient_buffer)
         self.install_full_views(self._full_views)
 
     @property
@@ -276,6 +289,11 @@ class FlatParamHandle:
 
     # ------------------------------------------------------------ gradients
 
+    def _give_back_full_gradient(self) -> None:
+        """The reduction is done with the full gradient: its memory goes back to ``buffers``."""
+        if self._full_gradient_buffer is not None:
+            self._full_gradient_buffer.give_back()
+
     def reduce_gradient(self, asynchronous: bool = False) -> None:
         """Averages ``full_flat.grad`` over ranks into this rank's ``shard_grad`` and frees it.
 
@@ -298,27 +316,31 @@ class FlatParamHandle:
             self._pending_reduction = self.reduction.start_reduce_scatter(full_grad, self.unit_name)
         else:
             self._average_over_replicas_and_accumulate(self.reduction.reduce_scatter(full_grad, self.unit_name))
+            self._give_back_full_gradient()
 
     def finish_gradient_reduction(self) -> None:
         """Waits for an asynchronous reduce-scatter and adds its result to ``shard_grad``."""
         if self._pending_reduction is not None:
             shard_grad = self._pending_reduction.wait()
             self._pending_reduction = None
+            self._give_back_full_gradient()
             self._average_over_replicas_and_accumulate(shard_grad)
 
     def traced_reduction(self, full_grad: torch.Tensor, sync: bool) -> torch.Tensor:
         """The compiled path's ``reduce_gradient`` (``traced.py``): a new (shard_numel,) gradient of the shard's
-        dtype, averaged over the ranks, from backward's unscaled (padded_numel,) gradient of ``param_dtype``.
-        Without `sync` (``no_sync``) the gradient is kept, as the eager path keeps it, in ``full_flat.grad``,
-        and zeros come back; a later synced backward adds what was kept before reducing."""
-        # A new tensor either way: the reduction may work in place, and an operator must not change its input.
-        full_grad = full_grad * self._gradient_scale if self.scale_in_backward else full_grad.clone()
-        if self.full_flat.grad is not None:
-            full_grad = full_grad + self.full_flat.grad
-            self.full_flat.grad = None
+        dtype, averaged over the ranks, from backward's unscaled (padded_numel,) gradient of ``param_dtype``,
+        which it scales (as ``FullViews`` does) and reduces in place. Without `sync` (``no_sync``) the gradient is
+        kept, as the eager path keeps it, in ``full_flat.grad`` (a copy: the graph may reuse its buffer), and
+        zeros come back; a later synced backward adds what was kept before reducing."""
+        if self.scale_in_backward:
+            full_grad.mul_(self.gradient_scale)
+        kept = self.full_flat.grad
+        self.full_flat.grad = None
         if not sync:
-            self.full_flat.grad = full_grad
+            self.full_flat.grad = full_grad.clone() if kept is None else kept.add_(full_grad)
             return torch.zeros(self.shard_numel, dtype=self.shard.dtype, device=self.shard.device)
+        if kept is not None:
+            full_grad.add_(kept)
         return self._averaged(self.reduction.reduce_scatter(full_grad.to(self.reduce_dtype), self.unit_name)).to(
             self.shard.dtype)
 

@@ -9,17 +9,19 @@ gradient, already scaled, in one concatenation.
 import torch
 
 from fsdp_mpi.communication.timing_points import GRADIENT_ASSEMBLY, timed
+from fsdp_mpi.sharding.host_memory import BorrowedBuffer
 
 
 class FullViews(torch.autograd.Function):
     """Makes a forward's autograd node for a handle's kept full-shape views of its gathered (padded_numel,)
     buffer: the views are given back as they are, now the outputs of this new node; backward writes their
-    gradients, times `scale`, into one flat gradient (zeros for a view that got none, and for the padding),
-    and marks in `got_gradient` (one flag per view) the views that got one.
+    gradients, times `scale`, into one flat gradient (zeros for a view that got none, and for the padding)
+    in memory borrowed from `buffer` (None: new memory), and marks in `got_gradient` (one flag per view) the views that got one.
 
     Its backward concatenates as ``torch.split``'s would, into one new flat gradient,
-    with zeros where a view got none, and scales that. ``ctx`` keeps sizes, shapes,
-    the padding and the flags, no reference to the handle.
+    with zeros where a view got none, and scales that. ``ctx`` keeps shapes, the
+    padding, the flags and where the flat gradient goes, no reference to the handle
+    (the handle holds the views, whose node this is: a cycle through autograd that no collector breaks).
 
     Why a new node every forward, for the same views: autograd's engine runs, of the
     nodes that are ready, the most recently created first. A node made once, in the
@@ -32,13 +34,13 @@ class FullViews(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, full: torch.Tensor, views: tuple[torch.Tensor, ...], scale: float,
-                got_gradient: list[bool]) -> tuple[torch.Tensor, ...]:
+                got_gradient: list[bool], buffer: BorrowedBuffer | None) -> tuple[torch.Tensor, ...]:
         # `views` is a tuple, not tensor arguments: autograd takes them as this node's outputs, not its inputs.
         ctx.set_materialize_grads(False)
         ctx.shapes, ctx.scale, ctx.like = [view.shape for view in views], scale, (full.numel(), full.dtype,
                                                                                     full.device)
         ctx.padding = full.numel() - sum(view.numel() for view in views)
-        ctx.got_gradient = got_gradient
+        ctx.got_gradient, ctx.buffer = got_gradient, buffer
         return views
 
     @staticmethod
@@ -55,8 +57,10 @@ class FullViews(torch.autograd.Function):
             pieces.append(torch.zeros(ctx.padding, dtype=dtype, device=device))
         # One concatenation, not a copy per parameter: on a GPU, a kernel or two per unit instead of one per
         # parameter, which a step of many small units would wait for the host to launch.
-        full_grad = torch.cat(pieces, out=torch.empty(padded_numel, dtype=dtype, device=device))
-        return (full_grad if ctx.scale == 1.0 else full_grad.mul_(ctx.scale)), None, None, None
+        into = (torch.empty(padded_numel, dtype=dtype, device=device) if ctx.buffer is None
+                else ctx.buffer.take(padded_numel, dtype))
+        full_grad = torch.cat(pieces, out=into)
+        return (full_grad if ctx.scale == 1.0 else full_grad.mul_(ctx.scale)), None, None, None, None
 
 
 def split_into_views(full: torch.Tensor, shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:

@@ -134,12 +134,14 @@ class ShardedUnit:
         refuse_moving_or_casting([module, *parts], self.handles)
 
         # This unit is the root until an outer unit is built around it; the root's context knows every unit
-        # below it, and the units below it drop the contexts they held as roots.
+        # below it, and the units below it drop the contexts they held as roots. Whether a unit keeps its
+        # weights for backward, and so where its buffers come from, is known only now.
         named_units = units_with_names(module)
         for name, unit in named_units:
             unit.root, unit.context = self, None
             for handle in unit.handles:
                 handle.unit_name = name or "<root>"
+                handle.reuse_buffers(comes_back=not unit.keeps_gathered_for_backward)
         self.context: RootContext | None = RootContext([unit for _, unit in named_units])  # the root's only
 
     @property
