@@ -67,9 +67,12 @@ def _(shard: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
     return shard.new_empty(found.padded_numel, dtype=found.param_dtype)
 
 
-@torch.library.custom_op("fsdp_mpi::reduce_scatter_unit", mutates_args=())
+@torch.library.custom_op("fsdp_mpi::reduce_scatter_unit", mutates_args=("full_grad",))
 def reduce_scatter_unit(full_grad: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
-    """(padded_numel,) gradient of this rank -> (shard_numel,) averaged over the ranks, in the shard's dtype."""
+    """(padded_numel,) gradient of this rank -> (shard_numel,) averaged over the ranks, in the shard's dtype. It
+    scales and reduces in `full_grad` itself (the transports use their input as scratch), and says so: the
+    graph then hands it the buffer that backward assembled the gradient in (inductor), where an operator that
+    may not write its input would copy it first."""
     return _handles[handle].traced_reduction(full_grad, sync)
 
 
