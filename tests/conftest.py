@@ -93,8 +93,18 @@ def pytest_runtest_logreport(report):
 
 @pytest.fixture(scope="session")
 def outcomes_so_far() -> dict[str, str]:
-    """What every test this session has run so far ended with (node id -> outcome)."""
+    """What every test this session has run so far, in this process, ended with (node id -> outcome)."""
     return _OUTCOMES
+
+
+@pytest.fixture(scope="session")
+def run_elsewhere_in_this_session(request) -> set[str]:
+    """Under pytest-xdist, the node ids of this session's other tests, some of which other workers run: their
+    outcomes decide the session's, though this worker never sees them. Empty without xdist (one process runs
+    every test, the mutants last, and knows each outcome)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return set()
+    return {item.nodeid for item in request.session.items}
 
 
 # Where every test must run (CI: data, MPI and transformers are installed), a skip is a failure,

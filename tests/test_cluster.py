@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from in_turn import in_turn
 from mpi_launch import REPO_ROOT, WORKERS, check_ok, child_env, mpiexec
 from slurm_jobs import FINISHED, job_id, run_to_end, wait_for, wait_for_end
 
@@ -50,10 +51,11 @@ def two_nodes():
         pytest.skip("no network namespaces here (ip netns fails)")
     if "hydra" not in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout.lower():
         pytest.skip("the cluster's launcher is MPICH's hydra")
-    cluster("stop", check=False)
-    cluster(*START)
-    yield ["fmnode0", "fmnode1"]
-    cluster("stop")
+    with in_turn():  # the namespaces' names are fixed: one user at a time, also under pytest-xdist
+        cluster("stop", check=False)
+        cluster(*START)
+        yield ["fmnode0", "fmnode1"]
+        cluster("stop")
 
 
 def launch_across(nodes, worker_args, **env):

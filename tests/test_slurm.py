@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_turn import in_turn
 from mpi4py import MPI
 from mpi_launch import REPO_ROOT
 from slurm_jobs import FINISHED, job_id, run_to_end, wait_for, wait_for_end
@@ -35,6 +36,13 @@ pytestmark = pytest.mark.skipif(not slurm_is_up(), reason="no SLURM answers here
 # MPICH's wheel speaks PMI-2, Open MPI's wheel PMIx, which Debian's SLURM cannot load.
 MPICH = "MPICH" in MPI.Get_library_version()
 LAUNCHERS = ["mpiexec"] + (["srun --mpi=pmi2"] if MPICH else [])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _slurm_in_turn():
+    """The cluster's SLURM (test_cluster.py) shares munge with this one: its tests and these take turns."""
+    with in_turn():
+        yield
 
 
 def job_environment(launcher: str, **extra: str) -> dict:
