@@ -8,32 +8,13 @@ not activations. AdamW (torch's loop over parameters on a CPU).
 
 import torch
 from common import ResidualBlock, output_path, write_json
+from memory import Stack, reset_peak, resident_bytes
 from mpi4py import MPI
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy
 from fsdp_mpi.sharding.host_memory import buffers_for
 
-WIDTH, BLOCKS = 1536, 8
-
-
-def resident_bytes(field: str = "VmRSS") -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
-class Stack(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.Sequential(*(ResidualBlock(WIDTH) for _ in range(BLOCKS)))
-        self.head = torch.nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        return self.head(self.blocks(x)).square().mean()
+WIDTH = 1536  # 8 blocks (memory.Stack's)
 
 
 if __name__ == "__main__":
@@ -42,7 +23,7 @@ if __name__ == "__main__":
     torch.nn.Linear(WIDTH, WIDTH)(x).sum().backward()  # the kernels' first use, before the baseline
     before_model = resident_bytes()
     torch.manual_seed(0)
-    model = FullyShardedDataParallel(Stack(), comm=comm, auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}))
+    model = FullyShardedDataParallel(Stack(width=WIDTH), comm=comm, auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     steps_peaks, pooled_after_step = [], []
     for step in range(4):
