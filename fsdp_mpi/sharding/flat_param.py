@@ -147,10 +147,7 @@ class FlatParamHandle:
             for slot, (param, _) in zip(self.slots, params):
                 self.copy_into_shard(slot, param.detach())
         self.shard_grad: torch.Tensor | None = None  # (shard_numel,): the reduced gradient
-        self.buffers = buffers_for(device)  # where gathered and full-gradient memory comes from (host_memory.py)
-        # Holds the full gradient that backward assembles until its reduction is done, where the reduction makes
-        # a new shard of it (a shard group of one rank keeps the full gradient as its shard).
-        self._full_gradient_buffer = BorrowedBuffer(self.buffers, device) if comm.world_size > 1 else None
+        self.reuse_buffers(comes_back=True)  # the unit says otherwise once it knows (lifecycle.py)
         # On one rank, unless cast, the shard is the whole buffer: full_flat aliases it, nothing is copied.
         self.aliases_shard = comm.world_size == 1 and self.param_dtype == self.shard.dtype
         if self.aliases_shard:
@@ -227,8 +224,10 @@ class FlatParamHandle:
         """Takes gathered and full-gradient memory from the pool if the unit's buffers `comes_back` within a step
         (it gathers again in backward), else anew (``host_memory.buffers_for``). Before the first gather."""
         self.buffers = buffers_for(self.shard.device, comes_back)
-        if self._full_gradient_buffer is not None:
-            self._full_gradient_buffer = BorrowedBuffer(self.buffers, self.shard.device)
+        # Holds the full gradient that backward assembles until its reduction is done, where the reduction makes
+        # a new shard of it (a shard group of one rank keeps the full gradient as its shard).
+        self._full_gradient_buffer = (BorrowedBuffer(self.buffers, self.shard.device) if self.comm.world_size > 1
+                                      else None)
 
     def _allocate_full_storage(self) -> None:
         self.buffers.fill(self.full_flat.untyped_storage(), self.padded_numel * self.full_flat.element_size())

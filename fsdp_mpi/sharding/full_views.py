@@ -16,7 +16,8 @@ class FullViews(torch.autograd.Function):
     """Makes a forward's autograd node for a handle's kept full-shape views of its gathered (padded_numel,)
     buffer: the views are given back as they are, now the outputs of this new node; backward writes their
     gradients, times `scale`, into one flat gradient (zeros for a view that got none, and for the padding)
-    in memory borrowed from `buffer` (None: new memory), and marks in `got_gradient` (one flag per view) the views that got one.
+    in memory borrowed from `buffer` (None: new memory), and marks in `got_gradient` (one flag per view) the
+    views that got one.
 
     Its backward concatenates as ``torch.split``'s would, into one new flat gradient,
     with zeros where a view got none, and scales that. ``ctx`` keeps shapes, the

@@ -27,7 +27,7 @@ Two mechanisms, one switch (``FSDP_MPI_REUSE_HOST_MEMORY=0`` turns both off):
 The heap alone kept the holes between live blocks: a unit's buffers, freed and
 allocated between other blocks all step long, left gaps that later blocks could
 not use, and a step's peak reached 1.31x its bound (gpt2-medium, AdamW, 2 ranks);
-with the pool those buffers are made once and reused, and the peak is 1.14x,
+with the pool those buffers are made once and reused, and the peak is 1.13x,
 as low as with glibc's defaults (reports/2026-11-28-host-buffer-pool.md). GPU
 memory has PyTorch's caching allocator: the pool serves host memory only.
 """
