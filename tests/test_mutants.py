@@ -66,6 +66,8 @@ COMPILED_WHOLE = ("tests/test_equivalence.py::"
                   "test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model[3-compiled_whole]")
 MOVING = ("tests/test_bad_input.py::"
           "test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unless_it_changes_nothing")
+STOPPED_BY_A_SIGNAL = ("tests/test_resume_experiments.py::"
+                       "test_a_run_stopped_by_a_signal_on_one_rank_and_resumed_ends_as_if_never_stopped")
 OTHER_RANKS = ("tests/test_resume_experiments.py::"
                "test_a_run_saved_on_two_ranks_continues_on_one_and_on_three_at_the_same_sample")
 COMPRESSED_BYTES = "tests/test_compression.py::test_bytes_per_step_equal_the_closed_form[3_ranks]"
@@ -392,6 +394,9 @@ MUTANTS = {
     "a run resumed on other ranks takes its global batch from them": (
         "experiments/training/loop.py", "CheckpointDirectory(config.checkpoint_dir, comm).started_on() or started_on",
         "started_on", [OTHER_RANKS]),
+    "a rank that stopped with its checkpoint dies of the SIGTERM that srun sends as the first rank exits": (
+        "experiments/training/resume.py", "            signal.signal(stop_signal, signal.SIG_IGN)", "            pass",
+        [STOPPED_BY_A_SIGNAL]),
     "a rank's share of a step starts at the step's first sample whatever its rank": (
         "experiments/training/sampling.py", "mine = order[first + rank:last:world]", "mine = order[first:last:world]",
         ["tests/test_data.py"]),

@@ -4,6 +4,7 @@ The runs go under mpiexec; the pytest process only sends signals and reads the C
 and checkpoints (``consolidate_checkpoint`` needs no MPI).
 """
 
+import contextlib
 import math
 import os
 import re
@@ -65,6 +66,11 @@ class Started:
                     continue  # ended meanwhile
         return found
 
+    def signal_ranks(self, number: int) -> None:
+        for pid in self.rank_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, number)
+
     def finish(self, timeout: float = 120) -> int:
         try:
             return self.process.wait(timeout=timeout)
@@ -107,6 +113,12 @@ def test_a_run_stopped_by_a_signal_on_one_rank_and_resumed_ends_as_if_never_stop
     ranks = started.rank_pids()
     assert len(ranks) == 2
     os.kill(ranks[-1], signal.SIGUSR1)
+    # Once stopped, the ranks exit with STOPPED_WITH_CHECKPOINT even when SIGTERM keeps coming as they finalize,
+    # as srun's (--kill-on-bad-exit) does to the others when the first one exits.
+    started.wait_until(lambda: STOP_LINE.search(started.stdout.read_text()))
+    while started.process.poll() is None:
+        started.signal_ranks(signal.SIGTERM)
+        time.sleep(0.002)
     assert started.finish() == STOPPED_WITH_CHECKPOINT, started.output()
     stop = STOP_LINE.search(started.stdout.read_text())
     assert stop and int(stop[2]) == BERT_TOTAL_STEPS, started.output()

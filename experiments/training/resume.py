@@ -75,9 +75,19 @@ class StopSignals:
         self.received = number
 
     def agreed(self, all_reduce_max) -> signal.Signals | None:
-        """The signal that some rank received (the highest-numbered), or None. Every rank calls it after each step."""
+        """The signal that some rank received (the highest-numbered), or None. Every rank calls it after each step.
+
+        Once the ranks agree to stop, later stop signals are ignored: the first rank to exit with
+        STOPPED_WITH_CHECKPOINT makes srun (``--kill-on-bad-exit``) send SIGTERM to the others, and a rank that
+        is finalizing by then has no handler left (Python restores the default, death, as it finalizes; an
+        ignored signal stays ignored), so the launcher's exit code would say killed, not stopped.
+        """
         number = int(all_reduce_max(float(self.received)))
-        return signal.Signals(number) if number else None
+        if not number:
+            return None
+        for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(stop_signal, signal.SIG_IGN)
+        return signal.Signals(number)
 
 
 @dataclass
