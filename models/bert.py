@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import attention
 from .bert_configuration import BertConfig, config_from_hf, config_from_tensors, config_to_hf
 from .cross_entropy import cross_entropy
-from .initialization import finish_construction
+from .initialization import embedding, finish_construction
 from .pretrained_model import PretrainedModel
 from .vocabulary import VocabularyOutput, zero_padding
 
@@ -62,9 +62,9 @@ def classifier_checkpoint_key_to_name(key: str) -> str | None:
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.word_embeddings = embedding(config.padded_vocab_size, config.hidden_size)
+        self.position_embeddings = embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import attention
 from .cross_entropy import cross_entropy
-from .initialization import finish_construction
+from .initialization import embedding, finish_construction
 from .pretrained_model import PretrainedModel
 from .vocabulary import MULTIPLE, VocabularyOutput, padded_size, zero_padding
 
@@ -187,8 +187,8 @@ class GPT2Model(nn.Module):
 
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.wte = embedding(config.padded_vocab_size, config.n_embd)
+        self.wpe = embedding(config.n_positions, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)

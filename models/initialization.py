@@ -23,3 +23,10 @@ def finish_construction(model: nn.Module, tie_weights) -> None:
     if target.type != "meta":
         for module in model.modules():
             model.init_module(module)
+
+
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """``nn.Embedding`` without its default initialisation, which ``init_module`` replaces anyway: on meta its
+    ``normal_``, unlike the other default initialisers, runs torch's Python reference, whose first call
+    imports the compiler (0.9 s of CPU), in a program that may never compile."""
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))

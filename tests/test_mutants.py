@@ -388,6 +388,8 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py", "    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",
         "    @torch.compiler.disable\n    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",
         [COMPILED_WHOLE]),
+    "an eager hook that compiled code must not trace loads the compiler at its first call": (
+        "fsdp_mpi/sharding/traced.py", 'if "torch._dynamo" not in sys.modules:', "if False:", [SWITCHES]),
     "a module inside a unit may be cast apart from its shards": (
         "fsdp_mpi/sharding/lifecycle.py", "refuse_moving_or_casting([module, *parts], self.handles)",
         "refuse_moving_or_casting([module], self.handles)", [MOVING]),

@@ -54,7 +54,7 @@ from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tens
 from fsdp_mpi.sharding.nested import for_each_tensor
 from fsdp_mpi.sharding.root_context import RootContext
 from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
-from fsdp_mpi.sharding.traced import register, traced_full_views
+from fsdp_mpi.sharding.traced import register, traced_full_views, untraced
 
 # The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
 UNIT_ATTRIBUTE = "_fsdp_mpi_unit"
@@ -186,7 +186,7 @@ class ShardedUnit:
             return None
         return self._gather_for_forward(module, args, kwargs)
 
-    @torch.compiler.disable  # gathering talks to MPI: compiled code calls it, never traces it
+    @untraced
     @timed(HOOK)
     def _gather_for_forward(self, _module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.state is TrainingState.BACKWARD:
@@ -227,7 +227,7 @@ class ShardedUnit:
         if not self._hooks_stand_aside():
             self._free_after_forward(module, args, output)
 
-    @torch.compiler.disable
+    @untraced
     @timed(HOOK)
     def _free_after_forward(self, _module, _args, output) -> None:
         if self.is_root and self._called_alone is None:  # the order of a whole forward, not of a part's

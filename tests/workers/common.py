@@ -12,7 +12,10 @@ from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
 torch.set_num_threads(1)
-torch.use_deterministic_algorithms(True)
+# Deterministic kernels, as torch.use_deterministic_algorithms(True) sets them, without its import of inductor
+# (for inductor's own flag) and so of dynamo: 0.9 s of each rank's start. Workers that compile call it
+# (equivalence.compile_model).
+torch._C._set_deterministic_algorithms(True)
 
 
 def take_device_argument() -> torch.device:

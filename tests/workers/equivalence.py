@@ -235,7 +235,8 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
                                        auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
                                        mixed_precision=MixedPrecision(param_dtype=param_dtype), **wrap)
     calls = compile_model(sharded, wrap_classes, compiled)
-    torch._dynamo.utils.counters.clear()
+    if compiled in WHOLE:
+        torch._dynamo.utils.counters.clear()
     optimizer = make_optimizer(optimizer_kind, sharded.named_parameters())
     reference_optimizer = make_optimizer(optimizer_kind, reference.named_parameters())
     micro_batches = 2 if accumulation != "none" else 1
@@ -319,6 +320,9 @@ def dynamo_graphs() -> dict:
 def compile_model(sharded: FullyShardedDataParallel, wrap_classes: set, compiled: str | None):
     """What the training loop calls: `sharded`, or a compiled form of it (see ``run``), compiled afresh (dynamo
     forgets the earlier runs' graphs: their guards would count as recompilations of the same code)."""
+    if compiled is None:
+        return sharded
+    torch.use_deterministic_algorithms(True)  # inductor's kernels too (common.py sets the eager ones alone)
     torch._dynamo.reset()
     if compiled == "whole":  # dynamo and AOT autograd around the traced collectives; inductor's kernels below
         return torch.compile(sharded, backend="aot_eager")

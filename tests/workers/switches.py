@@ -7,6 +7,8 @@
 - forced staging sends every collective through host buffers; chunking splits large messages.
 """
 
+import sys
+
 import torch
 from common import gpt_batch, local_part, output_path, write_json
 
@@ -88,6 +90,9 @@ def main(comm: Communicator) -> dict:
             loss.backward()
         report[f"async_{asynchronous}_running_at_each_reduction"] = reductions.seen
         report[f"async_{asynchronous}_running_after_backward"] = running()
+
+    # Until here plain eager steps: the compiler not loaded (torch's checkpoint, below, loads it).
+    report["compiler_loaded"] = [name for name in ("torch._dynamo", "torch._inductor") if name in sys.modules]
 
     # Activation checkpointing: each block's attention runs once in forward, once more in backward, where the
     # re-run finds its unit gathered for backward: no collective more than without checkpointing.
