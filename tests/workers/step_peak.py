@@ -21,6 +21,7 @@ if __name__ == "__main__":
     comm = Communicator()
     x = torch.randn(1, WIDTH, generator=torch.Generator().manual_seed(comm.rank))
     torch.nn.Linear(WIDTH, WIDTH)(x).sum().backward()  # the kernels' first use, before the baseline
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # torch.optim's first use loads the compiler: code too
     before_model = resident_bytes()
     torch.manual_seed(0)
     model = FullyShardedDataParallel(Stack(width=WIDTH), comm=comm, auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}))
