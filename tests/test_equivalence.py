@@ -77,6 +77,9 @@ def test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwra
     out = tmp_path / "compiled.json"
     check_ok(run_mpi("equivalence.py", nprocs, out, runs, timeout=600))
     results = json.loads(out.read_text())
+    if runs == "compiled":  # a graph break inside a unit, with dynamo resuming inside nested frames: none added
+        inside = results.pop("breaks_inside_a_unit")
+        assert inside["wrapped"]["breaks"] == inside["unwrapped"]["breaks"] > 0, inside
     expected = WHOLE_RUNS | ({"gpt2/adamw/none/units", "hf_gpt2/sgd/none/whole", "gpt2/adamw/none/whole_inductor",
                               "gpt2/adamw/none/one_rank_whole"} if runs == "compiled" else set())
     assert set(results) == expected

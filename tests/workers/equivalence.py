@@ -317,6 +317,48 @@ def dynamo_graphs() -> dict:
             "graphs": counters["stats"]["unique_graphs"]}
 
 
+class BlockThatPrints(nn.Module):
+    """A block whose forward dynamo cannot trace whole: a print in the middle breaks the graph there."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x))
+        print(end="")
+        return self.second(x)
+
+
+class PrintingBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(BlockThatPrints() for _ in range(2)), nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def breaks_inside_a_unit(comm: Communicator) -> dict:
+    """Dynamo's breaks compiling (``aot_eager``) two such blocks and a head, unwrapped and wrapped one unit
+    per block, under ``nested_graph_breaks``, with which dynamo resumes inside the frame that broke; without
+    it every Python frame between the model's and the break (the wrapper's own) adds a break."""
+    torch.manual_seed(0)
+    model = PrintingBlocks()
+    wrapped = FullyShardedDataParallel(copy.deepcopy(model), comm=comm,
+                                       auto_wrap_policy=ModuleWrapPolicy({BlockThatPrints}))
+    found = {}
+    with torch._dynamo.config.patch(nested_graph_breaks=True):
+        for name, candidate in (("unwrapped", model), ("wrapped", wrapped)):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            torch.compile(candidate, backend="aot_eager")(torch.ones(2, 8)).sum().backward()
+            found[name] = dynamo_graphs()
+    return found
+
+
 def compile_model(sharded: FullyShardedDataParallel, wrap_classes: set, compiled: str | None):
     """What the training loop calls: `sharded`, or a compiled form of it (see ``run``), compiled afresh (dynamo
     forgets the earlier runs' graphs: their guards would count as recompilations of the same code)."""
@@ -416,4 +458,6 @@ if __name__ == "__main__":
         wrap = WRAP_OPTIONS[options] if options else {}
         results["/".join(filter(None, (m, o, a, p, compiled, options)))] = run(
             m, o, a, comm, p and torch.bfloat16, compiled, device=device, **wrap)
+    if selected == ["compiled"]:
+        results["breaks_inside_a_unit"] = breaks_inside_a_unit(comm)
     write_json(output_path(), results)
