@@ -300,8 +300,8 @@ MUTANTS = {
         "fsdp_mpi/communication/transports/gpu_support.py", "    elif is_intel_mpi():",
         "    elif False:", [INTEL_HINT]),
     "Intel MPI's offload without a CUDA driver is left to crash MPI_Init": (
-        "fsdp_mpi/communication/failures/launcher.py", 'if os.environ.get(INTEL_MPI_OFFLOAD, "").strip() in ("", "0"):',
-        "if True:", [OFFLOAD_REFUSED]),
+        "fsdp_mpi/communication/failures/launcher.py", "    if not intel_mpi_offload_is_on():\n        return",
+        "    if True:\n        return", [OFFLOAD_REFUSED]),
     "two levels put each local rank's rows where another's go": (
         "fsdp_mpi/communication/transports/placement.py",
         "return rows.view(self.nodes, self.per_node, *rows.shape[1:]).transpose(0, 1)",

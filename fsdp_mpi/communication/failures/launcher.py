@@ -47,6 +47,16 @@ INTEL_MPI_OFFLOAD = "I_MPI_OFFLOAD"
 INTEL_MPI_CUDA_LIBRARY = "I_MPI_OFFLOAD_CUDA_LIBRARY"
 
 
+def intel_mpi_offload() -> str:
+    """``I_MPI_OFFLOAD``'s value, stripped: "" when unset."""
+    return os.environ.get(INTEL_MPI_OFFLOAD, "").strip()
+
+
+def intel_mpi_offload_is_on() -> bool:
+    """Whether the environment asks Intel MPI to read device memory itself (any value but unset and 0)."""
+    return intel_mpi_offload() not in ("", "0")
+
+
 class OffloadWithoutCudaError(RuntimeError):
     """Intel MPI's GPU offload is on where no CUDA driver library loads: MPI_Init would crash."""
 
@@ -56,7 +66,7 @@ def refuse_offload_without_a_cuda_driver() -> None:
     ``I_MPI_OFFLOAD_CUDA_LIBRARY`` names, else libcuda) does not load: Intel MPI's MPI_Init would end the process
     with a segmentation fault (2021.15 and 2021.18.1 on a machine without a GPU, measured). Nothing to check
     when the variable is unset or 0, whatever the MPI."""
-    if os.environ.get(INTEL_MPI_OFFLOAD, "").strip() in ("", "0"):
+    if not intel_mpi_offload_is_on():
         return
     named = os.environ.get(INTEL_MPI_CUDA_LIBRARY, "").strip()
     for library in [named] if named else ["libcuda.so.1", "libcuda.so"]:

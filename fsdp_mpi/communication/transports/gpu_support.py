@@ -8,13 +8,13 @@ on every collective.
 """
 
 import ctypes
-import os
 import sys
 
 import torch
 from mpi4py import MPI
 
-from fsdp_mpi.communication.failures.launcher import INTEL_MPI_CUDA_LIBRARY, INTEL_MPI_OFFLOAD
+from fsdp_mpi.communication.failures.launcher import (INTEL_MPI_CUDA_LIBRARY, INTEL_MPI_OFFLOAD, intel_mpi_offload,
+                                                       intel_mpi_offload_is_on)
 from fsdp_mpi.communication.settings import CUDA_AWARE, FORCE_STAGING, read_flag
 
 
@@ -64,10 +64,9 @@ def intel_offload_note() -> str:
     """Under Intel MPI, what its GPU offload is set to and what it changes (for every route line); else ""."""
     if not is_intel_mpi():
         return ""
-    offload = os.environ.get(INTEL_MPI_OFFLOAD, "").strip() or "unset"
-    if offload not in ("unset", "0"):
-        return f"{library_name()}, {INTEL_MPI_OFFLOAD}={offload}: it reads device memory itself"
-    return (f"{library_name()}, {INTEL_MPI_OFFLOAD} {'unset' if offload == 'unset' else '=0'}: device buffers "
+    if intel_mpi_offload_is_on():
+        return f"{library_name()}, {INTEL_MPI_OFFLOAD}={intel_mpi_offload()}: it reads device memory itself"
+    return (f"{library_name()}, {INTEL_MPI_OFFLOAD} {'=0' if intel_mpi_offload() else 'unset'}: device buffers "
             f"would be staged through the host; {INTEL_MPI_OFFLOAD}=1 lets it read them itself")
 
 
