@@ -17,14 +17,15 @@ from fsdp_mpi import Communicator
 from fsdp_mpi.communication.routes import mpi_transport
 from fsdp_mpi.communication.settings import CUDA_AWARE, read_flag
 from fsdp_mpi.communication.transports import direct
-from fsdp_mpi.communication.transports.gpu_support import HostStagingBuffers, mpi_is_cuda_aware
+from fsdp_mpi.communication.transports.gpu_support import HostStagingBuffers, cuda_awareness
 
 
 def test_cuda_awareness_can_be_overridden(monkeypatch):
     monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "1")
-    assert mpi_is_cuda_aware() is True
+    assert cuda_awareness().aware is True
     monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "no")
-    assert mpi_is_cuda_aware() is False
+    assert cuda_awareness().aware is False
+    assert cuda_awareness(given=True).aware is True  # the program's word wins over the variable
     monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "maybe")
     with pytest.raises(ValueError, match="FSDP_MPI_CUDA_AWARE='maybe'"):
         read_flag(CUDA_AWARE)
@@ -43,7 +44,7 @@ def test_library_is_asked_when_not_overridden(monkeypatch):
         answer = flag.value == 1
     else:
         answer = library.MPIX_Query_cuda_support() == 1
-    assert mpi_is_cuda_aware() is answer
+    assert cuda_awareness().aware is answer
 
 
 @pytest.mark.one_rank  # in a child: on a machine with a GPU the buffers are pinned, which starts CUDA, and pytest's
@@ -169,15 +170,19 @@ def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch
     monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary(kind, answer))
     library = {"mpich": "MPICH Version: 5.0.2", "openmpi": "Open MPI v5.0.11", "neither": "Another MPI 1.0"}[kind]
     monkeypatch.setattr(gpu_support, "library_name", lambda: library)  # whatever MPI runs the test
-    assert gpu_support.mpi_is_cuda_aware() is aware
-    line = gpu_support.describe_device_path(cuda_aware=aware, force_staging=False)
+    awareness = gpu_support.cuda_awareness()
+    assert awareness.aware is aware
+    line = gpu_support.describe_device_path(awareness, force_staging=False)
     assert ("straight to the CUDA-aware MPI" in line) is aware and ("staged" in line) is not aware
     assert {"mpich": f"MPIX_GPU_query_support(CUDA) gave {answer}", "openmpi": f"MPIX_Query_cuda_support() gave {answer}",
             "neither": "has no CUDA query"}[kind] in line
     assert ("FSDP_MPI_CUDA_AWARE=1 if" in line) is not aware  # the hint for a library that answers no
     monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "1")  # the user's word wins, and the line says so
-    assert gpu_support.mpi_is_cuda_aware() is True
-    assert "FSDP_MPI_CUDA_AWARE=1)" in gpu_support.describe_device_path(cuda_aware=True, force_staging=False)
+    awareness = gpu_support.cuda_awareness()
+    assert awareness.aware is True
+    assert "FSDP_MPI_CUDA_AWARE=1)" in gpu_support.describe_device_path(awareness, force_staging=False)
+    given = gpu_support.cuda_awareness(given=False)  # and the program's over the variable, named as such
+    assert "Communicator(cuda_aware=False))" in gpu_support.describe_device_path(given, force_staging=False)
 
 
 @pytest.mark.parametrize("offload,aware", [(None, False), ("0", False), ("1", True)])
@@ -192,7 +197,7 @@ def test_under_intel_mpi_the_log_line_says_what_its_gpu_offload_would_change(mon
         monkeypatch.setenv("I_MPI_OFFLOAD", offload)
     monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary("mpich", int(aware)))
     monkeypatch.setattr(gpu_support, "library_name", lambda: "Intel(R) MPI Library 2021.18.1 for Linux* OS")
-    line = gpu_support.describe_device_path(cuda_aware=gpu_support.mpi_is_cuda_aware(), force_staging=False)
+    line = gpu_support.describe_device_path(gpu_support.cuda_awareness(), force_staging=False)
     assert line.startswith("device buffers go straight" if aware else "device buffers are staged")
     assert ("set I_MPI_OFFLOAD=1 in mpiexec's environment" in line) is not aware
     assert "FSDP_MPI_CUDA_AWARE" not in line

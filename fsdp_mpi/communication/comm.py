@@ -29,7 +29,7 @@ from fsdp_mpi.communication.routes import Routes
 from fsdp_mpi.communication.settings import (FORCE_STAGING, MAX_ELEMENTS_PER_MESSAGE, NODE_TRANSPORT,
                                              STAGING_CHUNK_BYTES, TIMEOUT, TWO_LEVEL, VERIFY, read_flag,
                                              read_seconds)
-from fsdp_mpi.communication.transports.gpu_support import mpi_is_cuda_aware
+from fsdp_mpi.communication.transports.gpu_support import CudaAwareness, cuda_awareness
 from fsdp_mpi.communication.transports.in_flight import InFlight
 from fsdp_mpi.communication.transports.mpi_buffers import check_full_and_shard
 from fsdp_mpi.communication.transports.placement import split_by_node
@@ -54,7 +54,8 @@ class Communicator:
             across nodes (``transports/two_level.py``), not in one flat ring.
             Defaults to ``FSDP_MPI_TWO_LEVEL``, else on.
         cuda_aware: whether MPI accepts device buffers. Defaults to asking the
-            library (``FSDP_MPI_CUDA_AWARE`` overrides).
+            library (``FSDP_MPI_CUDA_AWARE`` overrides); a split or shrunk
+            communicator keeps its parent's decision (a ``CudaAwareness``).
         timeout: seconds a rank may wait in one collective before it reports what
             it waits in and aborts the job; 0 never. Defaults to ``FSDP_MPI_TIMEOUT``, else 600.
         verify: before every collective, check that all ranks enter the same one
@@ -62,7 +63,8 @@ class Communicator:
             naming them, if not. Defaults to ``FSDP_MPI_VERIFY``.
     """
 
-    def __init__(self, mpi_comm=None, *, force_staging: bool | None = None, cuda_aware: bool | None = None,
+    def __init__(self, mpi_comm=None, *, force_staging: bool | None = None,
+                 cuda_aware: bool | CudaAwareness | None = None,
                  node_transport: bool | None = None, two_level: bool | None = None, timeout: float | None = None,
                  verify: bool | None = None):
         if not MPI.Is_initialized():  # a program that set mpi4py.rc.initialize = False and has not yet
@@ -72,7 +74,7 @@ class Communicator:
         self.world_size = self.mpi_comm.Get_size()
         if self.mpi_comm == MPI.COMM_WORLD:
             check_launcher_agrees(self.world_size)
-        self.cuda_aware = mpi_is_cuda_aware() if cuda_aware is None else cuda_aware
+        self.cuda_awareness = cuda_aware if isinstance(cuda_aware, CudaAwareness) else cuda_awareness(cuda_aware)
         self.force_staging = read_flag(FORCE_STAGING) if force_staging is None else force_staging
         node_transport = read_flag(NODE_TRANSPORT) if node_transport is None else node_transport
         self.node_transport = node_transport and not self.force_staging
@@ -106,6 +108,11 @@ class Communicator:
         chooses the route if no collective has yet."""
         self.transport(device)
         return self._routes.lines[device.type]
+
+    @property
+    def cuda_aware(self) -> bool:
+        """Whether MPI takes device buffers here (``cuda_awareness`` says why)."""
+        return self.cuda_awareness.aware
 
     @property
     def routes(self) -> dict[str, str]:
@@ -260,7 +267,7 @@ class Communicator:
                             else self.mpi_comm.Split(color, self.rank), alone=None)
         if sub == MPI.COMM_NULL:
             return None
-        child = Communicator(sub, force_staging=self.force_staging, cuda_aware=self.cuda_aware,
+        child = Communicator(sub, force_staging=self.force_staging, cuda_aware=self.cuda_awareness,
                              node_transport=self.node_transport, two_level=self.two_level, timeout=self.timeout,
                              verify=self.verify)
         child.traffic, child.node_exchange_bytes = self.traffic, self.node_exchange_bytes
@@ -307,7 +314,7 @@ class Communicator:
         self.revoke()
         with in_mpi(self, "shrink to the survivors", collective=False):  # watched: a survivor may never come
             shrunk = self.mpi_comm.Shrink()
-        survivors = Communicator(shrunk, force_staging=self.force_staging, cuda_aware=self.cuda_aware,
+        survivors = Communicator(shrunk, force_staging=self.force_staging, cuda_aware=self.cuda_awareness,
                                  node_transport=self.node_transport, two_level=self.two_level,
                                  timeout=self.timeout, verify=self.verify)
         survivors.node_exchange_bytes = self.node_exchange_bytes

@@ -100,7 +100,7 @@ class Routes:
         with it."""
         transport = mpi_transport(comm, mpi_comm, device)
         transport.owned_comm = mpi_comm if owned else None
-        through = (describe_device_path(comm.cuda_aware, comm.force_staging) if device.type == "cuda"
+        through = (describe_device_path(comm.cuda_awareness, comm.force_staging) if device.type == "cuda"
                    else "host buffers go to MPI" + (" through staging buffers" if comm.force_staging else ""))
         return transport, f"{through}; {why}" if why else through
 

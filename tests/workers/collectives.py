@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.settings import EMULATED_NODE_SIZE, read_count
-from fsdp_mpi.communication.transports.gpu_support import is_intel_mpi, mpi_is_cuda_aware
+from fsdp_mpi.communication.transports.gpu_support import cuda_awareness, is_intel_mpi
 from fsdp_mpi.communication.transports.mpi_buffers import BIT_TYPES, DeviceBuffer
 from fsdp_mpi.communication.transports.worker import threads_may_call_mpi_at_once
 
@@ -188,7 +188,7 @@ def on_the_gpu(device: torch.device) -> dict:
     the closed forms, whole and in exchanges of 16 bytes, collectives started on the communication thread, and
     64 MiB of random values, bit for bit the node transport's on every other route."""
     report, results = {}, {}
-    for route in ("node", "staged", *(("direct",) if mpi_is_cuda_aware() else ())):
+    for route in ("node", "staged", *(("direct",) if cuda_awareness().aware else ())):
         for chunk in (None, 16):
             comm = Communicator(force_staging=route == "staged", node_transport=route == "node")
             if chunk:

@@ -9,6 +9,7 @@ on every collective.
 
 import ctypes
 import sys
+from dataclasses import dataclass
 
 import torch
 from mpi4py import MPI
@@ -41,14 +42,27 @@ def library_cuda_support() -> tuple[bool, str]:
     return False, "the library has no CUDA query (MPIX_Query_cuda_support, MPIX_GPU_query_support)"
 
 
-def mpi_is_cuda_aware() -> bool:
-    """Whether MPI accepts CUDA device buffers: ``FSDP_MPI_CUDA_AWARE=0/1`` if set, else the library's answer.
+@dataclass(frozen=True)
+class CudaAwareness:
+    """Whether MPI accepts CUDA device buffers, decided once per communicator, and by what."""
+
+    aware: bool
+    decided_by: str  # what overrode the library's answer (the variable, the program), as the route line says; "": none
+
+
+def cuda_awareness(given: bool | None = None) -> CudaAwareness:
+    """`given` (``Communicator(cuda_aware=...)``) if not None, else ``FSDP_MPI_CUDA_AWARE=0/1`` if set, else the
+    library's answer (asked only then: the query needs MPI started).
 
     The override helps when a library reports support that the job's environment
     disables (Cray MPICH without ``MPICH_GPU_SUPPORT_ENABLED=1``), or has no query.
     """
+    if given is not None:
+        return CudaAwareness(given, f"Communicator(cuda_aware={given})")
     override = read_flag(CUDA_AWARE)
-    return override if override is not None else library_cuda_support()[0]
+    if override is not None:
+        return CudaAwareness(override, f"{CUDA_AWARE.name}={int(override)}")
+    return CudaAwareness(library_cuda_support()[0], "")
 
 
 def library_name() -> str:
@@ -70,16 +84,15 @@ def intel_offload_note() -> str:
             f"would be staged through the host; {INTEL_MPI_OFFLOAD}=1 lets it read them itself")
 
 
-def describe_device_path(cuda_aware: bool, force_staging: bool) -> str:
+def describe_device_path(awareness: CudaAwareness, force_staging: bool) -> str:
     """One line for a log: how device buffers reach this MPI, and why, and what would change it."""
     supported, answer = library_cuda_support()
-    override = read_flag(CUDA_AWARE)
-    why = f"{library_name()}: {answer}" + (f"; {CUDA_AWARE.name}={int(override)}" if override is not None else "")
+    why = f"{library_name()}: {answer}" + (f"; {awareness.decided_by}" if awareness.decided_by else "")
     if force_staging:
         return f"device buffers are staged through pinned host memory ({FORCE_STAGING.name}=1; {why})"
-    if cuda_aware:
+    if awareness.aware:
         return f"device buffers go straight to the CUDA-aware MPI ({why})"
-    if supported or override is not None:
+    if supported or awareness.decided_by:
         hint = ""
     elif is_intel_mpi():
         hint = (f"; set {INTEL_MPI_OFFLOAD}=1 in mpiexec's environment for Intel MPI to read device memory itself "
