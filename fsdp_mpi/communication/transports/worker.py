@@ -21,11 +21,19 @@ a started staged collective completes before ``start()`` returns, as before.
 
 The worker is a daemon thread: a collective whose partners never come (one a torch
 group has given up on at its timeout, ``distributed/work.py``) keeps it inside MPI,
-and must not keep the process from exiting.
+and must not keep the process from exiting. But a worker still running a call when
+the interpreter finalizes is ended by Python as it takes the GIL back, and ending a
+thread inside torch's C++ (completing a torch future, as the torch backend's calls
+do) aborts the process ("terminate called without an active exception"). So at exit,
+before MPI is finalized, each worker first finishes what it was handed, for at most
+``EXIT_WAIT_SECONDS`` in all.
 """
 
+import atexit
 import queue
 import threading
+import time
+import weakref
 from concurrent.futures import Future, wait
 from typing import Callable
 
@@ -33,6 +41,19 @@ import torch
 from mpi4py import MPI
 
 from fsdp_mpi.communication.transports.in_flight import InFlight
+
+
+EXIT_WAIT_SECONDS = 10.0
+_WORKING: "weakref.WeakSet[CommunicationThread]" = weakref.WeakSet()  # those whose worker has started
+
+
+def _finish_before_exit() -> None:
+    """At exit (before mpi4py's MPI_Finalize, registered earlier): every worker's calls completed, within
+    ``EXIT_WAIT_SECONDS`` (a call that never completes is one a torch group gave up on, and that group's own
+    exit handler, registered later and so run first, has ended the job)."""
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    for thread in list(_WORKING):
+        wait(thread._queued, timeout=max(0.0, deadline - time.monotonic()))
 
 
 def threads_may_call_mpi_at_once() -> bool:
@@ -62,6 +83,9 @@ class CommunicationThread:
             self._jobs = queue.SimpleQueue()
             self._worker = threading.Thread(target=self._serve, name="fsdp_mpi communication", daemon=True)
             self._worker.start()
+            if not _WORKING:
+                atexit.register(_finish_before_exit)
+            _WORKING.add(self)
         caller_stream = ready = side = None
         if device.type == "cuda":
             caller_stream = torch.cuda.current_stream(device)
