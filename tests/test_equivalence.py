@@ -97,7 +97,8 @@ def test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwra
 def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
     """A skipped branch (a unit, and a layer in the root), an expert no token chose, a head used on one rank
     only, a computed but unused layer: .grad None exactly where one process has it, so AdamW leaves those
-    parameters bit for bit alone; the rest match one process (see workers/unused_parameters.py)."""
+    parameters bit for bit alone; the rest match one process. Compiled whole, the same where the use is the
+    same on every rank (see workers/unused_parameters.py)."""
     out = tmp_path / "unused.json"
     check_ok(run_mpi("unused_parameters.py", 3, out))
     report = json.loads(out.read_text())
@@ -107,6 +108,22 @@ def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
     assert report["sync"]["no_gradient_names"] == report["bf16"]["no_gradient_names"] == [always, skipped] * 2
     assert report["no_sync"]["no_gradient_names"][2] == sorted(["branch.0.bias", "branch.0.weight", "side.bias",
                                                                 "side.weight", *always])
+    never = [*(f"experts.linears.{i}.{p}" for i in range(4) for p in ("bias", "weight")), "rare_head.bias",
+             "rare_head.weight", "router.bias", "router.weight"]
+    odd_steps = sorted([*never, "branch.0.bias", "branch.0.weight", "side.bias", "side.weight"])
+    assert report["compiled"]["no_gradient_names"] == [never, odd_steps] * 2
+    # A break inside the root's graph: the root's parameters that leave it all get gradients (zeros where
+    # unused), the other units' still none where unused.
+    part = report.pop("compiled_part")
+    root_held = {"rare_head.bias", "rare_head.weight", "router.bias", "router.weight", "side.bias", "side.weight"}
+    assert part["ours_no_gradient_names"] == [[n for n in names if n not in root_held]
+                                              for names in part["no_gradient_names"]]
+    assert part["no_gradient_names"] == [never[2:], [n for n in odd_steps if not n.startswith("experts.linears.0")]] * 2
+    assert part["worst_gradient_ratio"] <= 1.0
+    assert report["compiled_no_sync"]["no_gradient_names"][2] == sorted([*never, "branch.0.bias", "branch.0.weight",
+                                                                         "side.bias", "side.weight"])
+    accumulation = report.pop("compiled_accumulation")
+    assert accumulation["same_none_pattern"] and accumulation["worst_gradient_ratio"] <= 1.0, accumulation
     for mode, result in report.items():
         assert result["none_pattern_matches"] == [True] * 4, mode
         assert result["untouched_when_no_gradient"] == [True] * 4, mode

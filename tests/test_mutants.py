@@ -390,6 +390,17 @@ MUTANTS = {
         [COMPILED_WHOLE]),
     "an eager hook that compiled code must not trace loads the compiler at its first call": (
         "fsdp_mpi/sharding/traced.py", 'if "torch._dynamo" not in sys.modules:', "if False:", [SWITCHES]),
+    "compiled, dynamo traces the views' backward with a gradient for every view: unused ones get zeros": (
+        "fsdp_mpi/sharding/traced.py", "    torch._dynamo.allow_in_graph(_full_views)", "    pass", [UNUSED]),
+    "compiled, a gradient that only no_sync gave, which the synced graph cannot hand over, is dropped": (
+        "fsdp_mpi/sharding/flat_param.py", "            view.grad = piece if view.grad is None else view.grad.add_(piece)",
+        "            pass", [UNUSED]),
+    "an eager end of backward inside a compiled step drops the gradients the graph gave": (
+        "fsdp_mpi/sharding/lifecycle.py", "if handle.requires_grad and not handle.reduced_in_graph]",
+        "if handle.requires_grad]", [UNUSED]),
+    "an eager reduction after a compiled one forgets the gradients the graph gave": (
+        "fsdp_mpi/sharding/flat_param.py", "                    piece += view.grad", "                    pass",
+        [UNUSED]),
     "a module inside a unit may be cast apart from its shards": (
         "fsdp_mpi/sharding/lifecycle.py", "refuse_moving_or_casting([module, *parts], self.handles)",
         "refuse_moving_or_casting([module], self.handles)", [MOVING]),

@@ -140,7 +140,7 @@ class FlatParamHandle:
                                   for index, slot in enumerate(self.slots) for use in slot.uses]
         # The slots' parts of the shard lie end to end: one split gives every sharded view's piece, the padding last.
         held = [slot.shard_stop - slot.shard_start for slot in self.slots]
-        self._shard_pieces = [*held, self.shard_numel - sum(held)]
+        self.shard_pieces = [*held, self.shard_numel - sum(held)]
 
         self.shard = torch.zeros(self.shard_numel, dtype=first.dtype, device=device)  # padding stays zero
         if not first.is_meta:
@@ -165,6 +165,10 @@ class FlatParamHandle:
         # them), and whether its sharded view holds a gradient (one process's ``.grad is not None``).
         self.got_gradient = [False] * len(self.slots)
         self._holds_gradient = [False] * len(self.slots)
+        # Whether the last reduction was a compiled graph's, which gave each sharded view its gradient (or none),
+        # and the parts of it that the graph could not give (traced_reduction): (slot index, piece of shard_grad).
+        self.reduced_in_graph = False
+        self._left_out_of_graph: list[tuple[int, torch.Tensor]] = []
         self._pending_gather = None  # a prefetch in flight: wait() completes it
         self._pending_reduction = None  # an asynchronous reduce-scatter: wait() returns its shard_grad
 
@@ -269,7 +273,7 @@ class FlatParamHandle:
     @property
     def shard_padding(self) -> int:
         """Elements of the shard after the last parameter's part: zeros, on the last ranks only."""
-        return self._shard_pieces[-1]
+        return self.shard_pieces[-1]
 
     def split_full(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One full-shape view per parameter into a (padded_numel,) buffer, in slot order (no autograd)."""
@@ -310,6 +314,7 @@ class FlatParamHandle:
             full_grad = torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
         self.full_flat.grad = None
         self.awaiting_gradient = False
+        self.reduced_in_graph = False
         full_grad = full_grad.to(self.reduce_dtype)
         if asynchronous:
             self._pending_reduction = self.reduction.start_reduce_scatter(full_grad, self.unit_name)
@@ -325,23 +330,46 @@ class FlatParamHandle:
             self._give_back_full_gradient()
             self._average_over_replicas_and_accumulate(shard_grad)
 
-    def traced_reduction(self, full_grad: torch.Tensor, sync: bool) -> torch.Tensor:
+    def traced_reduction(self, full_grad: torch.Tensor, sync: bool, used: list[bool]) -> torch.Tensor:
         """The compiled path's ``reduce_gradient`` (``traced.py``): a new (shard_numel,) gradient of the shard's
         dtype, averaged over the ranks, from backward's unscaled (padded_numel,) gradient of ``param_dtype``,
         which it scales (as ``FullViews`` does) and reduces in place. Without `sync` (``no_sync``) the gradient is
         kept, as the eager path keeps it, in ``full_flat.grad`` (a copy: the graph may reuse its buffer), and
-        zeros come back; a later synced backward adds what was kept before reducing."""
+        zeros come back; a later synced backward adds what was kept before reducing.
+
+        `used` (one flag per slot) says which parameters got a gradient in the graph that calls it, which
+        hands the others none (their ``.grad`` stays as it was: None after ``zero_grad``), as eager backward
+        does. A parameter that got one in an earlier ``no_sync`` backward but none in this graph still has
+        its part of the reduced gradient: it is handed over at the end of backward
+        (``give_gradients_left_out_of_graph``), since the graph cannot."""
+        used_since_reduction = [before or now for before, now in zip(self.got_gradient, used)]
+        self.shard_grad = None  # the graph adds to the views' gradients: no longer pieces of ours (_accumulate)
         if self.scale_in_backward:
             full_grad.mul_(self.gradient_scale)
         kept = self.full_flat.grad
         self.full_flat.grad = None
         if not sync:
+            self.got_gradient[:] = used_since_reduction
             self.full_flat.grad = full_grad.clone() if kept is None else kept.add_(full_grad)
             return torch.zeros(self.shard_numel, dtype=self.shard.dtype, device=self.shard.device)
         if kept is not None:
             full_grad.add_(kept)
-        return self._averaged(self.reduction.reduce_scatter(full_grad.to(self.reduce_dtype), self.unit_name)).to(
-            self.shard.dtype)
+        shard_grad = self._averaged(self.reduction.reduce_scatter(full_grad.to(self.reduce_dtype), self.unit_name))
+        shard_grad = shard_grad.to(self.shard.dtype)
+        self._left_out_of_graph = [(index, piece.clone()) for index, (piece, before, now)
+                                   in enumerate(zip(shard_grad.split(self.shard_pieces), used_since_reduction, used))
+                                   if before and not now]
+        self.got_gradient[:] = [False] * len(self.slots)
+        self.reduced_in_graph = True
+        return shard_grad
+
+    def give_gradients_left_out_of_graph(self) -> None:
+        """Adds to the sharded views the gradients that a compiled graph reduced but could not hand them
+        (``traced_reduction``)."""
+        for index, piece in self._left_out_of_graph:
+            view = self.sharded_views[index]
+            view.grad = piece if view.grad is None else view.grad.add_(piece)
+        self._left_out_of_graph = []
 
     @property
     def unsharded_gradient_bytes(self) -> int:
@@ -364,9 +392,12 @@ class FlatParamHandle:
         self.release_gradient_cleared_by_user()
         if self.shard_grad is None:
             self.shard_grad = shard_grad.to(self.shard.dtype)
+            for view, piece in zip(self.sharded_views, self.shard_grad.split(self.shard_pieces)):
+                if view.grad is not None:  # given by a compiled graph (traced_reduction), not a piece of ours
+                    piece += view.grad
         else:
             self.shard_grad += shard_grad
-        for view, piece in zip(self.sharded_views, self.shard_grad.split(self._shard_pieces)):
+        for view, piece in zip(self.sharded_views, self.shard_grad.split(self.shard_pieces)):
             view.grad = piece
 
     def drop_gradients_of_unused(self, used_on_some_rank: list[bool]) -> None:

@@ -116,7 +116,7 @@ class ShardedUnit:
                                         mixed_precision.reduce_dtype, device, groups.replicas, compression)
                         for params in _group_unit_params(module)]
         for handle in self.handles:
-            handle.traced_id = register(handle)
+            handle.traced_id = register(handle, _queue_end_of_backward(self))
             if handle.requires_grad:
                 handle.full_flat.register_post_accumulate_grad_hook(_post_backward_hook(self, handle))
         self.state = TrainingState.IDLE
@@ -254,7 +254,7 @@ class ShardedUnit:
     @timed(HOOK)
     def _pre_backward(self, _grad: torch.Tensor) -> None:
         """Runs when the gradient of one of this unit's outputs is ready: gather for backward."""
-        self.root.context.queue_end_of_backward(self.root._end_of_backward)
+        self._queue_end_of_backward()
         if self.state is not TrainingState.BACKWARD:
             self._to_backward()
             if self.overlap["backward_prefetch"] and (upcoming := self.root.context.execution_order.before(self)):
@@ -274,6 +274,9 @@ class ShardedUnit:
         if not any(h.awaiting_gradient for h in self.handles):
             self._to_idle()
 
+    def _queue_end_of_backward(self) -> None:
+        self.root.context.queue_end_of_backward(self.root._end_of_backward)
+
     @timed(HOOK)
     def _end_of_backward(self) -> None:
         """Reduces gradients that never arrived (unused units or outputs), frees everything, and leaves
@@ -289,6 +292,7 @@ class ShardedUnit:
                 if unit.requires_gradient_sync and (handle.awaiting_gradient or handle.full_flat.grad is not None):
                     handle.reduce_gradient()
                 handle.awaiting_gradient = False
+                handle.give_gradients_left_out_of_graph()
             unit._to_idle()
         if self.requires_gradient_sync:
             self._drop_gradients_no_rank_used()
@@ -298,7 +302,8 @@ class ShardedUnit:
         """One small all-reduce per backward tells every rank which parameters got a gradient on any rank
         (a skipped branch, an expert no token chose, a head used on some ranks only); the others get
         ``.grad = None``, as in one process. A parameter used on some ranks keeps the average."""
-        handles = [handle for unit in self.context.units for handle in unit.handles if handle.requires_grad]
+        handles = [handle for unit in self.context.units for handle in unit.handles
+                   if handle.requires_grad and not handle.reduced_in_graph]  # a graph decided theirs: the same on every rank
         flags = torch.tensor([flag for handle in handles for flag in handle.got_gradient], dtype=torch.float32)
         if not flags.numel():
             return
@@ -382,6 +387,14 @@ def modules_outside_units(module: nn.Module, prefix: str = "", seen: set | None 
     for name, child in module.named_children():
         if UNIT_ATTRIBUTE not in child.__dict__:
             yield from modules_outside_units(child, f"{prefix}.{name}" if prefix else name, seen)
+
+
+def _queue_end_of_backward(unit: ShardedUnit):
+    """What a compiled graph calls after it reduced one of `unit`'s handles: the root's end of backward, queued
+    (it reduces what no_sync kept for units the graph did not run, and hands out the gradients the graph could
+    not). Holds the unit weakly, as ``_post_backward_hook``."""
+    unit_ref = weakref.ref(unit)
+    return lambda: unit_ref()._queue_end_of_backward()
 
 
 def _post_backward_hook(unit: ShardedUnit, handle: FlatParamHandle):

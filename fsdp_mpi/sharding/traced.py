@@ -5,14 +5,18 @@ keep state, so compiled code cannot trace them: each unit would end a graph. Cod
 that dynamo traces takes this path instead (the wrapper's ``forward`` chooses it,
 ``lifecycle.ShardedUnit.traced_call``), in which the lifecycle is data flow:
 
-    forward:   pieces of the shard (the sharded views) -> cat -> fsdp_mpi::all_gather_unit -> split -> full views
-               -> the module, called with them (torch.func.functional_call)
-    backward:  the full views' gradient -> fsdp_mpi::reduce_scatter_unit -> split -> each sharded view's .grad
+    forward:   pieces of the shard (the sharded views) -> cat -> fsdp_mpi::all_gather_unit
+               -> split into full views (_FullViews) -> the module, called with them (torch.func.functional_call)
+    backward:  the full views' gradients -> cat -> fsdp_mpi::reduce_scatter_unit -> split -> each sharded
+               view's .grad, none where its full view got none
 
-Both are custom operators (``torch.library``) with fake implementations, so
-dynamo and AOTAutograd see their shapes without running them; the gather's
-autograd formula is the reduction, and autograd accumulates each piece of the
-reduced shard into its sharded view's ``.grad`` as for any parameter. The gather
+The two collectives are custom operators (``torch.library``) with fake
+implementations, so dynamo and AOTAutograd see their shapes without running
+them; ``_FullViews``' backward is the reduction, and autograd accumulates each
+piece of the reduced shard into its sharded view's ``.grad`` as for any
+parameter. The graph hands a parameter it does not use no gradient, as eager
+backward does; under ``no_sync`` what the graph cannot hand over, and what units
+it did not run kept, the root's end of backward does (``lifecycle.py``). The gather
 and the views sit in a selective-checkpoint region whose every op must be
 recomputed: the compiled forward frees the gathered weights when their last
 user is done, and the compiled backward gathers them again just before it needs
@@ -34,6 +38,7 @@ import functools
 import itertools
 import sys
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -41,14 +46,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fsdp_mpi.sharding.flat_param import FlatParamHandle
 
 _handles: "weakref.WeakValueDictionary[str, FlatParamHandle]" = weakref.WeakValueDictionary()
+_after_reduction: dict[str, Callable[[], None]] = {}
 _numbers = itertools.count()
 
 
-def register(handle: FlatParamHandle) -> str:
+def register(handle: FlatParamHandle, after_reduction: Callable[[], None]) -> str:
     """A name by which the traced operators find `handle` (held weakly). A string, not a number: dynamo may
-    make a number that differs between calls of the same code symbolic, never a string."""
+    make a number that differs between calls of the same code symbolic, never a string. `after_reduction`
+    runs after each synced reduction in a graph (the unit queues its end of backward: it must not hold the
+    handle strongly)."""
     name = str(next(_numbers))
     _handles[name] = handle
+    _after_reduction[name] = after_reduction
+    weakref.finalize(handle, _after_reduction.pop, name, None)
     return name
 
 
@@ -76,9 +86,8 @@ def untraced(method):
 
 
 @torch.library.custom_op("fsdp_mpi::all_gather_unit", mutates_args=())
-def all_gather_unit(shard: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
-    """(shard_numel,) of this rank -> (padded_numel,) of every rank's, in ``param_dtype``. `sync` is passed on
-    to the gradient's reduction (False inside ``no_sync``)."""
+def all_gather_unit(shard: torch.Tensor, handle: str) -> torch.Tensor:
+    """(shard_numel,) of this rank -> (padded_numel,) of every rank's, in ``param_dtype``."""
     found = _handles[handle]
     full = torch.empty(found.padded_numel, dtype=found.param_dtype, device=shard.device)
     found.gather.gather(full, shard, found.unit_name)
@@ -86,35 +95,72 @@ def all_gather_unit(shard: torch.Tensor, handle: str, sync: bool) -> torch.Tenso
 
 
 @all_gather_unit.register_fake
-def _(shard: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
+def _(shard: torch.Tensor, handle: str) -> torch.Tensor:
+    _let_dynamo_put_views_in_graph()
     found = _handles[handle]
     return shard.new_empty(found.padded_numel, dtype=found.param_dtype)
 
 
 @torch.library.custom_op("fsdp_mpi::reduce_scatter_unit", mutates_args=("full_grad",))
-def reduce_scatter_unit(full_grad: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
-    """(padded_numel,) gradient of this rank -> (shard_numel,) averaged over the ranks, in the shard's dtype. It
-    scales and reduces in `full_grad` itself (the transports use their input as scratch), and says so: the
-    graph then hands it the buffer that backward assembled the gradient in (inductor), where an operator that
-    may not write its input would copy it first."""
-    return _handles[handle].traced_reduction(full_grad, sync)
+def reduce_scatter_unit(full_grad: torch.Tensor, handle: str, sync: bool, used: list[bool]) -> torch.Tensor:
+    """(padded_numel,) gradient of this rank -> (shard_numel,) averaged over the ranks, in the shard's dtype;
+    `used`: which parameters (slots) got a gradient in this graph (False inside ``no_sync``). It scales and
+    reduces in `full_grad` itself (the transports use their input as scratch), and says so: the graph then
+    hands it the buffer that backward assembled the gradient in (inductor), where an operator that may not
+    write its input would copy it first."""
+    shard_grad = _handles[handle].traced_reduction(full_grad, sync, used)
+    if sync:
+        _after_reduction[handle]()
+    return shard_grad
 
 
 @reduce_scatter_unit.register_fake
-def _(full_grad: torch.Tensor, handle: str, sync: bool) -> torch.Tensor:
+def _(full_grad: torch.Tensor, handle: str, sync: bool, used: list[bool]) -> torch.Tensor:
     found = _handles[handle]
     return full_grad.new_empty(found.shard_numel, dtype=found.shard.dtype)
 
 
-def _keep_inputs(ctx, inputs, output) -> None:
-    ctx.handle, ctx.sync = inputs[1], inputs[2]
+class _FullViews(torch.autograd.Function):
+    """The gathered (padded_numel,) buffer -> one full-shape view per slot; backward: the views' gradients ->
+    the reduced gradient of each sharded view (the pieces of the shard), None for a parameter that got none.
+
+    Dynamo would trace this function's backward with a gradient for every view, zeros where none came: so it
+    puts the call in its graph as it is (``allow_in_graph``), and AOT autograd, which traces it with autograd
+    itself, shows backward which views got no gradient. Which ones is a fact of the graph, the same in every
+    step that runs it; the reduction keeps it (``FlatParamHandle.traced_reduction``) for ``no_sync``.
+    """
+
+    @staticmethod
+    def forward(handle: str, sync: bool, full: torch.Tensor, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _handles[handle].split_full(full)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.handle, ctx.sync = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        found = _handles[ctx.handle]
+        used = [grad is not None for grad in grads]
+        like = next(grad for grad in grads if grad is not None)
+        full_grad = torch.cat([*(grad.reshape(-1) if grad is not None else like.new_zeros(slot.numel)
+                                 for grad, slot in zip(grads, found.slots)),
+                               like.new_zeros(found.padded_numel - found.numel)])
+        shard_grad = reduce_scatter_unit(full_grad, ctx.handle, ctx.sync, used)
+        pieces = shard_grad.split(found.shard_pieces)
+        return None, None, None, *(piece if got else None for piece, got in zip(pieces, used))
 
 
-def _gather_backward(ctx, full_grad: torch.Tensor):
-    return reduce_scatter_unit(full_grad, ctx.handle, ctx.sync), None, None
+def _full_views(handle: str, sync: bool, full: torch.Tensor, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _FullViews.apply(handle, sync, full, *pieces)
 
 
-all_gather_unit.register_autograd(_gather_backward, setup_context=_keep_inputs)
+@functools.cache
+def _let_dynamo_put_views_in_graph() -> None:
+    """Marks ``_full_views`` for dynamo, at the first trace of a gather (whose shape dynamo asks for before it
+    reaches the views): marking it when fsdp_mpi is imported would import dynamo in every program."""
+    torch._dynamo.allow_in_graph(_full_views)
 
 
 def _recompute_everything(_ctx, _op, *_args, **_kwargs) -> CheckpointPolicy:
@@ -133,8 +179,9 @@ def traced_full_views(handle: FlatParamHandle, sync: bool, keep: bool) -> tuple[
                      for view, slot in zip(handle.sharded_views, handle.slots))
 
     def gathered(*pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        shard = torch.cat(pieces)  # (shard_numel,): the same shape on every rank, whatever each piece's
-        return handle.split_full(all_gather_unit(shard, handle.traced_id, sync))
+        shard = torch.cat(pieces).detach()  # (shard_numel,): the same shape on every rank, whatever each piece's
+        full = all_gather_unit(shard, handle.traced_id)  # dynamo runs its fake here, which marks _full_views
+        return _full_views(handle.traced_id, sync, full, *pieces[:-1])
 
     pieces = (*handle.sharded_views, handle.shard.new_zeros(handle.shard_padding))
     if keep or not torch.is_grad_enabled():

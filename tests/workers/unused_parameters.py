@@ -23,7 +23,14 @@ the reference), so only that step's gradients are compared:
 
 Modes: a backward per step with sync, two micro-batches under ``no_sync()`` (the branch
 used in one of them on odd steps, so that only a step with no use anywhere drops the
-gradient), and bf16 mixed precision (the None pattern and check 3 only).
+gradient), and bf16 mixed precision (the None pattern and check 3 only). Compiled whole
+(``torch.compile``, AOT autograd), where every rank must compile the same graph, on a model
+whose use depends on the step only (``StaticBranchy``: no routing by data, no rank-only head):
+the same checks with sync; the same with one expert called as a part of its unit (gathered
+by eager hooks: a break inside the root's graph, whose parameters then all get gradients);
+with ``no_sync()``, where a compiled synced graph that does not run the branch must still
+hand it what the earlier micro-batch gave it; and two such steps' gradients summed without
+``zero_grad`` between them.
 """
 
 import copy
@@ -76,6 +83,24 @@ class Branchy(nn.Module):
         return y
 
 
+class StaticBranchy(Branchy):
+    """Branchy with no use that depends on data or rank; `with_part` adds one expert called as a part of its
+    unit, which its eager hooks gather: a graph break inside the root's compiled forward."""
+
+    def __init__(self, with_part: bool):
+        super().__init__()
+        self.with_part = with_part
+
+    def forward(self, x, flagged, use_branch: bool):
+        hidden = torch.tanh(self.trunk(x))
+        if use_branch:
+            hidden = hidden + self.branch(hidden) + self.side(hidden)
+        self.router(hidden)  # computed, never used
+        if self.with_part:
+            hidden = hidden + self.experts.linears[0](hidden)
+        return self.out(hidden).squeeze(1)
+
+
 def global_batch(step: int, world: int):
     """x (B, F), flagged (B,), targets (B,); x[:, 0] is each sample's expert: 0 or 1, except one 2 in rank 0's share."""
     generator = torch.Generator().manual_seed(100 + step)
@@ -95,7 +120,7 @@ def micro_batches(step: int, world: int, mode: str, rank: int | None = None) -> 
     step 0 and in the first on odd steps: only step 2 uses it nowhere.
     """
     x, flagged, targets = global_batch(step, world)
-    if mode == "no_sync":
+    if mode.endswith("no_sync"):
         parts = [(range(0, PER_RANK // 2), step % 2 == 1), (range(PER_RANK // 2, PER_RANK), step == 0)]
     else:
         parts = [(range(PER_RANK), step % 2 == 0)]
@@ -107,18 +132,19 @@ def micro_batches(step: int, world: int, mode: str, rank: int | None = None) -> 
     return batches
 
 
-def backward(model, step: int, world: int, mode: str, rank: int | None = None) -> None:
+def backward(model, step: int, world: int, mode: str, rank: int | None = None, call=None) -> None:
     """One step's gradients of the mean loss over the global batch: from `rank`'s share (scaled by the
-    rank count, since fsdp_mpi averages over ranks), or from all of it in one process (rank None)."""
+    rank count, since fsdp_mpi averages over ranks), or from all of it in one process (rank None).
+    `call`: what computes the model's output (its compiled form), if not `model`."""
     batches = micro_batches(step, world, mode, rank)
     scale = 1 if rank is None else world
     dtype = next(model.parameters()).dtype  # float64 for the exact reference
     for position, (x, flagged, targets, use_branch) in enumerate(batches):
         x, targets = x.to(dtype), targets.to(dtype)
-        loss = (model(x, flagged, use_branch) - targets).square().sum() / (PER_RANK * world) * scale
         defer = hasattr(model, "no_sync") and position < len(batches) - 1
-        with model.no_sync() if defer else nullcontext():
-            loss.backward()
+        with model.no_sync() if defer else nullcontext():  # forward too: compiled, it decides whether to reduce
+            output = (model if call is None else call)(x, flagged, use_branch)
+            ((output - targets).square().sum() / (PER_RANK * world) * scale).backward()
 
 
 def partial_gradients_magnitude(reference64, step: int, world: int, mode: str) -> dict:
@@ -136,10 +162,12 @@ def partial_gradients_magnitude(reference64, step: int, world: int, mode: str) -
 def run(comm: Communicator, mode: str) -> dict:
     world, rank = comm.world_size, comm.rank
     torch.manual_seed(0)
-    reference = Branchy()
+    compiled = mode.startswith("compiled")
+    reference = StaticBranchy(with_part=mode == "compiled_part") if compiled else Branchy()
     precision = MixedPrecision(param_dtype=torch.bfloat16) if mode == "bf16" else None
     ours = FullyShardedDataParallel(copy.deepcopy(reference), comm=comm, mixed_precision=precision,
                                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential, Experts}))
+    call = compile_afresh(ours) if compiled else ours
     optimizer = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
     report = {"none_pattern_matches": [], "worst_gradient_ratio": 0.0, "untouched_when_no_gradient": [],
               "no_gradient_names": []}
@@ -147,12 +175,13 @@ def run(comm: Communicator, mode: str) -> dict:
         reference.load_state_dict(full_state_dict(ours, rank0_only=False))
         reference.zero_grad(set_to_none=True)
         backward(reference, step, world, mode)
-        backward(ours, step, world, mode, rank)
+        backward(ours, step, world, mode, rank, call)
         ours_grads = dict(ours.named_parameters())
         no_gradient = sorted(name for name, p in reference.named_parameters() if p.grad is None)
         ours_none = sorted(name for name, p in ours_grads.items() if p.grad is None)
         report["none_pattern_matches"].append(all(comm.all_gather_object(no_gradient == ours_none)))
         report["no_gradient_names"].append(no_gradient)
+        report.setdefault("ours_no_gradient_names", []).append(ours_none)
         if mode != "bf16":
             reference64 = copy.deepcopy(reference).double()
             reference64.zero_grad(set_to_none=True)
@@ -177,6 +206,42 @@ def run(comm: Communicator, mode: str) -> dict:
     return report
 
 
+def compile_afresh(model):
+    """``torch.compile`` with AOT autograd, dynamo's caches emptied: each mode's model is new, and the
+    recompilations for earlier ones would reach dynamo's limit, after which it runs the code eagerly."""
+    torch._dynamo.reset()
+    return torch.compile(model, backend="aot_eager")
+
+
+def compiled_accumulation_across_steps(comm: Communicator) -> dict:
+    """Compiled, two steps' gradients summed with no ``zero_grad`` between them (the branch's: in the first
+    step's synced micro-batch, and in the second step's ``no_sync`` one only, so that an eager reduction adds
+    to what a graph gave): ours against one process, both in float64, per parameter the error over its bound,
+    the sharded sum's rounding (N u64 of the partial gradients' magnitudes)."""
+    world, rank = comm.world_size, comm.rank
+    torch.manual_seed(0)
+    reference = StaticBranchy(with_part=False).double()
+    ours = FullyShardedDataParallel(copy.deepcopy(reference), comm=comm,
+                                    auto_wrap_policy=ModuleWrapPolicy({nn.Sequential, Experts}))
+    call = compile_afresh(ours)
+    magnitude = {}
+    for step in (0, 1):
+        for name, value in partial_gradients_magnitude(copy.deepcopy(reference), step, world, "no_sync").items():
+            magnitude[name] = magnitude.get(name, 0) + value
+        backward(reference, step, world, "no_sync")
+        backward(ours, step, world, "no_sync", rank, call)
+    worst, exact = 0.0, dict(reference.named_parameters())
+    for name, param in ours.named_parameters():
+        if (param.grad is None) != (exact[name].grad is None):
+            return {"same_none_pattern": False}
+        if param.grad is not None:
+            start, stop = _part_held(ours, name)
+            error = (param.grad - exact[name].grad.reshape(-1)[start:stop]).norm().item()
+            bound = world * torch.finfo(torch.float64).eps / 2 * magnitude[name].norm().item() + 1e-300
+            worst = max(worst, error / bound)
+    return {"same_none_pattern": True, "worst_gradient_ratio": comm.all_reduce_max_float(worst)}
+
+
 def _part_held(model, name: str) -> tuple[int, int]:
     """[start, stop) of the flattened parameter `name` that this rank's shard holds."""
     from fsdp_mpi.sharding.lifecycle import units_with_names
@@ -192,4 +257,7 @@ def _part_held(model, name: str) -> tuple[int, int]:
 
 if __name__ == "__main__":
     communicator = Communicator()
-    write_json(output_path(), {mode: run(communicator, mode) for mode in ("sync", "no_sync", "bf16")})
+    report = {mode: run(communicator, mode)
+              for mode in ("sync", "no_sync", "bf16", "compiled", "compiled_part", "compiled_no_sync")}
+    report["compiled_accumulation"] = compiled_accumulation_across_steps(communicator)
+    write_json(output_path(), report)
