@@ -48,7 +48,7 @@ class GatheredWatch:
                 module.register_full_backward_hook(self.read)
 
     def read(self, *_):
-        held = sum(handle.gathered_bytes + handle.unsharded_gradient_bytes for handle in self.handles)
+        held = sum(handle.gathered_bytes + handle.gradient.unsharded_bytes for handle in self.handles)
         self.peak_bytes = max(self.peak_bytes, held)
 
 

@@ -183,6 +183,18 @@ def test_the_layer_check_catches_an_upward_import(tmp_path, monkeypatch):
         test_fsdp_mpi_layers_import_downwards_in_their_reading_order()
 
 
+def test_design_documents_every_module_of_each_layer_and_only_those():
+    """docs/design.md's table of each layer (communication, sharding, loop, files) names every module in it, by
+    its path in the layer, and no module that is not there: the map a newcomer reads matches the house."""
+    design = (REPO_ROOT / "docs" / "design.md").read_text()
+    for layer in ("communication", "sharding", "loop", "files"):
+        table = design.split(f"**`{layer}/`**", 1)[1].split("\n\n**`", 1)[0].split("\n\nTwo adapters", 1)[0]
+        listed = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+        present = {str(path.relative_to(CORE / layer)) for path in (CORE / layer).rglob("*.py")
+                   if path.name != "__init__.py"}
+        assert listed == present, (layer, sorted(present - listed), sorted(listed - present))
+
+
 def readme_program() -> str:
     """The first Python block of README.md's "Use" section."""
     use = (REPO_ROOT / "README.md").read_text().split("\n## Use\n", 1)[1]

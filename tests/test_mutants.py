@@ -133,8 +133,8 @@ MUTANTS = {
     "no broadcast of rank 0's weights": (
         "fsdp_mpi/sharding/fully_sharded.py", "if sync_module_states:", "if False:", [STATE_ON_3]),
     "end of backward reduces nothing": (
-        "fsdp_mpi/sharding/lifecycle.py", "if unit.requires_gradient_sync and (handle.awaiting_gradient",
-        "if False and (handle.awaiting_gradient", [UNUSED]),
+        "fsdp_mpi/sharding/lifecycle.py", "if unit.requires_gradient_sync and (handle.gradient.awaiting",
+        "if False and (handle.gradient.awaiting", [UNUSED]),
     "SHARD_GRAD_OP frees after forward": (
         "fsdp_mpi/sharding/lifecycle.py", "return self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root",
         "return self.is_root", [SWITCHES]),
@@ -151,10 +151,10 @@ MUTANTS = {
         "        shard_grad.copy_(full_grad.view(self.comm.world_size, -1)[self.comm.rank])",
         [KNOWN_ANSWER]),
     "gradients summed, not averaged": (
-        "fsdp_mpi/sharding/flat_param.py", "scale = 1 / self.gradient_divisor if self.scale_in_backward else 1.0",
+        "fsdp_mpi/sharding/flat_gradient.py", "self.scale = 1 / divisor if self.scale_in_backward else 1.0",
         "scale = 1.0", [EQUIVALENCE]),
     "16-bit gradients summed, not averaged": (
-        "fsdp_mpi/sharding/flat_param.py", "            shard_grad.div_(self.gradient_divisor)", "            pass", [EQUIVALENCE]),
+        "fsdp_mpi/sharding/flat_gradient.py", "            shard_grad.div_(self.divisor)", "            pass", [EQUIVALENCE]),
     "gradient reduced into the wrong shard": (
         "fsdp_mpi/sharding/collectives.py", "        self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), unit)",
         "        self.comm.reduce_scatter_sum(shard_grad, full_grad.roll(-shard_grad.numel()).contiguous(), unit)",
@@ -169,7 +169,7 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py", "        if self.requires_gradient_sync:\n            asynchronous",
         "        if True:\n            asynchronous", [NO_SYNC]),
     "zero_grad does not release the sharded gradient": (
-        "fsdp_mpi/sharding/flat_param.py", "if len(cleared) == len(holding):", "if False:", [NO_SYNC]),
+        "fsdp_mpi/sharding/flat_gradient.py", "if len(cleared) == len(holding):", "if False:", [NO_SYNC]),
     "wrapper names leak into named_parameters": (
         "fsdp_mpi/sharding/fully_sharded.py", "yield original_name(name), param", "yield name, param", [NAMES]),
     "every forward's views keep the first step's autograd node": (
@@ -177,7 +177,7 @@ MUTANTS = {
         "if new_forward and self.requires_grad and torch.is_grad_enabled() and self._full_views[0].grad_fn is None:",
         [STEP_PEAK]),
     "gathered views stay after reshard": (
-        "fsdp_mpi/sharding/flat_param.py", "            namespace.pop(attribute, None)", "            pass", [NAMES]),
+        "fsdp_mpi/sharding/flat_layout.py", "            namespace.pop(attribute, None)", "            pass", [NAMES]),
     "forced staging copies nothing through the host": (
         "fsdp_mpi/communication/routes.py", 'return not comm.force_staging and (device.type == "cpu" or comm.cuda_aware)',
         'return device.type == "cpu" or comm.cuda_aware', [COLLECTIVES]),
@@ -192,10 +192,10 @@ MUTANTS = {
     "a part called alone leaves its unit gathered": (
         "fsdp_mpi/sharding/lifecycle.py", "            self._post_forward(part, args, output)\n", "", [ENTRY_POINTS]),
     "frozen parameters share a flat buffer with trained ones": (
-        "fsdp_mpi/sharding/lifecycle.py", "groups.setdefault((param.dtype, param.requires_grad), [])",
+        "fsdp_mpi/sharding/flat_layout.py", "groups.setdefault((param.dtype, param.requires_grad), [])",
         "groups.setdefault((param.dtype,), [])", [FAMILIES]),
     "accumulating sharded gradients keeps the last micro-batch's": (
-        "fsdp_mpi/sharding/flat_param.py", "            self.shard_grad += shard_grad", "            self.shard_grad = shard_grad",
+        "fsdp_mpi/sharding/flat_gradient.py", "            self.shard_grad += shard_grad", "            self.shard_grad = shard_grad",
         [EQUIVALENCE]),
     "one rank gathers through MPI": (
         "fsdp_mpi/communication/routes.py", "        if comm.world_size == 1:\n            return OneRank(),",
@@ -393,13 +393,13 @@ MUTANTS = {
     "compiled, dynamo traces the views' backward with a gradient for every view: unused ones get zeros": (
         "fsdp_mpi/sharding/traced.py", "    torch._dynamo.allow_in_graph(_full_views)", "    pass", [UNUSED]),
     "compiled, a gradient that only no_sync gave, which the synced graph cannot hand over, is dropped": (
-        "fsdp_mpi/sharding/flat_param.py", "            view.grad = piece if view.grad is None else view.grad.add_(piece)",
+        "fsdp_mpi/sharding/flat_gradient.py", "            view.grad = piece if view.grad is None else view.grad.add_(piece)",
         "            pass", [UNUSED]),
     "an eager end of backward inside a compiled step drops the gradients the graph gave": (
-        "fsdp_mpi/sharding/lifecycle.py", "if handle.requires_grad and not handle.reduced_in_graph]",
+        "fsdp_mpi/sharding/lifecycle.py", "if handle.requires_grad and not handle.gradient.reduced_in_graph]",
         "if handle.requires_grad]", [UNUSED]),
     "an eager reduction after a compiled one forgets the gradients the graph gave": (
-        "fsdp_mpi/sharding/flat_param.py", "                    piece += view.grad", "                    pass",
+        "fsdp_mpi/sharding/flat_gradient.py", "                    piece += view.grad", "                    pass",
         [UNUSED]),
     "a module inside a unit may be cast apart from its shards": (
         "fsdp_mpi/sharding/lifecycle.py", "refuse_moving_or_casting([module, *parts], self.handles)",

@@ -8,6 +8,7 @@ or ``torch.distributed.init_process_group("fsdp_mpi")`` where the usual variable
 
     reductions      what each reduce op asks of fsdp_mpi's sums
     work            the handle torch gets: completed with the call's result or its error
+    composed        torch's collectives made of the communicator's (lists, uneven parts, MAX and the like)
     process_group   each call torch makes, as a ``Communicator``'s collective or message
     groups          each group an MPI communicator of its own; the default group's start
 

@@ -24,9 +24,6 @@ torch calls a Python process group through the methods below (their names as tor
 older ones beside them).
 """
 
-import functools
-import math
-
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -34,6 +31,7 @@ from mpi4py import MPI
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.settings import TIMEOUT, read_seconds, read_text
 from fsdp_mpi.communication.transports.worker import threads_may_call_mpi_at_once
+from fsdp_mpi.distributed import composed
 from fsdp_mpi.distributed.reductions import Reduction
 from fsdp_mpi.distributed.work import GroupFailed, MpiWork
 
@@ -128,9 +126,9 @@ class MpiProcessGroup(dist.ProcessGroup):
             for tensor in tensors:
                 op = Reduction.of(opts, "all_reduce", tensor.dtype)
                 if tensor.is_sparse:
-                    self._sparse_sum(tensor, op)
+                    composed.sparse_sum(self.comm, tensor, op)
                 else:
-                    self._all_reduce(tensor, op)
+                    composed.all_reduce(self.comm, tensor, op)
         return self._run(all_reduce, "all_reduce", tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -152,7 +150,7 @@ class MpiProcessGroup(dist.ProcessGroup):
                 op = Reduction.of(opts, "reduce_scatter", dtype)
                 rows = torch.cat([i.reshape(self.comm.world_size, -1) for _, i in pairs], dim=1)
                 shard = torch.empty(rows.shape[1], dtype=dtype, device=rows.device)
-                self._reduce_scatter(shard, rows, op)
+                composed.reduce_scatter(self.comm, shard, rows, op)
                 for (output, _), part in zip(pairs, shard.split([o.numel() for o, _ in pairs])):
                     output.copy_(part.view_as(output))
         return self._run(reduce_scatter, "reduce_scatter", inputs, outputs)
@@ -169,8 +167,8 @@ class MpiProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         """outputs[i] (ranks * n_i) <- every rank's inputs[i] (n_i), in rank order: one collective for all."""
         def gather():
-            for output, by_rank in zip(outputs, self._gathered_bytes(inputs)):
-                _write_bytes(output, by_rank)
+            for output, by_rank in zip(outputs, composed.gathered_bytes(self.comm, inputs)):
+                composed.write_bytes(output, by_rank)
         return self._run(gather, "all_gather", inputs, outputs)
 
     def allgather(self, output_lists, inputs, opts=None):
@@ -189,25 +187,17 @@ class MpiProcessGroup(dist.ProcessGroup):
 
     def _all_gather_lists(self, output_of, inputs, result):
         def gather():
-            for i, by_rank in enumerate(self._gathered_bytes(inputs)):
+            for i, by_rank in enumerate(composed.gathered_bytes(self.comm, inputs)):
                 for rank, part in enumerate(by_rank):
-                    _write_bytes(output_of(i, rank), part)
+                    composed.write_bytes(output_of(i, rank), part)
         return self._run(gather, "all_gather", inputs, result)
-
-    def _gathered_bytes(self, inputs) -> list[torch.Tensor]:
-        """Every rank's `inputs` in one all-gather of their bytes: per input, its (ranks, bytes) view."""
-        sent = torch.cat([_bytes_of(tensor) for tensor in inputs]) if inputs else torch.empty(0, dtype=torch.uint8)
-        full = torch.empty(self.comm.world_size * sent.numel(), dtype=torch.uint8, device=sent.device)
-        self.comm.all_gather_into(full, sent)
-        rows = full.view(self.comm.world_size, sent.numel())
-        return list(rows.split([tensor.numel() * tensor.element_size() for tensor in inputs], dim=1))
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
 
         def broadcast():
             for tensor in tensors:
-                self._broadcast(tensor, root)
+                composed.broadcast(self.comm, tensor, root)
         return self._run(broadcast, "broadcast", tensors, tensors)
 
     def scatter(self, outputs, input_lists, opts=None):
@@ -218,35 +208,21 @@ class MpiProcessGroup(dist.ProcessGroup):
             for out in outputs:
                 whole = (torch.cat([t.reshape(-1) for t in input_lists[0]]) if self.comm.rank == root else
                          torch.empty(self.comm.world_size * out.numel(), dtype=out.dtype, device=out.device))
-                self._broadcast(whole, root)
+                composed.broadcast(self.comm, whole, root)
                 out.copy_(whole.view(self.comm.world_size, out.numel())[self.comm.rank].view_as(out))
         return self._run(scatter, "scatter", outputs, outputs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """output <- rank j's part for this rank, in rank order; parts along dim 0, even or as the splits say."""
         if not output_split_sizes and not input_split_sizes:
-            return self._run(lambda: self._all_to_all(output, input), "all_to_all", [input], [output])
-        sent, received = _parts(input, input_split_sizes, self.comm.world_size), \
-            _parts(output, output_split_sizes, self.comm.world_size)
-        return self._run(lambda: self._all_to_all_parts(received, sent), "all_to_all", [input], [output])
+            return self._run(lambda: composed.all_to_all(self.comm, output, input), "all_to_all", [input], [output])
+        sent = composed.parts(input, input_split_sizes, self.comm.world_size)
+        received = composed.parts(output, output_split_sizes, self.comm.world_size)
+        return self._run(lambda: composed.all_to_all_parts(self.comm, received, sent), "all_to_all", [input], [output])
 
     def alltoall(self, outputs, inputs, opts=None):
         """outputs[j] <- rank j's inputs[this rank]: parts of any sizes."""
-        return self._run(lambda: self._all_to_all_parts(outputs, inputs), "all_to_all", inputs, outputs)
-
-    def _all_to_all_parts(self, received: list, sent: list) -> None:
-        """received[j] <- rank j's sent[this rank], parts of any sizes: each padded to the largest part of any rank
-        (one small reduction finds it), moved in one even all-to-all, and cut back on arrival."""
-        world, sizes = self.comm.world_size, [part.numel() for part in sent + received]
-        widest = int(self.comm.all_reduce_max_float(max(sizes, default=0)))
-        reference = sent[0] if sent else received[0]
-        padded = torch.zeros(world, widest, dtype=reference.dtype, device=reference.device)
-        for j, part in enumerate(sent):
-            padded[j, :part.numel()] = part.reshape(-1)
-        arrived = torch.empty_like(padded)
-        self._all_to_all(arrived.view(-1), padded.view(-1))
-        for j, part in enumerate(received):
-            part.copy_(arrived[j, :part.numel()].view_as(part))
+        return self._run(lambda: composed.all_to_all_parts(self.comm, outputs, inputs), "all_to_all", inputs, outputs)
 
     def barrier(self, opts=None):
         return self._run(self.comm.barrier, "barrier", [], None)
@@ -317,55 +293,6 @@ class MpiProcessGroup(dist.ProcessGroup):
     def _named(self, name: str) -> str:
         return f"{name} on rank {self.comm.rank} of {self.comm.world_size}"
 
-    def _all_reduce(self, tensor: torch.Tensor, op: Reduction) -> None:
-        flat = _contiguous(tensor)
-        if op.combined:
-            gathered = torch.empty(self.comm.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-            self.comm.all_gather_into(gathered, flat.view(-1))
-            flat.copy_(op.combine(gathered.view(self.comm.world_size, *flat.shape)))
-        else:
-            factor = op.scale_before(flat.dtype, self.comm.world_size)
-            if factor is not None:
-                flat.mul_(factor)
-            self.comm.all_reduce_sum_(flat)
-            op.after(flat, self.comm.world_size)
-        if flat is not tensor:
-            tensor.copy_(flat)
-
-    def _sparse_sum(self, tensor: torch.Tensor, op: Reduction) -> None:
-        """A sparse tensor's sum over ranks, in place: every rank's entries (pickled: they differ in number),
-        added here."""
-        if op.kind != dist.ReduceOp.SUM:
-            raise NotImplementedError(f"{BACKEND}: all_reduce of a sparse tensor with {op.kind}: SUM only")
-        mine = tensor.coalesce()
-        entries = self.comm.all_gather_object((mine.indices().cpu(), mine.values().cpu()))
-        total = functools.reduce(torch.add, [torch.sparse_coo_tensor(indices, values, tensor.shape)
-                                             for indices, values in entries])
-        tensor.copy_(total.coalesce().to(tensor.device))
-
-    def _reduce_scatter(self, shard: torch.Tensor, rows: torch.Tensor, op: Reduction) -> None:
-        """shard (S,) <- the reduction over ranks of their rows[rank] ((ranks, S) rows)."""
-        if op.combined:  # every rank's row for this rank, then combined here
-            mine = torch.empty_like(rows)
-            self.comm.all_to_all(mine.view(-1), rows.contiguous().view(-1))
-            shard.copy_(op.combine(mine))
-            return
-        factor = op.scale_before(rows.dtype, self.comm.world_size)
-        full = rows * factor if factor is not None else rows.contiguous()  # a copy: the caller's input stays
-        self.comm.reduce_scatter_sum(shard, full.view(-1))
-        op.after(shard, self.comm.world_size)
-
-    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        received = _contiguous(output)
-        self.comm.all_to_all(received.view(-1), _contiguous(input).view(-1))
-        if received is not output:
-            output.copy_(received)
-
-    def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        flat = _contiguous(tensor)
-        self.comm.broadcast_(flat, root)
-        if flat is not tensor:
-            tensor.copy_(flat)
 
 
 def call_limit(timeout: float) -> float:
@@ -377,26 +304,7 @@ def call_limit(timeout: float) -> float:
     return ours if ours == 0 or timeout <= 0 else min(timeout, ours)
 
 
-def _parts(tensor: torch.Tensor, split_sizes, ranks: int) -> list[torch.Tensor]:
-    """`tensor`'s parts along dim 0, as `split_sizes` say (none: `ranks` even parts), each flat."""
-    rows = split_sizes or [tensor.shape[0] // ranks] * ranks
-    return list(tensor.reshape(-1).split([n * math.prod(tensor.shape[1:]) for n in rows]))
-
 
 def _device_of(tensors) -> torch.device:
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.is_contiguous() else tensor.contiguous()
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s bytes, flat (a view where it is contiguous)."""
-    return _contiguous(tensor).view(-1).view(torch.uint8)
-
-
-def _write_bytes(tensor: torch.Tensor, data: torch.Tensor) -> None:
-    """tensor <- `data` ((ranks, width) or (width,) bytes, in order), whatever its dtype."""
-    tensor.copy_(data.reshape(-1).view(tensor.dtype).view_as(tensor))

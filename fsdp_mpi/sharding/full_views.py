@@ -16,7 +16,7 @@ class FullViews(torch.autograd.Function):
     """Makes a forward's autograd node for a handle's kept full-shape views of its gathered (padded_numel,)
     buffer: the views are given back as they are, now the outputs of this new node; backward writes their
     gradients, times `scale`, into one flat gradient (zeros for a view that got none, and for the padding)
-    in memory borrowed from `buffer` (None: new memory), and marks in `got_gradient` (one flag per view) the
+    in memory borrowed from `buffer` (None: new memory), and marks in `received` (one flag per view) the
     views that got one.
 
     Its backward concatenates as ``torch.split``'s would, into one new flat gradient,
@@ -35,13 +35,13 @@ class FullViews(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, full: torch.Tensor, views: tuple[torch.Tensor, ...], scale: float,
-                got_gradient: list[bool], buffer: BorrowedBuffer | None) -> tuple[torch.Tensor, ...]:
+                received: list[bool], buffer: BorrowedBuffer | None) -> tuple[torch.Tensor, ...]:
         # `views` is a tuple, not tensor arguments: autograd takes them as this node's outputs, not its inputs.
         ctx.set_materialize_grads(False)
         ctx.shapes, ctx.scale, ctx.like = [view.shape for view in views], scale, (full.numel(), full.dtype,
                                                                                     full.device)
         ctx.padding = full.numel() - sum(view.numel() for view in views)
-        ctx.got_gradient, ctx.buffer = got_gradient, buffer
+        ctx.received, ctx.buffer = received, buffer
         return views
 
     @staticmethod
@@ -51,7 +51,7 @@ class FullViews(torch.autograd.Function):
         padded_numel, dtype, device = ctx.like
         pieces = []
         for index, (shape, grad) in enumerate(zip(ctx.shapes, grads)):
-            ctx.got_gradient[index] = ctx.got_gradient[index] or grad is not None
+            ctx.received[index] = ctx.received[index] or grad is not None
             pieces.append(grad.reshape(-1) if grad is not None else torch.zeros(shape.numel(), dtype=dtype,
                                                                                 device=device))
         if ctx.padding:  # none on one rank
@@ -63,9 +63,3 @@ class FullViews(torch.autograd.Function):
         full_grad = torch.cat(pieces, out=into)
         return (full_grad if ctx.scale == 1.0 else full_grad.mul_(ctx.scale)), None, None, None, None
 
-
-def split_into_views(full: torch.Tensor, shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:
-    """One view per shape into consecutive pieces of the 1-D `full`; what follows the last is padding."""
-    numels = [shape.numel() for shape in shapes]
-    pieces = torch.split(full, [*numels, full.numel() - sum(numels)])
-    return tuple(piece.view(shape) for piece, shape in zip(pieces, shapes))

@@ -251,8 +251,8 @@ def _reserve_node_memory(units, groups: ShardGroups) -> None:
     handles = [handle for unit in units for handle in unit.handles]
     if not handles:
         return
-    largest = max(handles, key=lambda h: h.padded_numel * max(h.param_dtype.itemsize, h.reduce_dtype.itemsize))
-    itemsize = max(largest.param_dtype.itemsize, largest.reduce_dtype.itemsize)
+    largest = max(handles, key=lambda h: h.padded_numel * max(h.param_dtype.itemsize, h.gradient.reduce_dtype.itemsize))
+    itemsize = max(largest.param_dtype.itemsize, largest.gradient.reduce_dtype.itemsize)
     groups.shard.reserve(largest.shard.device, largest.padded_numel * itemsize)
     if groups.replicas is not None:
         groups.replicas.reserve(largest.shard.device, largest.shard_numel * itemsize)

@@ -48,7 +48,8 @@ from torch import nn
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.timing_points import HOOK, timed
-from fsdp_mpi.sharding.flat_param import OWNER_ATTRIBUTE, FlatParamHandle, ParamUse
+from fsdp_mpi.sharding.flat_layout import group_parameters
+from fsdp_mpi.sharding.flat_param import FlatParamHandle
 from fsdp_mpi.sharding.in_place import refuse_moving_or_casting
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tensors
 from fsdp_mpi.sharding.nested import for_each_tensor
@@ -114,7 +115,7 @@ class ShardedUnit:
         unit_name = type(module).__name__
         self.handles = [FlatParamHandle(params, groups.shard, unit_name, mixed_precision.param_dtype,
                                         mixed_precision.reduce_dtype, device, groups.replicas, compression)
-                        for params in _group_unit_params(module)]
+                        for params in group_parameters(modules_outside_units(module))]
         for handle in self.handles:
             handle.traced_id = register(handle, _queue_end_of_backward(self))
             if handle.requires_grad:
@@ -235,7 +236,7 @@ class ShardedUnit:
         backward_follows = torch.is_grad_enabled()
         if backward_follows:
             for handle in self.handles:
-                handle.awaiting_gradient = handle.requires_grad
+                handle.gradient.awaiting = handle.requires_grad
             _register_on_output_tensors(output, self._pre_backward)
         self._to_idle(reshard=not (backward_follows and self.keeps_gathered_for_backward))
 
@@ -246,8 +247,8 @@ class ShardedUnit:
             if unit.state is not TrainingState.IDLE:
                 unit._to_idle()
             for handle in unit.handles:
-                handle.awaiting_gradient = False
-                handle.release_gradient_cleared_by_user()
+                handle.gradient.awaiting = False
+                handle.gradient.release_cleared_by_user()
 
     # ----------------------------------------------------------------- backward
 
@@ -263,15 +264,15 @@ class ShardedUnit:
     @timed(HOOK)
     def _post_backward(self, handle: FlatParamHandle) -> None:
         """Runs when autograd has summed every use's gradient into ``handle.full_flat.grad``."""
-        handle.awaiting_gradient = False
+        handle.gradient.awaiting = False
         if self.requires_gradient_sync:
             asynchronous = self.overlap["async_reduce_scatter"]
             if asynchronous:
                 self.root.context.finish_reduction_in_flight()  # at most one in flight bounds the memory held
-            handle.reduce_gradient(asynchronous=asynchronous)
+            handle.gradient.reduce(asynchronous=asynchronous)
             if asynchronous:
                 self.root.context.leave_in_flight(handle)
-        if not any(h.awaiting_gradient for h in self.handles):
+        if not any(h.gradient.awaiting for h in self.handles):
             self._to_idle()
 
     def _queue_end_of_backward(self) -> None:
@@ -289,10 +290,10 @@ class ShardedUnit:
         self.context.finish_reduction_in_flight()
         for unit in self.context.units:
             for handle in unit.handles:
-                if unit.requires_gradient_sync and (handle.awaiting_gradient or handle.full_flat.grad is not None):
-                    handle.reduce_gradient()
-                handle.awaiting_gradient = False
-                handle.give_gradients_left_out_of_graph()
+                if unit.requires_gradient_sync and (handle.gradient.awaiting or handle.full_flat.grad is not None):
+                    handle.gradient.reduce()
+                handle.gradient.awaiting = False
+                handle.gradient.give_gradients_left_out_of_graph()
             unit._to_idle()
         if self.requires_gradient_sync:
             self._drop_gradients_no_rank_used()
@@ -302,16 +303,17 @@ class ShardedUnit:
         """One small all-reduce per backward tells every rank which parameters got a gradient on any rank
         (a skipped branch, an expert no token chose, a head used on some ranks only); the others get
         ``.grad = None``, as in one process. A parameter used on some ranks keeps the average."""
+        # A handle a compiled graph reduced got its gradients, or none, from the graph: the same on every rank.
         handles = [handle for unit in self.context.units for handle in unit.handles
-                   if handle.requires_grad and not handle.reduced_in_graph]  # a graph decided theirs: the same on every rank
-        flags = torch.tensor([flag for handle in handles for flag in handle.got_gradient], dtype=torch.float32)
+                   if handle.requires_grad and not handle.gradient.reduced_in_graph]
+        flags = torch.tensor([flag for handle in handles for flag in handle.gradient.received], dtype=torch.float32)
         if not flags.numel():
             return
         self.comm.all_reduce_sum_(flags, "<which parameters got gradients>")
         used_on_some_rank = (flags > 0).tolist()
         start = 0
         for handle in handles:
-            handle.drop_gradients_of_unused(used_on_some_rank[start:start + len(handle.slots)])
+            handle.gradient.drop_unused(used_on_some_rank[start:start + len(handle.slots)])
             start += len(handle.slots)
 
     # ----------------------------------------------------------------- transitions: each sets the state
@@ -342,32 +344,6 @@ class ShardedUnit:
     def _reshard(self) -> None:
         for handle in self.handles:
             handle.reshard()
-
-
-def _group_unit_params(module: nn.Module) -> list[list[tuple[nn.Parameter, list[ParamUse]]]]:
-    """The unit's own parameters (not those of nested units), grouped by dtype and requires_grad.
-
-    A parameter used in several places (tied weights) appears once, with all its uses.
-    Order follows module registration order, which is the same on every rank.
-    """
-    uses_by_param: dict[int, tuple[nn.Parameter, list[ParamUse]]] = {}
-    for module_name, submodule in modules_outside_units(module):
-        for attribute, param in submodule._parameters.items():
-            if param is None:
-                continue
-            name = f"{module_name}.{attribute}" if module_name else attribute
-            owner = getattr(param, OWNER_ATTRIBUTE, None)
-            if owner is not None:
-                raise ValueError(
-                    f"parameter {name!r} is shared with a parameter already sharded by the unit "
-                    f"wrapping a {owner}; shared (tied) parameters must belong to one unit: "
-                    "change the wrap policy so that every use lies in the same unit"
-                )
-            uses_by_param.setdefault(id(param), (param, []))[1].append(ParamUse(name, submodule, attribute))
-    groups: dict[tuple, list] = {}
-    for param, uses in uses_by_param.values():
-        groups.setdefault((param.dtype, param.requires_grad), []).append((param, uses))
-    return list(groups.values())
 
 
 def _parts(module: nn.Module) -> list[nn.Module]:

@@ -35,7 +35,7 @@ class RootContext:
     def finish_reduction_in_flight(self) -> None:
         """Completes the reduction left in flight, if any (at most one is, to bound the gradient memory held)."""
         if self._reduction_in_flight is not None:
-            self._reduction_in_flight.finish_gradient_reduction()
+            self._reduction_in_flight.gradient.finish_reduction()
             self._reduction_in_flight = None
 
     def queue_end_of_backward(self, end_of_backward) -> None:

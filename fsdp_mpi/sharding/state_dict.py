@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_mpi.sharding.flat_param import FlatParamHandle, ParamSlot
+from fsdp_mpi.sharding.flat_layout import ParamSlot
+from fsdp_mpi.sharding.flat_param import FlatParamHandle
 from fsdp_mpi.sharding.lifecycle import TrainingState, original_name, require_units_with_names
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])

@@ -30,7 +30,7 @@ called the same way), which the collectives' order then follows on every rank.
 
 The operators reach the handle through a name (``traced_id``), the only way a
 graph can name it; the handle does the communication as the eager path does
-(``FlatParamHandle.gather`` and ``traced_reduction``), so the same collectives,
+(``FlatParamHandle.gather`` and ``FlatGradient.reduce_in_graph``), so the same collectives,
 dtypes and compression apply, and a compiled step equals an eager one.
 """
 
@@ -108,7 +108,7 @@ def reduce_scatter_unit(full_grad: torch.Tensor, handle: str, sync: bool, used: 
     reduces in `full_grad` itself (the transports use their input as scratch), and says so: the graph then
     hands it the buffer that backward assembled the gradient in (inductor), where an operator that may not
     write its input would copy it first."""
-    shard_grad = _handles[handle].traced_reduction(full_grad, sync, used)
+    shard_grad = _handles[handle].gradient.reduce_in_graph(full_grad, sync, used)
     if sync:
         _after_reduction[handle]()
     return shard_grad
@@ -127,7 +127,7 @@ class _FullViews(torch.autograd.Function):
     Dynamo would trace this function's backward with a gradient for every view, zeros where none came: so it
     puts the call in its graph as it is (``allow_in_graph``), and AOT autograd, which traces it with autograd
     itself, shows backward which views got no gradient. Which ones is a fact of the graph, the same in every
-    step that runs it; the reduction keeps it (``FlatParamHandle.traced_reduction``) for ``no_sync``.
+    step that runs it; the reduction keeps it (``FlatGradient.reduce_in_graph``) for ``no_sync``.
     """
 
     @staticmethod

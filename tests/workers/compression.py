@@ -147,7 +147,7 @@ def record_contributions(model) -> dict:
     """What each handle hands to its reduction (its full gradient, already scaled by 1/N), kept as float64."""
     contributions = {}
     for handle in handles(model):
-        reduce_gradient = handle.reduce_gradient
+        reduce_gradient = handle.gradient.reduce
 
         def recording(asynchronous=False, handle=handle, reduce_gradient=reduce_gradient):
             grad = handle.full_flat.grad
@@ -155,7 +155,7 @@ def record_contributions(model) -> dict:
                                      else grad.detach().double().clone())
             reduce_gradient(asynchronous)
 
-        handle.reduce_gradient = recording
+        handle.gradient.reduce = recording
     return contributions
 
 
@@ -173,7 +173,7 @@ def reduced_gradients(model, comm, gradients) -> float:
             group, then_gather = handle.replicas.world_size, True
         bound = reduction_bound(everyone, gradients, group, then_gather)
         mine = slice(handle.shard_offset, handle.shard_offset + handle.shard_numel)
-        worst = max(worst, worst_ratio((handle.shard_grad.double() - exact[mine]).abs(), bound[mine]))
+        worst = max(worst, worst_ratio((handle.gradient.shard_grad.double() - exact[mine]).abs(), bound[mine]))
     return worst
 
 

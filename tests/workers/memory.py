@@ -176,8 +176,9 @@ if __name__ == "__main__":
     # Gradient accumulation: under no_sync every unit keeps its full-size gradient and nothing is reduced;
     # the next backward with sync reduces the sum, and the full-size gradients are gone.
     def gradient_bytes() -> dict:
-        return {"unsharded": sum(h.unsharded_gradient_bytes for u in units for h in u.handles),
-                "sharded": sum(h.shard_grad.numel() * 4 for u in units for h in u.handles if h.shard_grad is not None)}
+        return {"unsharded": sum(h.gradient.unsharded_bytes for u in units for h in u.handles),
+                "sharded": sum(h.gradient.shard_grad.numel() * 4 for u in units for h in u.handles
+                               if h.gradient.shard_grad is not None)}
 
     model.zero_grad(set_to_none=True)
     local_inputs, local_targets = local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank,

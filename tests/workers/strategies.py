@@ -38,7 +38,7 @@ def kept_bytes(comm: Communicator, **wrap) -> dict:
     _, loss = model(local_part(inputs, comm.rank, comm.world_size), local_part(targets, comm.rank, comm.world_size))
     loss.backward()
     return {"shard_bytes": sum(h.shard.numel() * h.shard.element_size() for h in handles),
-            "grad_bytes": sum(h.shard_grad.numel() * h.shard_grad.element_size() for h in handles),
+            "grad_bytes": sum(h.gradient.shard_grad.numel() * h.gradient.shard_grad.element_size() for h in handles),
             "gathered_after_step": sum(h.gathered_bytes for h in handles),
             "padded_bytes": sum(h.padded_numel * h.shard.element_size() for h in handles),
             "parameter_tensors": sum(len(h.slots) for h in handles if h.requires_grad),

@@ -14,6 +14,7 @@ from common import gpt_batch, local_part, output_path, write_json
 
 from fsdp_mpi import Communicator, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
 from fsdp_mpi.communication.transports.direct import MpiCalls
+from fsdp_mpi.sharding.flat_gradient import FlatGradient
 from fsdp_mpi.sharding.flat_param import FlatParamHandle
 from fsdp_mpi.sharding.lifecycle import units_with_names
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
@@ -83,10 +84,10 @@ def main(comm: Communicator) -> dict:
         handles = [h for _, unit in units_with_names(model) for h in unit.handles]
 
         def running() -> int:
-            return sum(h._pending_reduction is not None for h in handles)
+            return sum(h.gradient.in_flight for h in handles)
 
         loss = step(model, comm)
-        with Counting("reduce_gradient", probe=running) as reductions:
+        with Counting("reduce", probe=running, cls=FlatGradient) as reductions:
             loss.backward()
         report[f"async_{asynchronous}_running_at_each_reduction"] = reductions.seen
         report[f"async_{asynchronous}_running_after_backward"] = running()
