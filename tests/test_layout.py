@@ -9,6 +9,7 @@ and models/ as fsdp_mpi_models; a package folder it leaves out would be missing 
 
 import ast
 import configparser
+import re
 import sys
 from pathlib import Path
 
@@ -193,6 +194,28 @@ def test_design_documents_every_module_of_each_layer_and_only_those():
         present = {str(path.relative_to(CORE / layer)) for path in (CORE / layer).rglob("*.py")
                    if path.name != "__init__.py"}
         assert listed == present, (layer, sorted(present - listed), sorted(listed - present))
+
+
+ONE_RANK_DECIDED_IN = {"communication/routes.py", "sharding/collectives.py"}  # the OneRank transport; local collectives
+
+
+def test_one_rank_is_decided_by_the_transport_and_the_collectives_and_elsewhere_only_with_a_reason():
+    """Whether a group is one rank is decided where the route is chosen (``OneRank``) and where a handle's gather
+    and reduction are chosen; the layers above read it from them. Any other comparison of a world size with
+    0, 1 or 2 says, in a comment on its line or the line above, why one rank needs its own way there."""
+    asking = re.compile(r"world_size\s*(==|!=|<=|>=|<|>)\s*[012]\b|\b[012]\s*(==|!=|<|>)\s*\w*world_size")
+    unexplained = []
+    for path in sorted(CORE.rglob("*.py")):
+        name = str(path.relative_to(CORE))
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines):
+            code = line.split("#", 1)[0]
+            if not asking.search(code) or name in ONE_RANK_DECIDED_IN:
+                continue
+            said = line.partition("#")[2] + (lines[number - 1].partition("#")[2] if number else "")
+            if "one rank" not in said:
+                unexplained.append(f"{name}:{number + 1}: {line.strip()}")
+    assert not unexplained, "asks whether a group is one rank without saying why:\n" + "\n".join(unexplained)
 
 
 def readme_program() -> str:

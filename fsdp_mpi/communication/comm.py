@@ -261,7 +261,7 @@ class Communicator:
         """A communicator over the ranks that pass the same `color` (None: the ranks of this node), in rank
         order, with this one's settings; None for a rank that passes ``MPI.UNDEFINED``. A group of one rank is
         its own only split."""
-        if self.world_size == 1:
+        if self.world_size == 1:  # one rank: no MPI call, as the OneRank transport makes none
             return None if color == MPI.UNDEFINED else self
         sub = self._pickled("split", lambda: split_by_node(self.mpi_comm) if color is None
                             else self.mpi_comm.Split(color, self.rank), alone=None)
@@ -298,7 +298,7 @@ class Communicator:
         """Lets the watchdog ask these ranks, when a collective hangs, which of them still answer (collective).
         The first world communicator does it as it is built; survivors once they have settled after ``shrink``.
         Nothing where a thread cannot call MPI beside the main one, or alone."""
-        if self.world_size > 1 and self.communication_thread is not None:
+        if self.world_size > 1 and self.communication_thread is not None:  # one rank: nobody else to ask
             with in_mpi(self, "watch who answers", collective=False):
                 liveness = Liveness(self.mpi_comm)
             PROCESS_LOG.start_answering(liveness)
@@ -374,7 +374,7 @@ class Communicator:
     def _pickled(self, operation: str, call: Callable, alone, **logged):
         """An MPI call on pickled objects or numbers, logged and watched; `alone` on a group of one rank, with no
         call."""
-        if self.world_size == 1:
+        if self.world_size == 1:  # one rank: objects go nowhere, as the OneRank transport's tensors
             return alone
         self._in_program_order()
         with in_mpi(self, operation, **logged):

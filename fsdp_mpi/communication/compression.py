@@ -255,7 +255,7 @@ def compressed_all_reduce_sum_(comm: Communicator, tensor: torch.Tensor, codec: 
     """tensor (n,) <- its sum over ranks, in place: a compressed reduce-scatter of chunks of ceil(n / W), then
     a compressed all-gather of the summed chunks, which every rank decodes alike. One rank: unchanged."""
     world_size = comm.world_size
-    if world_size == 1:
+    if world_size == 1:  # one rank: encoding would round values that go nowhere
         return
     chunk_numel = -(-tensor.numel() // world_size)
     padded = F.pad(tensor.float(), (0, world_size * chunk_numel - tensor.numel()))  # (W * chunk,)

@@ -38,7 +38,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         per_gradient = [g.double().abs().pow(norm_type).sum() for g in nonempty]
         combine, over_ranks = torch.sum, comm.all_reduce_sum_float
     local = combine(torch.stack(per_gradient)) if per_gradient else torch.zeros((), dtype=torch.float64, device=device)
-    total = local if comm.world_size == 1 else over_ranks(local.item())
+    total = local if comm.world_size == 1 else over_ranks(local.item())  # one rank: no host synchronisation
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
     total_norm = torch.as_tensor(total, device=device).to(dtype)

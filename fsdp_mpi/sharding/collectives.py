@@ -31,6 +31,8 @@ from fsdp_mpi.communication.transports.in_flight import InFlight
 class LocalGather:
     """A shard group of one rank: gathering is a cast into the compute dtype (or nothing, when aliased)."""
 
+    communicates = False  # the gathered buffer may be the shard itself (FlatParamHandle.aliases_shard)
+
     def gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
         full.copy_(shard)
 
@@ -41,6 +43,8 @@ class LocalGather:
 
 class PlainGather:
     """The shard cast to the compute dtype (`full`'s), then all-gathered."""
+
+    communicates = True
 
     def __init__(self, comm: Communicator):
         self.comm = comm
@@ -54,6 +58,8 @@ class PlainGather:
 
 class CompressedGather:
     """The fp32 shard encoded by `codec`, gathered, and decoded into the compute dtype (when waited for)."""
+
+    communicates = True
 
     def __init__(self, comm: Communicator, codec: Codec):
         self.comm, self.codec = comm, codec
@@ -78,6 +84,9 @@ def choose_gather(comm: Communicator, codec: Codec | None) -> LocalGather | Plai
 class PlainReduction:
     """Reduce-scatter over the shard group and all-reduce over the replicas, in the gradient's dtype."""
 
+    communicates = True
+    gradient_is_its_own_shard = False  # a new (shard_numel,) tensor: the full gradient's memory can go back
+
     def __init__(self, comm: Communicator, replicas: Communicator | None):
         self.comm, self.replicas = comm, replicas
 
@@ -99,6 +108,9 @@ class PlainReduction:
 class CompressedReduction:
     """An all-to-all of encoded gradient chunks, summed here in fp32 in rank order; it completes when started."""
 
+    communicates = True
+    gradient_is_its_own_shard = False
+
     def __init__(self, comm: Communicator, replicas: Communicator | None, codec: Codec):
         self.comm, self.replicas, self.codec = comm, replicas, codec
 
@@ -118,8 +130,11 @@ class CompressedReduction:
 class LocalReduction:
     """A shard group of one rank: the gradient is its own shard; `over_replicas` averages it over the replicas."""
 
+    gradient_is_its_own_shard = True  # the full gradient's memory stays: it is the shard's gradient
+
     def __init__(self, over_replicas: PlainReduction | CompressedReduction):
         self.over_replicas = over_replicas
+        self.communicates = over_replicas.replicas is not None
 
     def reduce_scatter(self, full_grad: torch.Tensor, unit: str) -> torch.Tensor:
         return full_grad

@@ -86,8 +86,8 @@ class FlatParamHandle(FlatLayout):
             for slot, (param, _) in zip(self.slots, params):
                 self.copy_into_shard(slot, param.detach())
         self.reuse_buffers(comes_back=True)  # the unit says otherwise once it knows (lifecycle.py)
-        # On one rank, unless cast, the shard is the whole buffer: full_flat aliases it, nothing is copied.
-        self.aliases_shard = comm.world_size == 1 and self.param_dtype == self.shard.dtype
+        # A gather that moves nothing (one rank), unless it casts: full_flat aliases the shard, nothing is copied.
+        self.aliases_shard = not self.gather.communicates and self.param_dtype == self.shard.dtype
         if self.aliases_shard:
             # .data, not .detach(): its own version counter, so the optimizer's in-place step on the shard
             # leaves the kept full views (use_full_views) valid, as a separate buffer on N ranks would.
@@ -156,9 +156,9 @@ class FlatParamHandle(FlatLayout):
         (it gathers again in backward), else anew (``host_memory.buffers_for``). Before the first gather."""
         self.buffers = buffers_for(self.shard.device, comes_back)
         # Holds the full gradient that backward assembles until its reduction is done, where the reduction makes
-        # a new shard of it (a shard group of one rank keeps the full gradient as its shard).
-        self.gradient.full_buffer = (BorrowedBuffer(self.buffers, self.shard.device) if self.comm.world_size > 1
-                                     else None)
+        # a new shard of it (not where the full gradient is the shard's: one rank).
+        self.gradient.full_buffer = (None if self.gradient.reduction.gradient_is_its_own_shard
+                                     else BorrowedBuffer(self.buffers, self.shard.device))
 
     def _allocate_full_storage(self) -> None:
         self.buffers.fill(self.full_flat.untyped_storage(), self.padded_numel * self.full_flat.element_size())
@@ -195,7 +195,7 @@ class FlatParamHandle(FlatLayout):
     @property
     def communicates_nothing(self) -> bool:
         """One rank and no replicas: the shard is the whole buffer, and its gradient is the average already."""
-        return self.comm.world_size == 1 and self.replicas is None
+        return not self.gather.communicates and not self.gradient.reduction.communicates
 
     # ------------------------------------------------------------ writing values into the shard
 

@@ -230,11 +230,12 @@ def _set_up_the_tree(module: nn.Module, comm: Communicator, groups: ShardGroups,
     exception ends the job, freed host memory is kept for reuse on a CPU, the route is chosen and reported,
     every rank is shown to hold the same model, rank 0's states go to every rank, and buffers take their
     dtype."""
-    if comm.world_size > 1:
+    if comm.world_size > 1:  # one rank: an uncaught exception ends the job by itself
         abort_job_on_uncaught_exception(comm.mpi_comm)
     computes_on = device or next(module.parameters()).device
     if computes_on.type == "cpu":
         keep_freed_host_memory_for_reuse()
+    # one rank per shard group: the tensors that travel go between replicas, on their route
     shared = groups.shard if groups.shard.world_size > 1 or groups.replicas is None else groups.replicas
     report_device_path_once(shared.describe_route(computes_on), comm.rank)  # collective: chooses the route
     check_same_model_on_all_ranks(module, comm)

@@ -51,7 +51,7 @@ class ShardGroups:
         if strategy is not ShardingStrategy.HYBRID_SHARD and hybrid_group_size is not None:
             raise ValueError("hybrid_group_size applies to ShardingStrategy.HYBRID_SHARD only")
         self.shard, self.replicas = comm, None
-        if strategy is ShardingStrategy.NO_SHARD and comm.world_size > 1:
+        if strategy is ShardingStrategy.NO_SHARD and comm.world_size > 1:  # one rank: FULL_SHARD's one group
             self.shard, self.replicas = comm.split(comm.rank), comm
         elif strategy is ShardingStrategy.HYBRID_SHARD:
             size = _hybrid_group_size(hybrid_group_size)

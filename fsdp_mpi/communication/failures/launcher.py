@@ -29,7 +29,7 @@ class LauncherMismatchError(RuntimeError):
 
 def check_launcher_agrees(world_size: int) -> None:
     """Raises LauncherMismatchError if a launcher announced more than one task and MPI sees `world_size` == 1."""
-    if world_size != 1:
+    if world_size != 1:  # one rank is what a launcher that MPI does not understand starts each task as
         return
     for variable in TASK_COUNT_VARIABLES:
         value = os.environ.get(variable, "")
