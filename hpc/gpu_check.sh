@@ -98,7 +98,7 @@ run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time lim
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   $PY -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
-  $PY -c "from fsdp_mpi.communication.transports.gpu_support import cuda_awareness as a, describe_device_path as d; print(d(a(), False))"
+  $PY -c "from fsdp_mpi.communication.machinery.mpi_library import cuda_awareness as a, describe_device_path as d; print(d(a(), False))"
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
@@ -180,7 +180,7 @@ if [[ "$only" == *" impi-direct "* ]]; then
         source hpc/impi_env.sh "$impi"
         export I_MPI_OFFLOAD=1 mpiexec="$impi/bin/mpiexec"
         only="$only impi-gpu-lane impi-bench-comm impi-gpt2 "
-        $PY -c "from fsdp_mpi.communication.transports.gpu_support import cuda_awareness as a, describe_device_path as d; print(d(a(), False))" \
+        $PY -c "from fsdp_mpi.communication.machinery.mpi_library import cuda_awareness as a, describe_device_path as d; print(d(a(), False))" \
             > "$out/impi-machine.txt" 2>&1
         cat "$out/impi-machine.txt"
         run impi-gpu-lane 100 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py \

@@ -15,9 +15,10 @@ from mpi_launch import check_ok, child_env, run_mpi
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.routes import mpi_transport
+from fsdp_mpi.communication.machinery.mpi_library import cuda_awareness
 from fsdp_mpi.communication.settings import CUDA_AWARE, read_flag
 from fsdp_mpi.communication.transports import direct
-from fsdp_mpi.communication.transports.gpu_support import HostStagingBuffers, cuda_awareness
+from fsdp_mpi.communication.transports.staged import HostStagingBuffers
 
 
 def test_cuda_awareness_can_be_overridden(monkeypatch):
@@ -164,48 +165,48 @@ class FakeMpiLibrary:
 @pytest.mark.parametrize("kind,answer,aware", [("mpich", 1, True), ("mpich", 0, False), ("openmpi", 1, True),
                                                ("openmpi", 0, False), ("neither", 0, False)])
 def test_the_library_is_asked_and_the_log_line_says_what_it_answered(monkeypatch, kind, answer, aware):
-    from fsdp_mpi.communication.transports import gpu_support
+    from fsdp_mpi.communication.machinery import mpi_library
 
     monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
-    monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary(kind, answer))
+    monkeypatch.setattr(mpi_library.ctypes, "CDLL", lambda _path: FakeMpiLibrary(kind, answer))
     library = {"mpich": "MPICH Version: 5.0.2", "openmpi": "Open MPI v5.0.11", "neither": "Another MPI 1.0"}[kind]
-    monkeypatch.setattr(gpu_support, "library_name", lambda: library)  # whatever MPI runs the test
-    awareness = gpu_support.cuda_awareness()
+    monkeypatch.setattr(mpi_library, "library_name", lambda: library)  # whatever MPI runs the test
+    awareness = mpi_library.cuda_awareness()
     assert awareness.aware is aware
-    line = gpu_support.describe_device_path(awareness, force_staging=False)
+    line = mpi_library.describe_device_path(awareness, force_staging=False)
     assert ("straight to the CUDA-aware MPI" in line) is aware and ("staged" in line) is not aware
     assert {"mpich": f"MPIX_GPU_query_support(CUDA) gave {answer}", "openmpi": f"MPIX_Query_cuda_support() gave {answer}",
             "neither": "has no CUDA query"}[kind] in line
     assert ("FSDP_MPI_CUDA_AWARE=1 if" in line) is not aware  # the hint for a library that answers no
     monkeypatch.setenv("FSDP_MPI_CUDA_AWARE", "1")  # the user's word wins, and the line says so
-    awareness = gpu_support.cuda_awareness()
+    awareness = mpi_library.cuda_awareness()
     assert awareness.aware is True
-    assert "FSDP_MPI_CUDA_AWARE=1)" in gpu_support.describe_device_path(awareness, force_staging=False)
-    given = gpu_support.cuda_awareness(given=False)  # and the program's over the variable, named as such
-    assert "Communicator(cuda_aware=False))" in gpu_support.describe_device_path(given, force_staging=False)
+    assert "FSDP_MPI_CUDA_AWARE=1)" in mpi_library.describe_device_path(awareness, force_staging=False)
+    given = mpi_library.cuda_awareness(given=False)  # and the program's over the variable, named as such
+    assert "Communicator(cuda_aware=False))" in mpi_library.describe_device_path(given, force_staging=False)
 
 
 @pytest.mark.parametrize("offload,aware", [(None, False), ("0", False), ("1", True)])
 def test_under_intel_mpi_the_log_line_says_what_its_gpu_offload_would_change(monkeypatch, offload, aware):
     """Intel MPI reads device memory only with I_MPI_OFFLOAD=1 (its query answers 0 otherwise): the line names
     that setting, not FSDP_MPI_CUDA_AWARE, and every route line says where it stands."""
-    from fsdp_mpi.communication.transports import gpu_support
+    from fsdp_mpi.communication.machinery import mpi_library
 
     monkeypatch.delenv("FSDP_MPI_CUDA_AWARE", raising=False)
     monkeypatch.delenv("I_MPI_OFFLOAD", raising=False)
     if offload is not None:
         monkeypatch.setenv("I_MPI_OFFLOAD", offload)
-    monkeypatch.setattr(gpu_support.ctypes, "CDLL", lambda _path: FakeMpiLibrary("mpich", int(aware)))
-    monkeypatch.setattr(gpu_support, "library_name", lambda: "Intel(R) MPI Library 2021.18.1 for Linux* OS")
-    line = gpu_support.describe_device_path(gpu_support.cuda_awareness(), force_staging=False)
+    monkeypatch.setattr(mpi_library.ctypes, "CDLL", lambda _path: FakeMpiLibrary("mpich", int(aware)))
+    monkeypatch.setattr(mpi_library, "library_name", lambda: "Intel(R) MPI Library 2021.18.1 for Linux* OS")
+    line = mpi_library.describe_device_path(mpi_library.cuda_awareness(), force_staging=False)
     assert line.startswith("device buffers go straight" if aware else "device buffers are staged")
     assert ("set I_MPI_OFFLOAD=1 in mpiexec's environment" in line) is not aware
     assert "FSDP_MPI_CUDA_AWARE" not in line
-    note = gpu_support.intel_offload_note()
+    note = mpi_library.intel_offload_note()
     assert note.startswith("Intel(R) MPI Library 2021.18.1")
     assert note.endswith("it reads device memory itself" if aware else "I_MPI_OFFLOAD=1 lets it read them itself")
-    monkeypatch.setattr(gpu_support, "library_name", lambda: "MPICH Version:      5.0.2")
-    assert gpu_support.intel_offload_note() == ""
+    monkeypatch.setattr(mpi_library, "library_name", lambda: "MPICH Version:      5.0.2")
+    assert mpi_library.intel_offload_note() == ""
 
 
 def test_intel_mpis_gpu_offload_without_a_cuda_driver_is_refused_before_mpi_starts():
@@ -219,12 +220,12 @@ def test_intel_mpis_gpu_offload_without_a_cuda_driver_is_refused_before_mpi_star
 
 
 @pytest.mark.parametrize("rank,printed", [(0, 1), (1, 0)])
-def test_the_device_path_is_printed_once_by_rank_0(capsys, monkeypatch, rank, printed):
-    from fsdp_mpi.communication.transports import gpu_support
+def test_the_route_is_printed_once_by_rank_0(capsys, monkeypatch, rank, printed):
+    from fsdp_mpi.communication import routes
 
-    monkeypatch.setattr(gpu_support, "_reported_device_path", False)
+    monkeypatch.setattr(routes, "_route_reported", False)
     for _ in range(3):  # every model a process wraps reports; the log gets the line once
-        gpu_support.report_device_path_once("device buffers are staged (...)", rank)
+        routes.report_route_once("device buffers are staged (...)", rank)
     assert capsys.readouterr().err == "fsdp_mpi: device buffers are staged (...)\n" * printed
 
 

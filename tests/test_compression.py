@@ -18,7 +18,7 @@ from fsdp_mpi import Compression, FullyShardedDataParallel, MixedPrecision
 from fsdp_mpi.communication import compression
 from fsdp_mpi.communication.compression import (BFloat16Codec, Int8BlockCodec, compressed_all_reduce_sum_, dequantize_int8,
                                   quantize_int8)
-from fsdp_mpi.communication.transports.sums import sum_in_rank_order
+from fsdp_mpi.communication.machinery.sums import sum_in_rank_order
 
 U = torch.finfo(torch.float32).eps / 2
 BF16_U = torch.finfo(torch.bfloat16).eps / 2

@@ -267,7 +267,7 @@ MUTANTS = {
         "fsdp_mpi/communication/transports/node.py", "else _blocks(peer(rank), parts.dtype, self.world, rows, b - a)[self.rank]",
         "else _blocks(peer(rank), parts.dtype, self.world, rows, b - a)[rank]", [COLLECTIVES]),
     "the node transport's 16-bit sums accumulate in 16 bits": (
-        "fsdp_mpi/communication/transports/sums.py", "total = parts[0].to(torch.float32 if summed_in_fp32(out.dtype) else out.dtype, copy=True)",
+        "fsdp_mpi/communication/machinery/sums.py", "total = parts[0].to(torch.float32 if summed_in_fp32(out.dtype) else out.dtype, copy=True)",
         "total = parts[0].clone()", [COLLECTIVES_ON_3]),
     "the node transport's exchanges all use slot 0": (
         "fsdp_mpi/communication/transports/node.py", "slot, self._next_slot = self._next_slot, 1 - self._next_slot",
@@ -297,13 +297,13 @@ MUTANTS = {
         "fsdp_mpi/sharding/fully_sharded.py", "            _reserve_node_memory(self._unit.context.units, _groups)",
         "            pass", [NODE_FILES]),
     "Intel MPI's line gives the generic hint, not its offload setting": (
-        "fsdp_mpi/communication/transports/gpu_support.py", "    elif is_intel_mpi():",
+        "fsdp_mpi/communication/machinery/mpi_library.py", "    elif is_intel_mpi():",
         "    elif False:", [INTEL_HINT]),
     "Intel MPI's offload without a CUDA driver is left to crash MPI_Init": (
         "fsdp_mpi/communication/failures/launcher.py", "    if not intel_mpi_offload_is_on():\n        return",
         "    if True:\n        return", [OFFLOAD_REFUSED]),
     "two levels put each local rank's rows where another's go": (
-        "fsdp_mpi/communication/transports/placement.py",
+        "fsdp_mpi/communication/machinery/placement.py",
         "return rows.view(self.nodes, self.per_node, *rows.shape[1:]).transpose(0, 1)",
         "return rows.view(self.per_node, self.nodes, *rows.shape[1:])", [COLLECTIVES_2X2]),
     "two levels round a node's 16-bit sums before adding the nodes'": (
@@ -334,7 +334,7 @@ MUTANTS = {
         "fsdp_mpi/communication/compression.py", "max(multiple, CHUNK_ELEMENTS // count // multiple * multiple)",
         "max(1, CHUNK_ELEMENTS // count)", [CODEC_CHUNKS]),
     "compressed gradients summed in low precision": (
-        "fsdp_mpi/communication/transports/sums.py", "total = parts[0].to(torch.float32 if summed_in_fp32(out.dtype) else out.dtype, copy=True)",
+        "fsdp_mpi/communication/machinery/sums.py", "total = parts[0].to(torch.float32 if summed_in_fp32(out.dtype) else out.dtype, copy=True)",
         "total = parts[0].to(out.dtype, copy=True)", [RANK_ORDER_SUM]),
     "staged reduce-scatter sends every chunk's columns from the first chunk": (
         "fsdp_mpi/communication/transports/staged.py", "full_by_rank[:, a:b]),\n",
@@ -355,19 +355,19 @@ MUTANTS = {
         "fsdp_mpi/communication/transports/direct.py", "self.mpi.broadcast(flat[a:b], root)",
         "self.mpi.broadcast(flat[a:b], 0)", [COLLECTIVES]),
     "after a failed collective the communication thread's later ones are not waited for": (
-        "fsdp_mpi/communication/transports/worker.py", "        wait(queued)\n",
+        "fsdp_mpi/communication/machinery/worker.py", "        wait(queued)\n",
         "", [QUEUE_WAIT]),
     "a save removes the previous checkpoint before the new one is complete": (
         "fsdp_mpi/files/checkpoint.py", 'temporary = directory.with_name(directory.name + ".tmp")',
         'temporary = directory.with_name(directory.name + ".tmp"); __import__("shutil").rmtree(directory, True)',
         [KILLED_SAVE]),
     "the communication thread runs several collectives at once": (
-        "fsdp_mpi/communication/transports/worker.py",
+        "fsdp_mpi/communication/machinery/worker.py",
         "                future.set_result(self._run(collective, ready, side))",
         "                threading.Thread(target=lambda f=future, c=collective, r=ready, s=side: f.set_result("
         "self._run(c, r, s))).start()", [WORKER_ORDER]),
     "a collective on the main thread does not wait for those handed to the worker": (
-        "fsdp_mpi/communication/transports/worker.py", "if not self._queued or threading.current_thread() is self._worker:",
+        "fsdp_mpi/communication/machinery/worker.py", "if not self._queued or threading.current_thread() is self._worker:",
         "if True:", [WORKER_ORDER]),
     "a started 16-bit reduce-scatter is cast to fp32 by the worker": (
         "fsdp_mpi/communication/comm.py", "            shard, full, finish = transport.widened_for_sum(shard, full)",

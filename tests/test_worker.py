@@ -1,4 +1,4 @@
-"""The communication thread (fsdp_mpi/communication/transports/worker.py) on its own, without a GPU (torch's CUDA
+"""The communication thread (fsdp_mpi/communication/machinery/worker.py) on its own, without a GPU (torch's CUDA
 calls faked where needed): the order it runs collectives in, what waiting for its queue waits for after an error,
 how many CUDA streams it makes, which started collectives it runs. (The MPI programs that tests launch are in
 tests/workers/, a different thing.)"""
@@ -13,7 +13,7 @@ import torch
 from fsdp_mpi.communication.transports.direct import Direct
 from fsdp_mpi.communication.transports.node import NodeTransport
 from fsdp_mpi.communication.transports.staged import Staged
-from fsdp_mpi.communication.transports.worker import CommunicationThread
+from fsdp_mpi.communication.machinery.worker import CommunicationThread
 
 pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
 

@@ -1,11 +1,12 @@
 """Talking to MPI: everything the layers above send or receive goes through ``comm.Communicator``.
 
-Two stories, each a folder: how bytes travel (``transports/``: one class per way, behind one interface) and
-how failures are caught (``failures/``: abort, the collective log and its watchdog, refused starts). The
+Two stories, each a folder: how bytes travel (``transports/``: one class per way, behind one interface, built
+of the pieces in ``machinery/``) and how failures are caught (``failures/``: abort, the collective log and its
+watchdog, refused starts). The
 communicator ties them: it checks a collective's buffers, logs and watches it, and hands it to the transport
 that its routes chose for that kind of memory.
 
-Read in this order: settings -> timing_points -> failures/ -> transports/ -> bookkeeping -> routes ->
+Read in this order: settings -> timing_points -> failures/ -> machinery/ -> transports/ -> bookkeeping -> routes ->
 point_to_point -> comm -> compression.
 Nothing here knows about modules, parameters or units.
 """

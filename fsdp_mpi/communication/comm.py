@@ -14,6 +14,7 @@ aliases: MPI writes do not bump version counters, but staging's copy-back would.
 """
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,19 +26,30 @@ from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
 from fsdp_mpi.communication.failures.liveness import Liveness
 from fsdp_mpi.communication.failures.lost_ranks import continuation_unavailable
+from fsdp_mpi.communication.machinery.in_flight import InFlight
+from fsdp_mpi.communication.machinery.mpi_buffers import check_full_and_shard
+from fsdp_mpi.communication.machinery.mpi_library import CudaAwareness, cuda_awareness
+from fsdp_mpi.communication.machinery.placement import split_by_node
+from fsdp_mpi.communication.machinery.worker import CommunicationThread, threads_may_call_mpi_at_once
 from fsdp_mpi.communication.routes import Routes
 from fsdp_mpi.communication.settings import (FORCE_STAGING, MAX_ELEMENTS_PER_MESSAGE, NODE_TRANSPORT,
                                              STAGING_CHUNK_BYTES, TIMEOUT, TWO_LEVEL, VERIFY, read_flag,
                                              read_seconds)
-from fsdp_mpi.communication.transports.gpu_support import CudaAwareness, cuda_awareness
-from fsdp_mpi.communication.transports.in_flight import InFlight
-from fsdp_mpi.communication.transports.mpi_buffers import check_full_and_shard
-from fsdp_mpi.communication.transports.placement import split_by_node
 from fsdp_mpi.communication.transports.shared_slots import device_bytes_held_by_slots
 from fsdp_mpi.communication.transports.transport import Transport
-from fsdp_mpi.communication.transports.worker import CommunicationThread, threads_may_call_mpi_at_once
 
 Call = Callable[[Transport], None]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as its bookkeeping sees it."""
+
+    operation: str  # its name in the collective log: "all_gather"
+    sent: torch.Tensor  # this rank's contribution: what verify mode compares across ranks
+    buffer: torch.Tensor  # the largest buffer: its memory chooses the transport, its bytes are counted
+    unit: str = ""  # the sharded unit it serves, for the log and verify mode
+    summed: bool = False  # MPI sums it: 16-bit values travel, and count, as fp32 copies
 
 
 class Communicator:
@@ -160,7 +172,7 @@ class Communicator:
     def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> None:
         """full (world_size * S,) <- every rank's shard (S,), in rank order."""
         check_full_and_shard(full, shard, self.world_size, "all_gather_into")
-        self._run("all_gather", shard, unit, full, lambda transport: transport.all_gather(full, shard))
+        self._run(Collective("all_gather", shard, full, unit), lambda transport: transport.all_gather(full, shard))
 
     def reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> None:
         """shard (S,) <- sum over ranks of their full[rank * S:(rank + 1) * S].
@@ -169,8 +181,8 @@ class Communicator:
         gradient as backward assembles it (``flat_param``), which costs no pass of its own.
         """
         check_full_and_shard(full, shard, self.world_size, "reduce_scatter_sum")
-        self._run("reduce_scatter", full, unit, full, lambda transport: transport.reduce_scatter(shard, full),
-                  summed=True)
+        self._run(Collective("reduce_scatter", full, full, unit, summed=True),
+                  lambda transport: transport.reduce_scatter(shard, full))
 
     def all_reduce_sum_(self, tensor: torch.Tensor, unit: str = "") -> None:
         """tensor <- its element-wise sum over ranks, in place (the replicas of HYBRID_SHARD and NO_SHARD,
@@ -178,7 +190,7 @@ class Communicator:
         if not tensor.is_contiguous():
             raise ValueError("all_reduce_sum_ needs a contiguous tensor")
         flat = tensor.view(-1)
-        self._run("all_reduce", flat, unit, flat, lambda transport: transport.all_reduce(flat), summed=True)
+        self._run(Collective("all_reduce", flat, flat, unit, summed=True), lambda transport: transport.all_reduce(flat))
 
     def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, unit: str = "") -> None:
         """received (world_size * K,) <- chunk `rank` of every rank's `sent` (world_size * K,), in rank order:
@@ -189,21 +201,21 @@ class Communicator:
                              f"the same multiple of {self.world_size} ranks")
         if received.dtype != sent.dtype or not (received.is_contiguous() and sent.is_contiguous()):
             raise ValueError("all_to_all: buffers must be contiguous and of one dtype")
-        self._run("all_to_all", sent, unit, sent, lambda transport: transport.all_to_all(received, sent))
+        self._run(Collective("all_to_all", sent, sent, unit), lambda transport: transport.all_to_all(received, sent))
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
         """Overwrites `tensor` on every rank with root's."""
         if not tensor.is_contiguous():
             raise ValueError("broadcast_ needs a contiguous tensor")
         flat = tensor.view(-1)
-        self._run("broadcast", flat, "", flat, lambda transport: transport.broadcast(flat, root))
+        self._run(Collective("broadcast", flat, flat), lambda transport: transport.broadcast(flat, root))
 
     def start_all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str = "") -> InFlight:
         """Like ``all_gather_into``, returning before the data has arrived: ``wait()`` before reading `full`."""
         check_full_and_shard(full, shard, self.world_size, "start_all_gather_into")
         transport = self.transport(full.device)
-        return self._start("all_gather", shard, unit, full, transport, (full, shard),
-                           lambda t: t.all_gather(full, shard), transport.nonblocking_all_gather(full, shard))
+        return self._start(Collective("all_gather", shard, full, unit), lambda t: t.all_gather(full, shard),
+                           transport.nonblocking_all_gather(full, shard), keep=(full, shard))
 
     def start_reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, unit: str = "") -> InFlight:
         """Like ``reduce_scatter_sum``, returning at once: `shard` holds the sum after ``wait()``. Handed to the
@@ -214,9 +226,9 @@ class Communicator:
         transport, finish = self.transport(full.device), None
         if self._on_the_worker(transport, full):
             shard, full, finish = transport.widened_for_sum(shard, full)
-        return self._start("reduce_scatter", full, unit, full, transport, (full, shard),
+        return self._start(Collective("reduce_scatter", full, full, unit, summed=True),
                            lambda t: t.reduce_scatter(shard, full), transport.nonblocking_reduce_scatter(shard, full),
-                           summed=True).then(finish)
+                           keep=(full, shard)).then(finish)
 
     # ----------------------------------------------------------------- messages between two ranks
 
@@ -324,15 +336,16 @@ class Communicator:
 
     def _in_program_order(self) -> None:
         """What was handed to the communication thread finishes first: the ranks enter this communicator's
-        collectives in program order, whichever thread issues them (``transports/worker.py``)."""
+        collectives in program order, whichever thread issues them (``machinery/worker.py``)."""
         if self.communication_thread is not None:
             self.communication_thread.wait_for_all()
 
-    def _run(self, operation: str, sent: torch.Tensor, unit: str, buffer: torch.Tensor, call: Call,
-             summed: bool = False) -> None:
-        """One collective: `call` on the transport of `buffer`'s memory, logged, watched and counted (`buffer`'s
-        bytes, widened where the transport sums 16-bit values through fp32); a group of one rank just calls. A
-        collective of no elements moves nothing: every rank has none (their counts must agree), and none calls."""
+    def _run(self, collective: "Collective", call: Call) -> None:
+        """One collective: `call` on the transport of its buffer's memory, logged, watched and counted (the
+        buffer's bytes, widened where the transport sums 16-bit values through fp32); a group of one rank just
+        calls. A collective of no elements moves nothing: every rank has none (their counts must agree), and
+        none calls."""
+        buffer = collective.buffer
         transport = self.transport(buffer.device)
         if buffer.numel() == 0:
             return
@@ -340,36 +353,37 @@ class Communicator:
             call(transport)
             return
         self._in_program_order()
-        self.bytes_moved[operation] += transport.summed_bytes(buffer) if summed else buffer.nbytes
-        with in_mpi(self, operation, sent, unit):
+        counted = transport.summed_bytes(buffer) if collective.summed else buffer.nbytes
+        self.bytes_moved[collective.operation] += counted
+        with in_mpi(self, collective.operation, collective.sent, collective.unit):
             call(transport)
 
     def _on_the_worker(self, transport: Transport, buffer: torch.Tensor) -> bool:
         return (self.communication_thread is not None and transport.makes_mpi_calls
                 and transport.runs_started_on_the_worker(buffer))
 
-    def _start(self, operation: str, sent: torch.Tensor, unit: str, buffer: torch.Tensor, transport: Transport,
-               buffers: tuple, call: Call, nonblocking: Callable | None, summed: bool = False) -> InFlight:
+    def _start(self, collective: "Collective", call: Call, nonblocking: Callable | None, keep: tuple) -> InFlight:
         """A started collective: on the communication thread, where the transport says so; else as MPI's
         nonblocking call, where the transport makes one for these buffers (`nonblocking` starts it and returns
-        its request); else run to its end now."""
+        its request); else run to its end now. The started one keeps the tensors of `keep` alive."""
+        buffer = collective.buffer
         if buffer.numel() == 0:
             return InFlight()
+        transport = self.transport(buffer.device)
         if self._on_the_worker(transport, buffer):
-            return self.communication_thread.start(lambda: self._run(operation, sent, unit, buffer, call, summed),
-                                                   buffer.device, keep=buffers)
+            return self.communication_thread.start(lambda: self._run(collective, call), buffer.device, keep=keep)
         if nonblocking is None or not transport.makes_mpi_calls:
-            self._run(operation, sent, unit, buffer, call, summed)
+            self._run(collective, call)
             return InFlight()
         self._in_program_order()
-        self.bytes_moved[operation] += buffer.nbytes
-        with in_mpi(self, operation, sent, unit, finishes=False) as record:
+        self.bytes_moved[collective.operation] += buffer.nbytes
+        with in_mpi(self, collective.operation, collective.sent, collective.unit, finishes=False) as record:
             request = nonblocking()
 
         def completed() -> None:
             with waiting_in_mpi(self, record):
                 request.Wait()
-        return InFlight(steps=(completed,), keep=buffers)
+        return InFlight(steps=(completed,), keep=keep)
 
     def _pickled(self, operation: str, call: Callable, alone, **logged):
         """An MPI call on pickled objects or numbers, logged and watched; `alone` on a group of one rank, with no

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_mpi.communication.comm import Communicator
-from fsdp_mpi.communication.transports.chunks import chunk_bounds
-from fsdp_mpi.communication.transports.in_flight import InFlight
-from fsdp_mpi.communication.transports.sums import sum_in_rank_order
+from fsdp_mpi.communication.machinery.chunks import chunk_bounds
+from fsdp_mpi.communication.machinery.in_flight import InFlight
+from fsdp_mpi.communication.machinery.sums import sum_in_rank_order
 
 MODES = (None, "bf16", "int8")
 INT8_LEVELS = 127  # codes in [-127, 127]: symmetric, so -x quantizes to -(code of x)
@@ -153,7 +153,7 @@ class ChunkedDecoding:
             rows[:, start:stop] = self.decode_columns(wire, numel, start, stop)
 
     def decode_sum_into(self, total: torch.Tensor, wire: torch.Tensor) -> None:
-        """total (k,) <- the sum of the rows `wire` encodes, added in fp32 in rank order (``sums.py``)."""
+        """total (k,) <- the sum of the rows `wire` encodes, added in fp32 in rank order (``machinery/sums.py``)."""
         numel = total.numel()
         for start, stop in column_chunks(wire.shape[0], numel, self.column_multiple):
             sum_in_rank_order(list(self.decode_columns(wire, numel, start, stop)), total[start:stop])

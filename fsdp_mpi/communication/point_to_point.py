@@ -24,8 +24,8 @@ from mpi4py import MPI
 
 from fsdp_mpi.communication.bookkeeping import CollectiveMismatchError, in_mpi, waiting_in_mpi
 from fsdp_mpi.communication.routes import mpi_reads_in_place
-from fsdp_mpi.communication.transports.in_flight import InFlight
-from fsdp_mpi.communication.transports.mpi_buffers import as_bits, wait_for_producer
+from fsdp_mpi.communication.machinery.in_flight import InFlight
+from fsdp_mpi.communication.machinery.mpi_buffers import as_bits, wait_for_producer
 
 
 def start_send(comm, tensor: torch.Tensor, peer: int, tag: int) -> InFlight:

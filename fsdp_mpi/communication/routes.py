@@ -17,15 +17,17 @@ forced, which tests use to run that path without a GPU). Each choice keeps the
 line that says what was chosen and why, printed once by the first model wrapped.
 """
 
+import sys
+
 import torch
 
 from fsdp_mpi.communication.bookkeeping import in_mpi
 from fsdp_mpi.communication.settings import NODE_TRANSPORT, TWO_LEVEL
 from fsdp_mpi.communication.transports.direct import Direct
-from fsdp_mpi.communication.transports.gpu_support import describe_device_path, intel_offload_note
+from fsdp_mpi.communication.machinery.mpi_library import describe_device_path, intel_offload_note
 from fsdp_mpi.communication.transports.node import open_node_transport
 from fsdp_mpi.communication.transports.one_rank import OneRank
-from fsdp_mpi.communication.transports.placement import split_by_node, two_level_layout
+from fsdp_mpi.communication.machinery.placement import split_by_node, two_level_layout
 from fsdp_mpi.communication.transports.staged import Staged
 from fsdp_mpi.communication.transports.transport import Transport
 from fsdp_mpi.communication.transports.two_level import BlocksOverMpi, TwoLevel
@@ -134,3 +136,15 @@ def mpi_transport(comm, mpi_comm, device: torch.device) -> Direct | Staged:
     if not mpi_reads_in_place(comm, device):
         return Staged(mpi_comm, comm.staging_chunk_bytes, comm.max_elements_per_message)
     return Direct(mpi_comm, comm.max_elements_per_message, comm.device_reductions_in_background)
+
+
+_route_reported = False
+
+
+def report_route_once(line: str, rank: int) -> None:
+    """Prints a route's line on rank 0, once per process, so that a run's log says which way its tensors took
+    and why (the first model wrapped reports; later ones would repeat it)."""
+    global _route_reported
+    if rank == 0 and not _route_reported:
+        print(f"fsdp_mpi: {line}", file=sys.stderr, flush=True)
+    _route_reported = True

@@ -30,7 +30,7 @@ from mpi4py import MPI
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.settings import TIMEOUT, read_seconds, read_text
-from fsdp_mpi.communication.transports.worker import threads_may_call_mpi_at_once
+from fsdp_mpi.communication.machinery.worker import threads_may_call_mpi_at_once
 from fsdp_mpi.distributed import composed
 from fsdp_mpi.distributed.reductions import Reduction
 from fsdp_mpi.distributed.work import GroupFailed, MpiWork

@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from fsdp_mpi.communication.transports.sums import summed_in_fp32
+from fsdp_mpi.communication.machinery.sums import summed_in_fp32
 
 _OP = dist.ReduceOp.RedOpType
 _COMBINED = {  # (ranks, ...) -> (...): every rank's values in rank order, combined

@@ -13,7 +13,7 @@ kind (compressed or plain); a shard group of one rank still has replicas to
 average over. Every collective here is a sum: the handle scales the gradient
 (in backward, or by dividing the sum), never the collective.
 
-A started gather or reduction is an ``InFlight`` (``communication/transports/in_flight.py``), whatever runs it:
+A started gather or reduction is an ``InFlight`` (``communication/machinery/in_flight.py``), whatever runs it:
 ``wait()`` completes it and returns its result (a reduction's shard of the gradient).
 """
 
@@ -22,7 +22,7 @@ import torch
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import (Codec, compressed_all_gather, compressed_all_reduce_sum_,
                                                  compressed_reduce_scatter_sum, start_compressed_all_gather)
-from fsdp_mpi.communication.transports.in_flight import InFlight
+from fsdp_mpi.communication.machinery.in_flight import InFlight
 
 
 # ----------------------------------------------------------------- gathers: full (W * S,) <- every rank's shard (S,)
@@ -33,11 +33,11 @@ class LocalGather:
 
     communicates = False  # the gathered buffer may be the shard itself (FlatParamHandle.aliases_shard)
 
-    def gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
+    def into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
         full.copy_(shard)
 
-    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
-        self.gather(full, shard, unit)
+    def start_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
+        self.into(full, shard, unit)
         return InFlight()
 
 
@@ -49,10 +49,10 @@ class PlainGather:
     def __init__(self, comm: Communicator):
         self.comm = comm
 
-    def gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
+    def into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
         self.comm.all_gather_into(full, shard.to(full.dtype), unit)
 
-    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
+    def start_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
         return self.comm.start_all_gather_into(full, shard.to(full.dtype), unit)
 
 
@@ -64,10 +64,10 @@ class CompressedGather:
     def __init__(self, comm: Communicator, codec: Codec):
         self.comm, self.codec = comm, codec
 
-    def gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
+    def into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
         compressed_all_gather(self.comm, full, shard, self.codec, unit)
 
-    def start_gather(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
+    def start_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
         return start_compressed_all_gather(self.comm, full, shard, self.codec, unit)
 
 

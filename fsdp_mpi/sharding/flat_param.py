@@ -128,13 +128,13 @@ class FlatParamHandle(FlatLayout):
             self._pending_gather = None
         elif not self.is_unsharded:
             self._allocate_full_storage()
-            self.gather.gather(self.full_flat.data, self.shard, self.unit_name)
+            self.gather.into(self.full_flat.data, self.shard, self.unit_name)
 
     def start_unshard(self) -> None:
         """Starts gathering without waiting (a prefetch); ``unshard()`` completes it."""
         if self._pending_gather is None and not self.is_unsharded:
             self._allocate_full_storage()
-            self._pending_gather = self.gather.start_gather(self.full_flat.data, self.shard, self.unit_name)
+            self._pending_gather = self.gather.start_into(self.full_flat.data, self.shard, self.unit_name)
 
     def gather_masters(self) -> torch.Tensor:
         """A new (padded_numel,) buffer of every rank's shard in the shard's own dtype, the master copy (fp32

@@ -16,7 +16,7 @@ from torch import nn
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception
-from fsdp_mpi.communication.transports.gpu_support import report_device_path_once
+from fsdp_mpi.communication.routes import report_route_once
 from fsdp_mpi.sharding.deferred_init import is_deferred, materialize_into_shards
 from fsdp_mpi.sharding.host_memory import keep_freed_host_memory_for_reuse
 from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, modules_outside_units,
@@ -237,7 +237,7 @@ def _set_up_the_tree(module: nn.Module, comm: Communicator, groups: ShardGroups,
         keep_freed_host_memory_for_reuse()
     # one rank per shard group: the tensors that travel go between replicas, on their route
     shared = groups.shard if groups.shard.world_size > 1 or groups.replicas is None else groups.replicas
-    report_device_path_once(shared.describe_route(computes_on), comm.rank)  # collective: chooses the route
+    report_route_once(shared.describe_route(computes_on), comm.rank)  # collective: chooses the route
     check_same_model_on_all_ranks(module, comm)
     if sync_module_states:
         _broadcast_module_states(module, comm)

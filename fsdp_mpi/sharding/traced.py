@@ -90,7 +90,7 @@ def all_gather_unit(shard: torch.Tensor, handle: str) -> torch.Tensor:
     """(shard_numel,) of this rank -> (padded_numel,) of every rank's, in ``param_dtype``."""
     found = _handles[handle]
     full = torch.empty(found.padded_numel, dtype=found.param_dtype, device=shard.device)
-    found.gather.gather(full, shard, found.unit_name)
+    found.gather.into(full, shard, found.unit_name)
     return full
 
 

@@ -15,9 +15,9 @@ from mpi4py import MPI
 
 from fsdp_mpi import Communicator
 from fsdp_mpi.communication.settings import EMULATED_NODE_SIZE, read_count
-from fsdp_mpi.communication.transports.gpu_support import cuda_awareness, is_intel_mpi
-from fsdp_mpi.communication.transports.mpi_buffers import BIT_TYPES, DeviceBuffer
-from fsdp_mpi.communication.transports.worker import threads_may_call_mpi_at_once
+from fsdp_mpi.communication.machinery.mpi_library import cuda_awareness, is_intel_mpi
+from fsdp_mpi.communication.machinery.mpi_buffers import BIT_TYPES, DeviceBuffer
+from fsdp_mpi.communication.machinery.worker import threads_may_call_mpi_at_once
 
 S = 5
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,

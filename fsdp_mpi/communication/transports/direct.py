@@ -1,6 +1,6 @@
 """MPI reads the tensors where they are: host memory, or device memory where MPI is CUDA-aware.
 
-A tensor goes to mpi4py as its address (``mpi_buffers.py``); before MPI reads or
+A tensor goes to mpi4py as its address (``machinery/mpi_buffers.py``); before MPI reads or
 writes device memory the host waits for the stream that produced it (an event,
 never the whole device), and so for every piece a cut message copies on the
 stream: MPI works on the host's time, not the stream's. A message longer than
@@ -15,9 +15,9 @@ goes on queueing kernels.
 import torch
 from mpi4py import MPI
 
-from fsdp_mpi.communication.transports.chunks import chunk_bounds
-from fsdp_mpi.communication.transports.mpi_buffers import as_bits, summed, wait_for_producer
-from fsdp_mpi.communication.transports.sums import summed_in_fp32
+from fsdp_mpi.communication.machinery.chunks import chunk_bounds
+from fsdp_mpi.communication.machinery.mpi_buffers import as_bits, summed, wait_for_producer
+from fsdp_mpi.communication.machinery.sums import summed_in_fp32
 from fsdp_mpi.communication.transports.transport import Transport, WidenedForMpi
 
 

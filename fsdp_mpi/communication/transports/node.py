@@ -25,7 +25,7 @@ read slot s. So one barrier per exchange suffices. On the GPU the barrier only
 orders the host's *queueing* of work; the events make each stream wait for
 exactly the peer work it reads, and the host never waits for the device.
 
-Sums are taken in rank order (in fp32 for 16-bit values, rounded once: ``sums.py``),
+Sums are taken in rank order (in fp32 for 16-bit values, rounded once: ``machinery/sums.py``),
 so every rank computes the same bits: replicas that all-reduce stay identical.
 
 The all-gather, reduce-scatter and all-to-all move *blocks*: each rank's part is
@@ -38,9 +38,9 @@ into place first. An exchange moves a chunk of columns of every row of a block.
 import torch
 
 from fsdp_mpi.communication.settings import DEVICE_EXCHANGE_BYTES, HOST_EXCHANGE_BYTES
-from fsdp_mpi.communication.transports.chunks import chunk_bounds, elements_per_chunk
+from fsdp_mpi.communication.machinery.chunks import chunk_bounds, elements_per_chunk
 from fsdp_mpi.communication.transports.shared_slots import DeviceSlots, HostSlots, SharedSlotsError
-from fsdp_mpi.communication.transports.sums import sum_in_rank_order
+from fsdp_mpi.communication.machinery.sums import sum_in_rank_order
 from fsdp_mpi.communication.transports.transport import Transport
 
 

@@ -34,10 +34,9 @@ from typing import Callable
 
 import torch
 
-from fsdp_mpi.communication.transports.chunks import chunk_bounds, elements_per_chunk
+from fsdp_mpi.communication.machinery.chunks import chunk_bounds, elements_per_chunk
 from fsdp_mpi.communication.transports.direct import MpiCalls
-from fsdp_mpi.communication.transports.gpu_support import HostStagingBuffers
-from fsdp_mpi.communication.transports.sums import summed_in_fp32
+from fsdp_mpi.communication.machinery.sums import summed_in_fp32
 from fsdp_mpi.communication.transports.transport import Transport, WidenedForMpi
 
 MpiStep = Callable[..., None]  # MPI's part for one chunk, on host buffers, the output first
@@ -240,3 +239,28 @@ class Staged(WidenedForMpi, Transport):
     @property
     def staging_slots(self) -> list[str]:
         return self.pipeline.buffers.slots
+
+
+class HostStagingBuffers:
+    """Reusable host buffers, one per named slot, grown on demand and never shrunk.
+
+    Pinned when CUDA is present so that device-to-host copies run at full speed, asynchronously; kept between
+    steps, so that no collective pins memory anew.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Returns a host tensor of exactly `numel` elements of `dtype` for `slot`."""
+        nbytes = numel * dtype.itemsize
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._buffers[slot] = buffer
+        return buffer[:nbytes].view(dtype)
+
+    @property
+    def slots(self) -> list[str]:
+        """The slots used so far."""
+        return sorted(self._buffers)

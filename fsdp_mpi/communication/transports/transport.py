@@ -2,8 +2,8 @@
 
 A ``Communicator`` asks its routes (``routes.py``) for a transport per kind of
 memory, once, and from then on calls it; it never asks which kind it has. Each
-way is one subclass that owns its own cutting into pieces (``chunks.py``), its
-sums (``sums.py``: 16-bit values in fp32, parts in rank order) and how a started
+way is one subclass that owns its own cutting into pieces (``machinery/chunks.py``), its
+sums (``machinery/sums.py``: 16-bit values in fp32, parts in rank order) and how a started
 collective runs:
 
     one_rank.py    a group of one rank: no MPI call, gathering is a copy or nothing
@@ -19,7 +19,7 @@ in order with its communication thread.
 
 import torch
 
-from fsdp_mpi.communication.transports.sums import summed_in_fp32
+from fsdp_mpi.communication.machinery.sums import summed_in_fp32
 
 
 class Transport:
@@ -87,8 +87,8 @@ class Transport:
 
 
 class WidenedForMpi:
-    """What the transports whose sums MPI computes share: 16-bit values reach MPI as fp32 copies (``sums.py``),
-    and a communicator made for them (a level of ``two_level``) is freed with them."""
+    """What the transports whose sums MPI computes share: 16-bit values reach MPI as fp32 copies
+    (``machinery/sums.py``), and a communicator made for them (a level of ``two_level``) is freed with them."""
 
     owned_comm = None  # an MPI communicator this transport was made with, freed by ``close``
 

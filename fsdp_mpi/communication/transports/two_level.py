@@ -26,8 +26,8 @@ where that is off; the level across is MPI, direct or staged.
 
 import torch
 
-from fsdp_mpi.communication.transports.placement import Layout
-from fsdp_mpi.communication.transports.sums import sum_in_rank_order, summed_in_fp32
+from fsdp_mpi.communication.machinery.placement import Layout
+from fsdp_mpi.communication.machinery.sums import sum_in_rank_order, summed_in_fp32
 from fsdp_mpi.communication.transports.transport import Transport
 
 

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from fsdp_mpi.communication.transports.in_flight import InFlight
+from fsdp_mpi.communication.machinery.in_flight import InFlight
 
 
 EXIT_WAIT_SECONDS = 10.0

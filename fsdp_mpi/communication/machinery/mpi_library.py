@@ -1,17 +1,14 @@
-"""Whether MPI can read GPU memory, which path device buffers take, and the host buffers used when it cannot.
+"""What the MPI library is and whether it reads GPU memory: asked of the library, decided once per communicator
+(``CudaAwareness``), and said in the words a route line uses.
 
-A CUDA-aware MPI (most cluster builds of Open MPI, MPICH and Cray MPICH, and
-Intel MPI with ``I_MPI_OFFLOAD=1``) takes device pointers directly. Others need every device tensor copied to host memory
-first (``staged.py``); page-locked ("pinned") host buffers make those copies
-fast and asynchronous, and keeping them between steps avoids re-pinning memory
-on every collective.
+A CUDA-aware MPI (most cluster builds of Open MPI, MPICH and Cray MPICH, and Intel MPI with ``I_MPI_OFFLOAD=1``)
+takes device pointers directly; others need every device tensor copied to host memory first
+(``transports/staged.py``).
 """
 
 import ctypes
-import sys
 from dataclasses import dataclass
 
-import torch
 from mpi4py import MPI
 
 from fsdp_mpi.communication.failures.launcher import (INTEL_MPI_CUDA_LIBRARY, INTEL_MPI_OFFLOAD, intel_mpi_offload,
@@ -100,39 +97,3 @@ def describe_device_path(awareness: CudaAwareness, force_staging: bool) -> str:
     else:
         hint = f"; set {CUDA_AWARE.name}=1 if your MPI is built with CUDA"
     return f"device buffers are staged through pinned host memory: MPI is not CUDA-aware ({why}{hint})"
-
-
-_reported_device_path = False
-
-
-def report_device_path_once(description: str, rank: int) -> None:
-    """Prints a communicator's ``device_path`` on rank 0, once per process, so a run's log says which path
-    device tensors took to MPI, and why."""
-    global _reported_device_path
-    if rank == 0 and not _reported_device_path:
-        print(f"fsdp_mpi: {description}", file=sys.stderr, flush=True)
-    _reported_device_path = True
-
-
-class HostStagingBuffers:
-    """Reusable host buffers, one per named slot, grown on demand and never shrunk.
-
-    Pinned when CUDA is present so that device-to-host copies run at full speed, asynchronously.
-    """
-
-    def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Returns a host tensor of exactly `numel` elements of `dtype` for `slot`."""
-        nbytes = numel * dtype.itemsize
-        buffer = self._buffers.get(slot)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            self._buffers[slot] = buffer
-        return buffer[:nbytes].view(dtype)
-
-    @property
-    def slots(self) -> list[str]:
-        """The slots used so far."""
-        return sorted(self._buffers)
