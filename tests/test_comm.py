@@ -139,7 +139,7 @@ def test_device_tensors_are_staged_unless_mpi_is_cuda_aware():
     on_device = torch.device("meta")  # any memory outside the host's
 
     def route(device, **settings):
-        return mpi_transport(Communicator(**settings), MPI.COMM_WORLD, device).route
+        return mpi_transport(Communicator(**settings), MPI.COMM_WORLD, device).transport.route
     assert route(on_device, cuda_aware=False) == "staged" and route(on_device, cuda_aware=True) == "direct"
     assert route(torch.device("cpu"), cuda_aware=False) == "direct"
     assert route(torch.device("cpu"), cuda_aware=True, force_staging=True) == "staged"

@@ -196,7 +196,7 @@ def test_design_documents_every_module_of_each_layer_and_only_those():
         assert listed == present, (layer, sorted(present - listed), sorted(listed - present))
 
 
-ONE_RANK_DECIDED_IN = {"communication/routes.py", "sharding/collectives.py"}  # the OneRank transport; local collectives
+ONE_RANK_DECIDED_IN = {"communication/transports/one_rank.py", "sharding/collectives.py"}  # OneRank; local ones
 
 
 def test_one_rank_is_decided_by_the_transport_and_the_collectives_and_elsewhere_only_with_a_reason():

@@ -179,7 +179,7 @@ MUTANTS = {
     "gathered views stay after reshard": (
         "fsdp_mpi/sharding/flat_layout.py", "            namespace.pop(attribute, None)", "            pass", [NAMES]),
     "forced staging copies nothing through the host": (
-        "fsdp_mpi/communication/routes.py", 'return not comm.force_staging and (device.type == "cpu" or comm.cuda_aware)',
+        "fsdp_mpi/communication/transports/direct.py", 'return not comm.force_staging and (device.type == "cpu" or comm.cuda_aware)',
         'return device.type == "cpu" or comm.cuda_aware', [COLLECTIVES]),
     "staged chunks land in the wrong place": (
         "fsdp_mpi/communication/transports/staged.py", "pipeline.copy_in(full_by_rank[:, a:b],",
@@ -198,8 +198,7 @@ MUTANTS = {
         "fsdp_mpi/sharding/flat_gradient.py", "            self.shard_grad += shard_grad", "            self.shard_grad = shard_grad",
         [EQUIVALENCE]),
     "one rank gathers through MPI": (
-        "fsdp_mpi/communication/routes.py", "        if comm.world_size == 1:\n            return OneRank(),",
-        "        if False:\n            return OneRank(),", [ONE_RANK]),
+        "fsdp_mpi/communication/routes.py", "        if one_rank.transport is not None:", "        if False:", [ONE_RANK]),
     "started staged collectives complete before start returns": (
         "fsdp_mpi/communication/comm.py",
         "self.communication_thread = CommunicationThread() if threads_may_call_mpi_at_once() else None",
@@ -311,7 +310,7 @@ MUTANTS = {
         "wide = torch.float32 if summed_in_fp32(shard.dtype) else shard.dtype", "wide = shard.dtype",
         [COLLECTIVES_2X2]),
     "a group that spans nodes goes in one flat ring": (
-        "fsdp_mpi/communication/routes.py", "if layout is None or not comm.two_level:", "if True:",
+        "fsdp_mpi/communication/transports/two_level.py", "if layout is None or not comm.two_level:", "if True:",
         [COLLECTIVES_2X2]),
     "the cost model sends a flat ring's bytes across nodes where two levels go": (
         "experiments/measuring/costmodel.py",

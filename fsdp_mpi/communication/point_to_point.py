@@ -3,7 +3,7 @@ collectives (``bookkeeping.py``). torch's send, recv, isend, irecv and batch_ise
 backend come here.
 
 A message moves the tensor's bytes (``as_bits``: any dtype, bf16 included). MPI reads host memory in place, and
-device memory where it is CUDA-aware (after waiting for the stream that produced it, ``routes.mpi_reads_in_place``);
+device memory where it is CUDA-aware (after waiting for the stream that produced it, ``direct.mpi_reads_in_place``);
 otherwise a device tensor goes through a host copy, made when a send starts and copied back when a receive is
 waited for.
 
@@ -23,7 +23,7 @@ import torch
 from mpi4py import MPI
 
 from fsdp_mpi.communication.bookkeeping import CollectiveMismatchError, in_mpi, waiting_in_mpi
-from fsdp_mpi.communication.routes import mpi_reads_in_place
+from fsdp_mpi.communication.transports.direct import mpi_reads_in_place
 from fsdp_mpi.communication.machinery.in_flight import InFlight
 from fsdp_mpi.communication.machinery.mpi_buffers import as_bits, wait_for_producer
 

@@ -13,8 +13,10 @@ on that kind), and kept:
 
 and MPI is direct where it can read the memory (host memory; device memory if
 CUDA-aware), else staged through pinned host buffers (also where staging is
-forced, which tests use to run that path without a GPU). Each choice keeps the
-line that says what was chosen and why, printed once by the first model wrapped.
+forced, which tests use to run that path without a GPU). Each transport says
+itself whether it accepts, and why not (``offer``); the routes ask them in this
+order and keep the first that accepts, with the line made of their answers that
+says what was chosen and why, printed once by the first model wrapped.
 """
 
 import sys
@@ -22,16 +24,15 @@ import sys
 import torch
 
 from fsdp_mpi.communication.bookkeeping import in_mpi
-from fsdp_mpi.communication.settings import NODE_TRANSPORT, TWO_LEVEL
+from fsdp_mpi.communication.machinery.mpi_library import intel_offload_note
+from fsdp_mpi.communication.machinery.placement import split_by_node
+from fsdp_mpi.communication.settings import NODE_TRANSPORT
 from fsdp_mpi.communication.transports.direct import Direct
-from fsdp_mpi.communication.machinery.mpi_library import describe_device_path, intel_offload_note
-from fsdp_mpi.communication.transports.node import open_node_transport
+from fsdp_mpi.communication.transports.node import NodeTransport
 from fsdp_mpi.communication.transports.one_rank import OneRank
-from fsdp_mpi.communication.machinery.placement import split_by_node, two_level_layout
 from fsdp_mpi.communication.transports.staged import Staged
-from fsdp_mpi.communication.transports.transport import Transport
-from fsdp_mpi.communication.transports.two_level import BlocksOverMpi, TwoLevel
-
+from fsdp_mpi.communication.transports.transport import Offer, Transport
+from fsdp_mpi.communication.transports.two_level import TwoLevel
 
 class Routes:
     """One communicator's transports so far, by device type ("cpu", "cuda"), and the line saying why each."""
@@ -50,61 +51,41 @@ class Routes:
         return transport
 
     def _choose(self, comm, device: torch.device) -> tuple[Transport, str]:
-        if comm.world_size == 1:
-            return OneRank(), ("one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves "
-                               "gradients as they are)")
+        """Asks the transports in order (``offer``) and keeps the first that accepts; its line, and the refusals
+        on the way that a user can act on, say why."""
+        one_rank = OneRank.offer(comm)
+        if one_rank.transport is not None:
+            return one_rank.transport, one_rank.line
         with in_mpi(comm, "choose a route"):
             node_comm = split_by_node(comm.mpi_comm)
             self.mpi_comms.append(node_comm)
             if node_comm.Get_size() == comm.world_size:
-                transport, line = self._one_node(comm, node_comm, device)
+                shared = NodeTransport.offer(comm, node_comm, device)
+                refused = f"not through shared memory: {shared.line}"
+                accepted = (f"the {comm.world_size} ranks of this node exchange through {shared.line} "
+                            f"({NODE_TRANSPORT.name}=0: through MPI instead)")
             else:
-                transport, line = self._several_nodes(comm, node_comm, device)
+                shared = TwoLevel.offer(comm, node_comm, device, lambda level: self._through_mpi(comm, level, device))
+                refused = accepted = shared.line
+            if shared.transport is not None:
+                transport, line = shared.transport, accepted
+            else:
+                node_comm.Free()
+                mpi = self._through_mpi(comm, comm.mpi_comm, device, owned=False)
+                transport, line = mpi.transport, f"{mpi.line}; {refused}"
         note = intel_offload_note()  # where the line does not already say what device buffers would do
         if note and (device.type != "cuda" or transport.route == "node"):
             line = f"{line}; {note}"
         return transport, line
 
-    def _one_node(self, comm, node_comm, device: torch.device) -> tuple[Transport, str]:
-        if not comm.node_transport:
-            node_comm.Free()
-            return self._mpi(comm, comm.mpi_comm, device, f"not through shared memory: {NODE_TRANSPORT.name}=0")
-        transport, through = open_node_transport(node_comm, device, comm.node_exchange_bytes)
-        if transport is None:
-            node_comm.Free()
-            return self._mpi(comm, comm.mpi_comm, device, f"not through shared memory: {through}")
-        return transport, (f"the {comm.world_size} ranks of this node exchange through {through} "
-                           f"({NODE_TRANSPORT.name}=0: through MPI instead)")
-
-    def _several_nodes(self, comm, node_comm, device: torch.device) -> tuple[Transport, str]:
-        layout, how = two_level_layout(comm.mpi_comm, node_comm)
-        spanning = f"the ranks span several nodes ({node_comm.Get_size()} of {comm.world_size} on this one)"
-        if layout is None or not comm.two_level:
-            node_comm.Free()
-            why = f"{TWO_LEVEL.name}=0" if layout is not None else how
-            return self._mpi(comm, comm.mpi_comm, device, f"{spanning}, one flat ring: {why}")
-        across_comm = comm.mpi_comm.Split(layout.local, comm.rank)
-        self.mpi_comms.append(across_comm)
-        across, across_line = self._mpi(comm, across_comm, device, "", owned=True)
-        inside, inside_line = None, ""
-        if comm.node_transport:
-            inside, inside_line = open_node_transport(node_comm, device, comm.node_exchange_bytes)
-        if inside is None:
-            inside_line = (f"MPI ({NODE_TRANSPORT.name}=0)" if not comm.node_transport
-                           else f"MPI (the node's memory could not be shared: {inside_line})")
-            inside = BlocksOverMpi(self._mpi(comm, node_comm, device, "", owned=True)[0], node_comm.Get_size())
-        return TwoLevel(layout, inside, across), (
-            f"{spanning}: in two levels, {how}: inside each node through {inside_line}, across nodes "
-            f"{across_line.split(';')[0]} ({TWO_LEVEL.name}=0: one flat ring instead)")
-
-    def _mpi(self, comm, mpi_comm, device: torch.device, why: str, owned: bool = False) -> tuple[Transport, str]:
-        """MPI over `mpi_comm` (``mpi_transport``), and its line; `owned`: `mpi_comm` was made for it, and goes
-        with it."""
-        transport = mpi_transport(comm, mpi_comm, device)
-        transport.owned_comm = mpi_comm if owned else None
-        through = (describe_device_path(comm.cuda_awareness, comm.force_staging) if device.type == "cuda"
-                   else "host buffers go to MPI" + (" through staging buffers" if comm.force_staging else ""))
-        return transport, f"{through}; {why}" if why else through
+    def _through_mpi(self, comm, mpi_comm, device: torch.device, owned: bool = True) -> Offer:
+        """MPI over `mpi_comm` (``mpi_transport``); `owned`: `mpi_comm` was made for it (a level of two), and is
+        revoked with the communicator and freed with the transport."""
+        offer = mpi_transport(comm, mpi_comm, device)
+        offer.transport.owned_comm = mpi_comm if owned else None
+        if owned and mpi_comm not in self.mpi_comms:
+            self.mpi_comms.append(mpi_comm)
+        return offer
 
     def reserve(self, comm, device: torch.device, nbytes: int) -> None:
         """Chooses `device`'s transport (collective) and, where it has node memory, grows it for a collective
@@ -124,18 +105,11 @@ class Routes:
         self.mpi_comms.clear()
 
 
-def mpi_reads_in_place(comm, device: torch.device) -> bool:
-    """Whether MPI reads and writes `device`'s memory itself (host memory; device memory where MPI is
-    CUDA-aware), unless `comm` forces staging: what collectives and messages alike go by."""
-    return not comm.force_staging and (device.type == "cpu" or comm.cuda_aware)
-
-
-def mpi_transport(comm, mpi_comm, device: torch.device) -> Direct | Staged:
-    """MPI over `mpi_comm`, with `comm`'s settings: direct where it can read `device`'s memory, else staged
-    through pinned host buffers, as it is when forced."""
-    if not mpi_reads_in_place(comm, device):
-        return Staged(mpi_comm, comm.staging_chunk_bytes, comm.max_elements_per_message)
-    return Direct(mpi_comm, comm.max_elements_per_message, comm.device_reductions_in_background)
+def mpi_transport(comm, mpi_comm, device: torch.device) -> Offer:
+    """MPI over `mpi_comm`, with `comm`'s settings: direct where it reads `device`'s memory in place, else staged
+    through pinned host buffers, as it is when forced; and the line that says which, and why."""
+    direct = Direct.offer(comm, mpi_comm, device)
+    return direct if direct.transport is not None else Staged.offer(comm, mpi_comm, direct)
 
 
 _route_reported = False

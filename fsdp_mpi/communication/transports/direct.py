@@ -17,8 +17,15 @@ from mpi4py import MPI
 
 from fsdp_mpi.communication.machinery.chunks import chunk_bounds
 from fsdp_mpi.communication.machinery.mpi_buffers import as_bits, summed, wait_for_producer
+from fsdp_mpi.communication.machinery.mpi_library import describe_device_path
 from fsdp_mpi.communication.machinery.sums import summed_in_fp32
-from fsdp_mpi.communication.transports.transport import Transport, WidenedForMpi
+from fsdp_mpi.communication.transports.transport import Offer, Transport, WidenedForMpi
+
+
+def mpi_reads_in_place(comm, device: torch.device) -> bool:
+    """Whether MPI reads and writes `device`'s memory itself (host memory; device memory where MPI is
+    CUDA-aware), unless `comm` forces staging: what collectives and messages alike go by."""
+    return not comm.force_staging and (device.type == "cpu" or comm.cuda_aware)
 
 
 class MpiCalls:
@@ -54,6 +61,16 @@ class Direct(WidenedForMpi, Transport):
     """
 
     route = "direct"
+
+    @classmethod
+    def offer(cls, comm, mpi_comm, device: torch.device) -> Offer:
+        """Itself over `mpi_comm`, with `comm`'s settings, where MPI reads `device`'s memory in place; else None
+        and why (``describe_device_path``: the library's answer, and what overrode it)."""
+        through = (describe_device_path(comm.cuda_awareness, comm.force_staging) if device.type == "cuda"
+                   else "host buffers go to MPI" + (" through staging buffers" if comm.force_staging else ""))
+        if not mpi_reads_in_place(comm, device):
+            return Offer(None, through)
+        return Offer(cls(mpi_comm, comm.max_elements_per_message, comm.device_reductions_in_background), through)
 
     def __init__(self, mpi_comm, max_elements_per_message: int, device_reductions_in_background: bool = True):
         self.mpi = MpiCalls(mpi_comm)

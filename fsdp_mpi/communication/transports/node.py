@@ -37,11 +37,11 @@ into place first. An exchange moves a chunk of columns of every row of a block.
 
 import torch
 
-from fsdp_mpi.communication.settings import DEVICE_EXCHANGE_BYTES, HOST_EXCHANGE_BYTES
+from fsdp_mpi.communication.settings import DEVICE_EXCHANGE_BYTES, HOST_EXCHANGE_BYTES, NODE_TRANSPORT
 from fsdp_mpi.communication.machinery.chunks import chunk_bounds, elements_per_chunk
 from fsdp_mpi.communication.transports.shared_slots import DeviceSlots, HostSlots, SharedSlotsError
 from fsdp_mpi.communication.machinery.sums import sum_in_rank_order
-from fsdp_mpi.communication.transports.transport import Transport
+from fsdp_mpi.communication.transports.transport import Offer, Transport
 
 
 def open_node_transport(node_comm, device: torch.device, exchange_bytes: int | None = None):
@@ -69,6 +69,15 @@ class NodeTransport(Transport):
     """
 
     route = "node"
+
+    @classmethod
+    def offer(cls, comm, node_comm, device: torch.device) -> Offer:
+        """Itself over `node_comm` (ranks of one node) for `device`'s tensors, unless `comm`'s settings turn it
+        off or the node's memory cannot be shared; what it moves through, or why not. Collective over
+        `node_comm`."""
+        if not comm.node_transport:
+            return Offer(None, f"{NODE_TRANSPORT.name}=0")
+        return Offer(*open_node_transport(node_comm, device, comm.node_exchange_bytes))
 
     def __init__(self, node_comm, slots: HostSlots | DeviceSlots):
         self.node_comm, self.slots = node_comm, slots

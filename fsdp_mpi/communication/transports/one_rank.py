@@ -4,12 +4,20 @@ nothing staged and nothing synchronised."""
 
 import torch
 
-from fsdp_mpi.communication.transports.transport import Transport
+from fsdp_mpi.communication.transports.transport import Offer, Transport
 
 
 class OneRank(Transport):
     route = "one rank"
     makes_mpi_calls = False
+
+    @classmethod
+    def offer(cls, comm) -> Offer:
+        """Itself for a group of one rank, whatever its memory: the one place that tells one rank apart."""
+        if comm.world_size != 1:
+            return Offer(None, f"{comm.world_size} ranks")
+        return Offer(cls(), "one rank: no tensor reaches MPI (gathering is a copy or nothing, reducing leaves "
+                            "gradients as they are)")
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         _copy_unless_same(full, shard)

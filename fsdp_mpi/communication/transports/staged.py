@@ -37,7 +37,7 @@ import torch
 from fsdp_mpi.communication.machinery.chunks import chunk_bounds, elements_per_chunk
 from fsdp_mpi.communication.transports.direct import MpiCalls
 from fsdp_mpi.communication.machinery.sums import summed_in_fp32
-from fsdp_mpi.communication.transports.transport import Transport, WidenedForMpi
+from fsdp_mpi.communication.transports.transport import Offer, Transport, WidenedForMpi
 
 MpiStep = Callable[..., None]  # MPI's part for one chunk, on host buffers, the output first
 
@@ -201,6 +201,12 @@ class Staged(WidenedForMpi, Transport):
     count limit, `max_elements_per_message`)."""
 
     route = "staged"
+
+    @classmethod
+    def offer(cls, comm, mpi_comm, refused_direct: Offer) -> Offer:
+        """Itself over `mpi_comm`, with `comm`'s settings, for memory MPI does not read in place: it can carry any,
+        and the direct transport's refusal says why it is needed."""
+        return Offer(cls(mpi_comm, comm.staging_chunk_bytes, comm.max_elements_per_message), refused_direct.line)
 
     def __init__(self, mpi_comm, chunk_bytes: int, max_elements_per_message: int):
         self.mpi, self.world = MpiCalls(mpi_comm), mpi_comm.Get_size()

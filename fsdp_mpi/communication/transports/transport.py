@@ -12,14 +12,30 @@ collective runs:
     node.py        through memory the ranks of one node share; MPI only says when
     two_level.py   a group that spans nodes: inside each node (one of the above), then across nodes
 
+Each says itself whether it can carry a communicator's collectives on a kind of
+memory, and why not (``offer``, as vLLM's custom all-reduce disables itself with
+a reason); ``routes.py`` asks them in order, keeps the first that accepts, and
+makes the line that says why from their answers.
+
 Buffers reach a transport checked (1-D, contiguous, sizes matching) and already
 logged and watched by the communicator, which also keeps the ranks' collectives
 in order with its communication thread.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from fsdp_mpi.communication.machinery.sums import summed_in_fp32
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A transport's answer to "can you carry these ranks' collectives on this memory?": the transport and what
+    it moves through, or None and why not."""
+
+    transport: "Transport | None"
+    line: str
 
 
 class Transport:

@@ -24,11 +24,17 @@ as MPI's sums do. The inside level is the node transport, or MPI (``blocks_over`
 where that is off; the level across is MPI, direct or staged.
 """
 
+from typing import Callable
+
 import torch
 
-from fsdp_mpi.communication.machinery.placement import Layout
+from fsdp_mpi.communication.machinery.placement import Layout, two_level_layout
 from fsdp_mpi.communication.machinery.sums import sum_in_rank_order, summed_in_fp32
-from fsdp_mpi.communication.transports.transport import Transport
+from fsdp_mpi.communication.settings import TWO_LEVEL
+from fsdp_mpi.communication.transports.node import NodeTransport
+from fsdp_mpi.communication.transports.transport import Offer, Transport
+
+ThroughMpi = Callable[..., Offer]  # (an MPI communicator made for a level) -> MPI's transport over it, and its line
 
 
 class BlocksOverMpi:
@@ -74,6 +80,26 @@ class TwoLevel(Transport):
     """
 
     route = "two-level"
+
+    @classmethod
+    def offer(cls, comm, node_comm, device: torch.device, through_mpi: ThroughMpi) -> Offer:
+        """Itself over `comm`'s ranks, which span several nodes (`node_comm`: this rank's), unless they are
+        placed so that no level fits or `comm`'s settings turn it off; inside each node the node transport where
+        it accepts, else MPI; across nodes MPI (`through_mpi` makes its levels). Collective over `comm`."""
+        layout, how = two_level_layout(comm.mpi_comm, node_comm)
+        spanning = f"the ranks span several nodes ({node_comm.Get_size()} of {comm.world_size} on this one)"
+        if layout is None or not comm.two_level:
+            return Offer(None, f"{spanning}, one flat ring: {f'{TWO_LEVEL.name}=0' if layout is not None else how}")
+        across = through_mpi(comm.mpi_comm.Split(layout.local, comm.rank))
+        inside = NodeTransport.offer(comm, node_comm, device)
+        inside_line = f"through {inside.line}"
+        if inside.transport is None:
+            inside_line = (f"through MPI ({inside.line})" if not comm.node_transport
+                           else f"through MPI (the node's memory could not be shared: {inside.line})")
+            inside = Offer(BlocksOverMpi(through_mpi(node_comm).transport, node_comm.Get_size()), "")
+        return Offer(cls(layout, inside.transport, across.transport), (
+            f"{spanning}: in two levels, {how}: inside each node {inside_line}, across nodes "
+            f"{across.line.split(';')[0]} ({TWO_LEVEL.name}=0: one flat ring instead)"))
 
     def __init__(self, layout: Layout, inside, across: Transport):
         self.layout, self.inside, self.across = layout, inside, across
