@@ -27,7 +27,6 @@ from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
 from fsdp_mpi.communication.failures.liveness import Liveness
 from fsdp_mpi.communication.failures.lost_ranks import continuation_unavailable
 from fsdp_mpi.communication.machinery.in_flight import InFlight
-from fsdp_mpi.communication.machinery.mpi_buffers import check_full_and_shard
 from fsdp_mpi.communication.machinery.mpi_library import CudaAwareness, cuda_awareness
 from fsdp_mpi.communication.machinery.placement import split_by_node
 from fsdp_mpi.communication.machinery.worker import CommunicationThread, threads_may_call_mpi_at_once
@@ -39,6 +38,15 @@ from fsdp_mpi.communication.transports.shared_slots import device_bytes_held_by_
 from fsdp_mpi.communication.transports.transport import Transport
 
 Call = Callable[[Transport], None]
+
+
+def check_full_and_shard(full: torch.Tensor, shard: torch.Tensor, world_size: int, what: str) -> None:
+    """Raises ValueError unless `full` holds `world_size` shards the size of `shard`, and both are contiguous
+    and of one dtype (`what`: the collective, for the message)."""
+    if full.numel() != shard.numel() * world_size:
+        raise ValueError(f"{what}: full buffer has {full.numel()} elements, expected {world_size} x {shard.numel()}")
+    if full.dtype != shard.dtype or not (full.is_contiguous() and shard.is_contiguous()):
+        raise ValueError(f"{what}: buffers must be contiguous and of one dtype")
 
 
 @dataclass(frozen=True)

@@ -62,15 +62,6 @@ def summed(tensor: torch.Tensor) -> tuple[list, MPI.Op]:
     return [memory_of(tensor), SUM_TYPES[tensor.dtype]], MPI.LOR if tensor.dtype == torch.bool else MPI.SUM
 
 
-def check_full_and_shard(full: torch.Tensor, shard: torch.Tensor, world_size: int, what: str) -> None:
-    """Raises ValueError unless `full` holds `world_size` shards the size of `shard`, and both are contiguous
-    and of one dtype (`what`: the collective, for the message)."""
-    if full.numel() != shard.numel() * world_size:
-        raise ValueError(f"{what}: full buffer has {full.numel()} elements, expected {world_size} x {shard.numel()}")
-    if full.dtype != shard.dtype or not (full.is_contiguous() and shard.is_contiguous()):
-        raise ValueError(f"{what}: buffers must be contiguous and of one dtype")
-
-
 def wait_for_producer(tensor: torch.Tensor) -> None:
     """Before a CUDA-aware MPI reads or writes device memory: the host waits until the stream that
     produced `tensor` has got this far (an event on that stream, not the whole device)."""
