@@ -30,6 +30,17 @@ class CollectiveMismatchError(RuntimeError):
     """Verify mode: the ranks were about to enter different collectives."""
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective as its bookkeeping sees it."""
+
+    operation: str  # its name in the collective log: "all_gather"
+    sent: torch.Tensor  # this rank's contribution: what verify mode compares across ranks
+    buffer: torch.Tensor  # the largest buffer: its memory chooses the transport, its bytes are counted
+    unit: str = ""  # the sharded unit it serves, for the log and verify mode
+    summed: bool = False  # MPI sums it: 16-bit values travel, and count, as fp32 copies
+
+
 @dataclass
 class Traffic:
     """What a rank's collectives cost it, for profiling: wall time blocked in MPI, and per operation the

@@ -14,14 +14,13 @@ aliases: MPI writes do not bump version counters, but staging's copy-back would.
 """
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from mpi4py import MPI
 
 from fsdp_mpi.communication import point_to_point
-from fsdp_mpi.communication.bookkeeping import Traffic, in_mpi, waiting_in_mpi
+from fsdp_mpi.communication.bookkeeping import Collective, Traffic, in_mpi, waiting_in_mpi
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
 from fsdp_mpi.communication.failures.liveness import Liveness
@@ -47,17 +46,6 @@ def check_full_and_shard(full: torch.Tensor, shard: torch.Tensor, world_size: in
         raise ValueError(f"{what}: full buffer has {full.numel()} elements, expected {world_size} x {shard.numel()}")
     if full.dtype != shard.dtype or not (full.is_contiguous() and shard.is_contiguous()):
         raise ValueError(f"{what}: buffers must be contiguous and of one dtype")
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective as its bookkeeping sees it."""
-
-    operation: str  # its name in the collective log: "all_gather"
-    sent: torch.Tensor  # this rank's contribution: what verify mode compares across ranks
-    buffer: torch.Tensor  # the largest buffer: its memory chooses the transport, its bytes are counted
-    unit: str = ""  # the sharded unit it serves, for the log and verify mode
-    summed: bool = False  # MPI sums it: 16-bit values travel, and count, as fp32 copies
 
 
 class Communicator:
@@ -348,7 +336,7 @@ class Communicator:
         if self.communication_thread is not None:
             self.communication_thread.wait_for_all()
 
-    def _run(self, collective: "Collective", call: Call) -> None:
+    def _run(self, collective: Collective, call: Call) -> None:
         """One collective: `call` on the transport of its buffer's memory, logged, watched and counted (the
         buffer's bytes, widened where the transport sums 16-bit values through fp32); a group of one rank just
         calls. A collective of no elements moves nothing: every rank has none (their counts must agree), and
@@ -370,7 +358,7 @@ class Communicator:
         return (self.communication_thread is not None and transport.makes_mpi_calls
                 and transport.runs_started_on_the_worker(buffer))
 
-    def _start(self, collective: "Collective", call: Call, nonblocking: Callable | None, keep: tuple) -> InFlight:
+    def _start(self, collective: Collective, call: Call, nonblocking: Callable | None, keep: tuple) -> InFlight:
         """A started collective: on the communication thread, where the transport says so; else as MPI's
         nonblocking call, where the transport makes one for these buffers (`nonblocking` starts it and returns
         its request); else run to its end now. The started one keeps the tensors of `keep` alive."""
