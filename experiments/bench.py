@@ -63,6 +63,10 @@ ranks share (``FSDP_MPI_NODE_TRANSPORT=0``), as before the node transport.
 model's ``nn.Dropout`` draws per rank (attention's inside torch's fused kernel).
 ``fsdp-mpi+flat`` sends a group that spans nodes through one flat ring instead
 of in two levels (``FSDP_MPI_TWO_LEVEL=0``).
+``fsdp-mpi+offload`` keeps the shards, their gradients and the optimizer state
+in host memory (``CPUOffload(offload_params=True)``; the experiments'
+``--cpu-offload``): the device holds only the unit that computes, and the
+optimizer steps on the CPU.
 ``fsdp-mpi+SHARD_GRAD_OP`` (or any sharding strategy) runs fsdp-mpi with that
 strategy in place of ``--sharding-strategy``, so that several share the rounds.
 Where the ranks span several hosts (``FSDP_MPI_MPIEXEC`` names a launcher that

@@ -36,6 +36,9 @@ EVAL_SHOWN = ["run_id", "model", "world_size", "precision", "batch_size", "size_
               "val_mlm_accuracy", "val_nsp_accuracy", "latency_p50_ms", "latency_p99_ms", "tokens_per_s"]
 
 
+ADDED_LATER = {"cpu_offload": False}  # training columns newer than some CSVs, with the value those runs had
+
+
 class CompareError(Exception):
     pass
 
@@ -60,9 +63,15 @@ def load(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as error:
             raise CompareError(f"{path}: not a results CSV ({error})") from error
         kind, columns = kind_of(frame)
+        for column, default in ADDED_LATER.items():  # CSVs written before the column existed
+            if kind == "training" and column not in frame.columns:
+                frame[column] = default
         missing = [c for c in columns if c not in frame.columns]
         if missing:
             raise CompareError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
+        if kind == "training":  # an offloaded run is its own line beside the same strategy's
+            frame["strategy"] = frame["strategy"].where(~frame["cpu_offload"].astype(bool),
+                                                        frame["strategy"] + "+offload")
         frames[kind].append(frame)
     training, steps, evaluation = (pd.concat(frames[kind], ignore_index=True) if frames[kind] else pd.DataFrame()
                                    for kind in ("training", "steps", "evaluation"))

@@ -24,6 +24,7 @@ from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuati
 from fsdp_mpi.sharding.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.sharding.lifecycle import TrainingState
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
+from fsdp_mpi.sharding.offload import CPUOffload
 from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict, summon_full_params
 from fsdp_mpi.sharding.strategy import ShardingStrategy
 from fsdp_mpi.sharding.wrap import ModuleWrapPolicy, SizeBasedWrapPolicy
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
     "Communicator",
+    "CPUOffload",
     "Compression",
     "FullyShardedDataParallel",
     "MixedPrecision",

@@ -45,6 +45,9 @@
 #       # plain torch, fsdp-mpi and FSDP2 each compiled whole, on one rank and 2 ranks sharing the GPU; step s,
 #       # issued_s, MFU. Named only, up to 17 minutes (each run compiles first: on an H100 plain torch's compile
 #       # took most of 110 s, and fsdp-mpi's did not finish in the rest): two calls, or the gpt2 steps alone
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh offload
+#       # CPU offload (issue 76): gpt2-large, bf16, one rank: plain torch, fsdp-mpi and fsdp-mpi+offload (shards,
+#       # gradients and optimizer state in host memory), peak GPU MB and step s. Named only, about 3 minutes
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -240,6 +243,14 @@ if [[ "$only" == *" compiled-whole "* ]]; then
         --out "$out/compiled-whole-gpt2-medium-2.csv" --strategies $shared
     awk '/^\| strategy \| precision/ {table = 1} table && /^$/ {table = 0; print ""} table' \
         "$out"/compiled-whole-*.log 2> /dev/null | tee "$out/compiled-whole.md"
+fi
+
+# CPU offload (issue 76): gpt2-large, bf16, one rank: plain torch, fsdp-mpi, and fsdp-mpi with the shards, their
+# gradients and the optimizer state in host memory; peak GPU MB and step s side by side.
+if [[ "$only" == *" offload "* ]]; then
+    run offload 300 $PY experiments/bench.py --device cuda --seq-len 1024 --steps 3 --warmup 1 --rounds 1 --ranks 1 \
+        --model gpt2-large --batch-size 4 --out "$out/offload.csv" \
+        --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed,fsdp-mpi+offload:bf16-mixed
 fi
 
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.

@@ -129,6 +129,7 @@ BAD_ARGUMENTS = [  # each refused before anything is launched
     (["--strategies", "ddp+compile"], "unknown strategy 'ddp+compile'"),  # plain, fsdp-mpi and torch-fsdp only
     (["--strategies", "plain+compile+compile_whole"], "unknown strategy 'plain+compile+compile_whole'"),  # not both
     (["--strategies", "ddp+comm=int8"], "unknown strategy 'ddp+comm=int8'"),
+    (["--strategies", "torch-fsdp+offload"], "unknown strategy 'torch-fsdp+offload'"),  # fsdp-mpi's own
     (["--strategies", "fsdp-mpi+comm=int4"], "each one of none, bf16, int8"),
     (["--strategies", "ddp@x"], "the rank count after @ must be a number"),
     (["--strategies", "ddp:fp8"], "the precision after : must be one of"),
@@ -155,6 +156,7 @@ def test_bad_arguments_are_refused_with_their_reason(capsys):
     assert bench.arguments(["--strategies", "plain,fsdp-mpi@3"])[1] == [("plain", 1), ("fsdp-mpi", 3)]
     assert bench.arguments(["--strategies", "fsdp-mpi+flat,fsdp-mpi+mpi+flat"])[1] == [("fsdp-mpi+flat", 2),
                                                                                        ("fsdp-mpi+mpi+flat", 2)]
+    assert bench.arguments(["--strategies", "fsdp-mpi+offload:bf16-mixed"])[1] == [("fsdp-mpi+offload:bf16-mixed", 2)]
     assert [name for name, _ in bench.arguments(["--strategies", "plain+sample_dropout,ddp+sample_dropout"])[1]] == [
         "plain+sample_dropout", "ddp+sample_dropout"]
     assert bench.arguments(["--strategies", "torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed@1"])[1] == [

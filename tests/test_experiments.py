@@ -200,6 +200,23 @@ def test_compressed_communication_trains_like_fp32_in_fewer_bytes(results_dir, t
 
 @pytest.mark.one_mpi
 @needs_data
+def test_an_offloaded_run_trains_as_the_same_run_not_offloaded_and_says_so(results_dir, tmp_path):
+    """--cpu-offload: on a CPU the device is the host too, so the same steps to the bit (the path is the same,
+    its copies free), a cpu_offload column that says it, and compare.py's own line for it beside fsdp-mpi's."""
+    result = launch("run_gpt2.py", 2, *QUICK, "--cpu-offload", "--out-dir", tmp_path)
+    check_ok(result)
+    rows, reference = read_rows(tmp_path), read_rows(results_dir / "run_gpt2-fsdp-mpi")
+    assert [row["cpu_offload"] for row in rows] == ["True"] * 2 and reference[0]["cpu_offload"] == "False"
+    assert [row["train_loss"] for row in rows] == [row["train_loss"] for row in reference]
+    compared = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *map(str, tmp_path.glob("*.csv")),
+                               *map(str, (results_dir / "run_gpt2-fsdp-mpi").glob("*.csv")), "--out-dir",
+                               str(tmp_path / "compared")], capture_output=True, text=True, timeout=120)
+    check_ok(compared)
+    assert "fsdp-mpi+offload" in compared.stdout and "| fsdp-mpi |" in compared.stdout.replace("  ", " ")
+
+
+@pytest.mark.one_mpi
+@needs_data
 def test_compare_makes_tables_and_plots(results_dir, tmp_path):
     csvs = sorted(str(p) for p in results_dir.glob("*/*.csv"))
     # the same configuration run on a GPU: a row of its own, never averaged with the CPU's
@@ -281,6 +298,7 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--strategy", "lightning-fsdp-mpi", "--precision", "16-mixed"], "lightning-fsdp-mpi trains in 32 or bf16-mixed"),
     (["--comm-compression", "int4"], "expected WEIGHTS or WEIGHTS/GRADIENTS, each one of none, bf16, int8"),
     (["--strategy", "ddp", "--comm-compression", "int8"], "--comm-compression is fsdp_mpi's"),
+    (["--strategy", "ddp", "--cpu-offload"], "--cpu-offload is fsdp_mpi's"),
     (["--backend", "gloo"], "--backend gloo is torch.distributed's, which fsdp-mpi does not use"),
 ])
 def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):

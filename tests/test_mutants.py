@@ -152,7 +152,7 @@ MUTANTS = {
         [KNOWN_ANSWER]),
     "gradients summed, not averaged": (
         "fsdp_mpi/sharding/flat_gradient.py", "self.scale = 1 / divisor if self.scale_in_backward else 1.0",
-        "scale = 1.0", [EQUIVALENCE]),
+        "self.scale = 1.0", [EQUIVALENCE]),
     "16-bit gradients summed, not averaged": (
         "fsdp_mpi/sharding/flat_gradient.py", "            shard_grad.div_(self.divisor)", "            pass", [EQUIVALENCE]),
     "gradient reduced into the wrong shard": (

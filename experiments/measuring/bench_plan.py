@@ -23,10 +23,11 @@ COMPILE_WHOLE = "compile_whole"  # the whole (wrapped) model: torch.compile(mode
 COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
 THROUGH_MPI = "mpi"  # the node's ranks exchange through MPI, not the memory they share
 FLAT = "flat"  # a group spanning nodes goes through one flat ring, not in two levels
+OFFLOAD = "offload"  # fsdp-mpi's shards, gradients and optimizer state in host memory (CPUOffload)
 SAMPLE_DROPOUT = "sample_dropout"  # dropout drawn per sample (fsdp_mpi.use_sample_dropout), as the experiments train
 VARIABLES = {THROUGH_MPI: {"FSDP_MPI_NODE_TRANSPORT": "0"}, FLAT: {"FSDP_MPI_TWO_LEVEL": "0"}}  # set for the run
 # fsdp-mpi's alone; a sharding strategy (fsdp-mpi+NO_SHARD) replaces --sharding-strategy for that run
-FSDP_MPI_SWITCHES = (*OVERLAP, *SHARDING_STRATEGIES, THROUGH_MPI, FLAT)
+FSDP_MPI_SWITCHES = (*OVERLAP, *SHARDING_STRATEGIES, THROUGH_MPI, FLAT, OFFLOAD)
 COMPRESSION = "comm="  # comm=WEIGHTS[/GRADIENTS]: --comm-compression's, for training's COMPRESSING strategies
 BACKEND = "backend="  # backend=NAME: torch.distributed's, one of training's BACKENDS (auto: leave it out)
 

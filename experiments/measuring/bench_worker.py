@@ -33,7 +33,8 @@ from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
 from training.startup import allow_tf32
 from training.strategies import Prepared, compression_from_option, node_placement, prepare, torch_amp
 
-from fsdp_mpi import Communicator, ShardingStrategy, abort_job_on_uncaught_exception, use_sample_dropout
+from fsdp_mpi import (Communicator, CPUOffload, ShardingStrategy, abort_job_on_uncaught_exception,
+                      use_sample_dropout)
 
 
 def arguments():
@@ -263,7 +264,8 @@ def wrapped(model, block_class: type, args, comm: Communicator, device: torch.de
     given = bench_plan.compressions(options)  # comm=WEIGHTS[/GRADIENTS], the last if several
     fsdp_options["compression"] = compression_from_option(given[-1] if given else "none")
     if args.strategy == "fsdp-mpi":
-        fsdp_options.update(sharding_strategy=ShardingStrategy[sharding], hybrid_group_size=args.hybrid_group_size)
+        fsdp_options.update(sharding_strategy=ShardingStrategy[sharding], hybrid_group_size=args.hybrid_group_size,
+                            cpu_offload=CPUOffload(offload_params=True) if bench_plan.OFFLOAD in options else None)
     return prepare(args.strategy, model, block_class, device, comm, args.precision, args.backend, **fsdp_options)
 
 

@@ -28,7 +28,7 @@ from training.sampling import epoch_steps, total_optimizer_steps
 from training.saved_run import save_trained
 from training.strategies import build_model, compression_from_option, full_state_dict_on_rank0, torch_backend
 
-from fsdp_mpi import Communicator, SampleKeys, full_state_dict
+from fsdp_mpi import Communicator, CPUOffload, SampleKeys, full_state_dict
 from fsdp_mpi.lightning import FSDPMPIStrategy
 
 
@@ -162,7 +162,8 @@ def train_with_lightning(task, config: RunConfig, comm: Communicator, device: to
     elif config.strategy == "lightning-fsdp-mpi":
         strategy = FSDPMPIStrategy(auto_wrap_policy={task.block_class}, accumulate_without_sync=config.accum_no_sync,
                                    cluster_environment=environment,
-                                   compression=compression_from_option(config.comm_compression))
+                                   compression=compression_from_option(config.comm_compression),
+                                   cpu_offload=CPUOffload(offload_params=True) if config.cpu_offload else None)
     else:
         fsdp = _FSDPStrategyNoSync if config.accum_no_sync else FSDPStrategy
         strategy = fsdp(cluster_environment=environment, auto_wrap_policy={task.block_class},

@@ -25,7 +25,8 @@ from training.sampling import Batching, MicroBatch, epoch_steps, seed_step, tota
 from training.saved_run import save_trained
 from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
-from fsdp_mpi import Communicator, RankLostError, SampleKeys, ShardingStrategy, continuation_unavailable
+from fsdp_mpi import (Communicator, CPUOffload, RankLostError, SampleKeys, ShardingStrategy,
+                      continuation_unavailable)
 
 
 def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tuple[float, torch.Tensor]:
@@ -135,7 +136,8 @@ def start_run(task, config: RunConfig, comm: Communicator, device: torch.device,
     recorder = RunRecorder(task, config, comm, device, experiment, model, batching)
     prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision, config.backend,
                        compression=compression_from_option(config.comm_compression),
-                       sharding_strategy=ShardingStrategy[config.sharding_strategy])
+                       sharding_strategy=ShardingStrategy[config.sharding_strategy],
+                       cpu_offload=CPUOffload(offload_params=True) if config.cpu_offload else None)
     total_steps = total_optimizer_steps(len(task.train), batching, config.epochs, comm.world_size)
     optimizer, schedule = optimizer_and_schedule(prepared.model, total_steps, config.lr, config.weight_decay,
                                                  config.warmup_steps)

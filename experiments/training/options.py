@@ -31,6 +31,7 @@ class RunConfig:
     backend: str  # choices.BACKENDS: torch.distributed's, for its strategies
     precision: str  # choices.PRECISIONS
     comm_compression: str  # WEIGHTS[/GRADIENTS], strategies.compression_from_option
+    cpu_offload: bool  # fsdp-mpi: shards, their gradients and the optimizer state in host memory
     gradient_checkpointing: bool
     dropout: float | None  # every dropout layer's probability; None: the model's
     # The data: sequence length, batches, how long.
@@ -104,6 +105,9 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add("--comm-compression", default="none", metavar="WEIGHTS[/GRADIENTS]",
         help="fsdp-mpi: gather weights and reduce gradients in fewer bytes, each none, bf16 or int8 (per-block "
              "scales); the model still computes in --precision, masters and checkpoints stay fp32 (default: none)")
+    add("--cpu-offload", action="store_true",
+        help="fsdp-mpi: keep the shards, their gradients and the optimizer state in host memory, the device "
+             "holding only the unit that computes (a model larger than the GPU; the optimizer steps on the CPU)")
     add("--lr", type=float, default=defaults["lr"], help="peak learning rate (default: %(default)s)")
     add("--warmup-steps", type=int, default=None,
         help="optimizer steps of linear warm-up (default: a tenth of the run's steps)")
@@ -168,6 +172,9 @@ def check_config(config: RunConfig) -> None:
         raise UsageError(str(error)) from None
     if compression is not None and config.strategy not in COMPRESSING:
         raise UsageError(f"--comm-compression is fsdp_mpi's: {config.strategy} communicates through torch "
+                         f"(use --strategy {' or '.join(COMPRESSING)})")
+    if config.cpu_offload and config.strategy not in COMPRESSING:
+        raise UsageError(f"--cpu-offload is fsdp_mpi's: {config.strategy} keeps its state where torch puts it "
                          f"(use --strategy {' or '.join(COMPRESSING)})")
     for name in ("warmup_steps", "weight_decay", "clip_norm"):
         if (getattr(config, name) or 0) < 0:

@@ -118,16 +118,17 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
     over `comm` itself, so its communication time and bytes (``comm_seconds``, ``comm_bytes``) also count
     the caller's own collectives on `comm`: compare them around training steps only.
     """
-    model.to(device)
     dtype = half_dtype(precision)
     scaling = precision == "16-mixed"
-    if strategy == "fsdp-mpi":
+    if strategy == "fsdp-mpi":  # it places the model itself: under cpu_offload only the buffers go to `device`
         sharded = FullyShardedDataParallel(model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({block_class}),
-                                           mixed_precision=MixedPrecision(param_dtype=dtype), **fsdp_options)
+                                           mixed_precision=MixedPrecision(param_dtype=dtype), device=device,
+                                           **fsdp_options)
         return Prepared(sharded, lambda: comm.seconds_in_mpi,
                         lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True,
                         scaler=ShardedGradScaler(comm, enabled=scaling), all_reduce_max=comm.all_reduce_max_float,
                         comm_bytes=lambda: sum(comm.bytes_moved.values()))
+    model.to(device)
     init_torch_distributed(comm, device, backend)
     clip_torch = partial(_clip_grad_norm_torch, model)
     autocast, torch_scaler = torch_amp(device.type, precision)

@@ -42,7 +42,8 @@ class LocalGather:
 
 
 class PlainGather:
-    """The shard cast to the compute dtype (`full`'s), then all-gathered."""
+    """The shard cast to the compute dtype and moved to the compute device (`full`'s: where it is offloaded),
+    then all-gathered."""
 
     communicates = True
 
@@ -50,10 +51,10 @@ class PlainGather:
         self.comm = comm
 
     def into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
-        self.comm.all_gather_into(full, shard.to(full.dtype), unit)
+        self.comm.all_gather_into(full, shard.to(full.device, full.dtype), unit)
 
     def start_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
-        return self.comm.start_all_gather_into(full, shard.to(full.dtype), unit)
+        return self.comm.start_all_gather_into(full, shard.to(full.device, full.dtype), unit)
 
 
 class CompressedGather:
@@ -65,10 +66,10 @@ class CompressedGather:
         self.comm, self.codec = comm, codec
 
     def into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
-        compressed_all_gather(self.comm, full, shard, self.codec, unit)
+        compressed_all_gather(self.comm, full, shard.to(full.device), self.codec, unit)
 
     def start_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
-        return start_compressed_all_gather(self.comm, full, shard, self.codec, unit)
+        return start_compressed_all_gather(self.comm, full, shard.to(full.device), self.codec, unit)
 
 
 def choose_gather(comm: Communicator, codec: Codec | None) -> LocalGather | PlainGather | CompressedGather:

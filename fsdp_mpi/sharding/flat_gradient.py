@@ -68,7 +68,7 @@ class FlatGradient:
         handle = self.handle
         full_grad = handle.full_flat.grad  # (padded_numel,) of param_dtype
         if full_grad is None:
-            full_grad = torch.zeros(handle.padded_numel, dtype=self.reduce_dtype, device=handle.shard.device)
+            full_grad = torch.zeros(handle.padded_numel, dtype=self.reduce_dtype, device=handle.compute_device)
         handle.full_flat.grad = None
         self.awaiting = False
         self.reduced_in_graph = False
@@ -118,7 +118,7 @@ class FlatGradient:
         if kept is not None:
             full_grad.add_(kept)
         shard_grad = self._averaged(self.reduction.reduce_scatter(full_grad.to(self.reduce_dtype), handle.unit_name))
-        shard_grad = shard_grad.to(handle.shard.dtype)
+        shard_grad = shard_grad.to(handle.shard.device, handle.shard.dtype)  # home, where offloaded
         self._left_out_of_graph = [(index, piece.clone()) for index, (piece, before, now)
                                    in enumerate(zip(shard_grad.split(handle.shard_pieces), used_since_reduction,
                                                     used))
@@ -151,9 +151,10 @@ class FlatGradient:
     def _accumulate(self, shard_grad: torch.Tensor) -> None:
         """Adds a reduced gradient to what the sharded views still hold, then exposes it through them."""
         views, pieces = self.handle.sharded_views, self.handle.shard_pieces
+        shard_grad = shard_grad.to(self.handle.shard.device, self.handle.shard.dtype)  # home, where offloaded
         self.release_cleared_by_user()
         if self.shard_grad is None:
-            self.shard_grad = shard_grad.to(self.handle.shard.dtype)
+            self.shard_grad = shard_grad
             for view, piece in zip(views, self.shard_grad.split(pieces)):
                 if view.grad is not None:  # given by a compiled graph (reduce_in_graph), not a piece of ours
                     piece += view.grad

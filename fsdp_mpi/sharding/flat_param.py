@@ -39,6 +39,7 @@ from fsdp_mpi.sharding.flat_gradient import FlatGradient
 from fsdp_mpi.sharding.flat_layout import OWNER_ATTRIBUTE, FlatLayout, ParamSlot, ParamUse
 from fsdp_mpi.sharding.full_views import FullViews
 from fsdp_mpi.sharding.host_memory import BorrowedBuffer, buffers_for
+from fsdp_mpi.sharding.offload import CPUOffload
 
 
 class FlatParamHandle(FlatLayout):
@@ -53,21 +54,24 @@ class FlatParamHandle(FlatLayout):
             root renames it to the unit's module path once the whole model is wrapped.
         param_dtype: the dtype gathered and computed with (None: the parameters' own).
         reduce_dtype: the dtype gradients are averaged in (None: the parameters' own).
-        device: where the shard lives. Parameters on the ``meta`` device (deferred
-            initialisation) need it; their shard starts as zeros, to be filled by
+        device: where the unit computes (None: where the parameters are). Parameters on the ``meta``
+            device (deferred initialisation) need it; their shard starts as zeros, to be filled by
             ``copy_into_shard()``.
         replicas: the ranks holding this same shard in other shard groups (HYBRID_SHARD,
             NO_SHARD), over which each reduced gradient is then averaged; None: none.
         compression: how gathered weights and reduced gradients travel (``compression.py``; floating-point
             parameters only); None: in ``param_dtype`` and ``reduce_dtype``.
+        offload: where the shard, its gradient and so the optimizer state live (``offload.py``); None: where
+            the unit computes.
     """
 
     def __init__(self, params: list[tuple[nn.Parameter, list[ParamUse]]], comm: Communicator, unit_name: str,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  device: torch.device | None = None, replicas: Communicator | None = None,
-                 compression: Compression | None = None):
+                 compression: Compression | None = None, offload: CPUOffload | None = None):
         first = params[0][0]
-        device = first.device if device is None or not first.is_meta else device
+        self.compute_device = torch.device(device if device is not None else first.device)
+        offload = offload or CPUOffload()
         self.comm = comm
         self.replicas = replicas
         self.unit_name = unit_name
@@ -81,19 +85,22 @@ class FlatParamHandle(FlatLayout):
         self.gradient = FlatGradient(self, choose_reduction(comm, replicas, compression.gradient_codec), divisor,
                                      reduce_dtype if reduce_dtype and low_precision_applies else first.dtype)
 
-        self.shard = torch.zeros(self.shard_numel, dtype=first.dtype, device=device)  # padding stays zero
+        # (shard_numel,): the padding stays zero. Offloaded, it is in host memory and full_flat on the device.
+        self.shard = offload.zeros(self.shard_numel, first.dtype, offload.shard_device(self.compute_device))
         if not first.is_meta:
             for slot, (param, _) in zip(self.slots, params):
                 self.copy_into_shard(slot, param.detach())
         self.reuse_buffers(comes_back=True)  # the unit says otherwise once it knows (lifecycle.py)
-        # A gather that moves nothing (one rank), unless it casts: full_flat aliases the shard, nothing is copied.
-        self.aliases_shard = not self.gather.communicates and self.param_dtype == self.shard.dtype
+        # A gather that moves nothing (one rank), unless it casts or the shard is elsewhere: full_flat aliases
+        # the shard, nothing is copied.
+        self.aliases_shard = (not self.gather.communicates and self.param_dtype == self.shard.dtype
+                              and self.shard.device == self.compute_device)
         if self.aliases_shard:
             # .data, not .detach(): its own version counter, so the optimizer's in-place step on the shard
             # leaves the kept full views (use_full_views) valid, as a separate buffer on N ranks would.
             self.full_flat = self.shard.data.requires_grad_(self.requires_grad)
         else:
-            self.full_flat = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+            self.full_flat = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.compute_device)
             self.full_flat.requires_grad_(self.requires_grad)
             self.full_flat.untyped_storage().resize_(0)  # (padded_numel,) of param_dtype while gathered
         self._full_views: tuple[torch.Tensor, ...] | None = None  # full-shape views into full_flat, one per slot
@@ -154,11 +161,11 @@ class FlatParamHandle(FlatLayout):
     def reuse_buffers(self, comes_back: bool) -> None:
         """Takes gathered and full-gradient memory from the pool if the unit's buffers `comes_back` within a step
         (it gathers again in backward), else anew (``host_memory.buffers_for``). Before the first gather."""
-        self.buffers = buffers_for(self.shard.device, comes_back)
+        self.buffers = buffers_for(self.compute_device, comes_back)
         # Holds the full gradient that backward assembles until its reduction is done, where the reduction makes
         # a new shard of it (not where the full gradient is the shard's: one rank).
         self.gradient.full_buffer = (None if self.gradient.reduction.gradient_is_its_own_shard
-                                     else BorrowedBuffer(self.buffers, self.shard.device))
+                                     else BorrowedBuffer(self.buffers, self.compute_device))
 
     def _allocate_full_storage(self) -> None:
         self.buffers.fill(self.full_flat.untyped_storage(), self.padded_numel * self.full_flat.element_size())

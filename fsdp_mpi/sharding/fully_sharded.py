@@ -22,6 +22,7 @@ from fsdp_mpi.sharding.host_memory import keep_freed_host_memory_for_reuse
 from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, modules_outside_units,
                                 original_name, units_with_names)
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
+from fsdp_mpi.sharding.offload import CPUOffload
 from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict
 from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
 from fsdp_mpi.sharding.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
@@ -43,7 +44,11 @@ class FullyShardedDataParallel(nn.Module):
             over fp32 master shards (see ``mixed_precision.py``). None: everything in the parameters' dtype.
         compression: ``Compression(weights="int8", gradients="bf16")`` gathers weights and reduces gradients
             in fewer bytes, whatever dtype the module computes in (see ``compression.py``). None: uncompressed.
-        device: where the unit computes; the module is moved there. Defaults to the parameters' device.
+        device: where the unit computes; the module is moved there (under ``cpu_offload``, its buffers only).
+            Defaults to the parameters' device.
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps the shards, their gradients and so the
+            optimizer state in host memory, each unit's shard copied to `device` for its gather
+            (see ``offload.py``). None: all on `device`.
         sync_module_states: broadcast rank 0's parameters and buffers first, so every rank starts identical
             (for a model on the meta device: rank 0's random generator state before initialising).
         param_init_fn: for a model built on the ``meta`` device, ``param_init_fn(module)`` initialises
@@ -64,6 +69,7 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         compression: Compression | None = None,
         device: torch.device | str | int | None = None,
+        cpu_offload: CPUOffload | None = None,
         sync_module_states: bool = True,
         forward_prefetch: bool = False,
         backward_prefetch: bool = False,
@@ -81,6 +87,9 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"mixed_precision must be a fsdp_mpi.MixedPrecision, got {mixed_precision!r}")
         _check_compression(compression, mixed_precision)
+        if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+            raise TypeError(f"cpu_offload must be a fsdp_mpi.CPUOffload, got {cpu_offload!r}")
+        offloaded = cpu_offload is not None and cpu_offload.offload_params
         device = torch.device(device) if isinstance(device, (str, int)) else device
         check_module_can_be_sharded(module, device)
         comm = comm if isinstance(comm, Communicator) else Communicator(comm)
@@ -89,6 +98,8 @@ class FullyShardedDataParallel(nn.Module):
         deferred = is_deferred(module)
         if deferred:
             device = device or torch.device("cpu")
+            _move_buffers(module, device)
+        elif device is not None and offloaded:  # the parameters go into host shards, never whole to the device
             _move_buffers(module, device)
         elif device is not None:
             module.to(device)
@@ -101,12 +112,12 @@ class FullyShardedDataParallel(nn.Module):
             def wrap_nested(child: nn.Module) -> FullyShardedDataParallel:
                 return FullyShardedDataParallel(child, comm=comm, sharding_strategy=sharding_strategy,
                                                 mixed_precision=mixed_precision, compression=compression,
-                                                device=device, **overlap, _groups=_groups)
+                                                device=device, cpu_offload=cpu_offload, **overlap, _groups=_groups)
 
             apply_wrap_policy(module, auto_wrap_policy, wrap_nested, FullyShardedDataParallel)
         self.add_module(WRAPPED_MODULE, module)
         self._unit = ShardedUnit(module, comm, _groups, sharding_strategy, overlap, mixed_precision, device,
-                                 compression)
+                                 compression, cpu_offload)
         if deferred and not nested_in_wrap:
             materialize_into_shards(module, self._unit.context.units, param_init_fn, comm, sync_module_states)
         if not nested_in_wrap:
@@ -254,9 +265,9 @@ def _reserve_node_memory(units, groups: ShardGroups) -> None:
         return
     largest = max(handles, key=lambda h: h.padded_numel * max(h.param_dtype.itemsize, h.gradient.reduce_dtype.itemsize))
     itemsize = max(largest.param_dtype.itemsize, largest.gradient.reduce_dtype.itemsize)
-    groups.shard.reserve(largest.shard.device, largest.padded_numel * itemsize)
+    groups.shard.reserve(largest.compute_device, largest.padded_numel * itemsize)
     if groups.replicas is not None:
-        groups.replicas.reserve(largest.shard.device, largest.shard_numel * itemsize)
+        groups.replicas.reserve(largest.compute_device, largest.shard_numel * itemsize)
 
 
 def _check_compression(compression: Compression | None, mixed_precision: MixedPrecision) -> None:

@@ -50,6 +50,7 @@ from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.timing_points import HOOK, timed
 from fsdp_mpi.sharding.flat_layout import group_parameters
 from fsdp_mpi.sharding.flat_param import FlatParamHandle
+from fsdp_mpi.sharding.offload import CPUOffload
 from fsdp_mpi.sharding.in_place import refuse_moving_or_casting
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tensors
 from fsdp_mpi.sharding.nested import for_each_tensor
@@ -100,12 +101,14 @@ class ShardedUnit:
         overlap: ``forward_prefetch``, ``backward_prefetch``, ``async_reduce_scatter`` flags.
         mixed_precision: the dtypes to gather, compute and reduce in.
         compression: how gathered weights and reduced gradients travel (None: uncompressed).
-        device: where shards of parameters on the meta device are created (deferred initialisation).
+        device: where the unit computes (None: where its parameters are); where shards of parameters on the
+            meta device are created (deferred initialisation), unless offloaded.
+        cpu_offload: where the shards live (``offload.py``); None: on `device`.
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, groups: ShardGroups, sharding_strategy: ShardingStrategy,
                  overlap: dict, mixed_precision: MixedPrecision, device: torch.device | None = None,
-                 compression: Compression | None = None):
+                 compression: Compression | None = None, cpu_offload: CPUOffload | None = None):
         self.module = module
         self.comm = comm
         self.groups = groups
@@ -114,7 +117,8 @@ class ShardedUnit:
         self.mixed_precision = mixed_precision
         unit_name = type(module).__name__
         self.handles = [FlatParamHandle(params, groups.shard, unit_name, mixed_precision.param_dtype,
-                                        mixed_precision.reduce_dtype, device, groups.replicas, compression)
+                                        mixed_precision.reduce_dtype, device, groups.replicas, compression,
+                                        cpu_offload)
                         for params in group_parameters(modules_outside_units(module))]
         for handle in self.handles:
             handle.traced_id = register(handle, _queue_end_of_backward(self))

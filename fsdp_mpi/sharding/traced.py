@@ -89,7 +89,7 @@ def untraced(method):
 def all_gather_unit(shard: torch.Tensor, handle: str) -> torch.Tensor:
     """(shard_numel,) of this rank -> (padded_numel,) of every rank's, in ``param_dtype``."""
     found = _handles[handle]
-    full = torch.empty(found.padded_numel, dtype=found.param_dtype, device=shard.device)
+    full = torch.empty(found.padded_numel, dtype=found.param_dtype, device=found.compute_device)
     found.gather.into(full, shard, found.unit_name)
     return full
 
@@ -98,7 +98,7 @@ def all_gather_unit(shard: torch.Tensor, handle: str) -> torch.Tensor:
 def _(shard: torch.Tensor, handle: str) -> torch.Tensor:
     _let_dynamo_put_views_in_graph()
     found = _handles[handle]
-    return shard.new_empty(found.padded_numel, dtype=found.param_dtype)
+    return shard.new_empty(found.padded_numel, dtype=found.param_dtype, device=found.compute_device)
 
 
 @torch.library.custom_op("fsdp_mpi::reduce_scatter_unit", mutates_args=("full_grad",))
@@ -175,7 +175,7 @@ def traced_full_views(handle: FlatParamHandle, sync: bool, keep: bool) -> tuple[
     for backward (the root, SHARD_GRAD_OP); otherwise gathered again in backward."""
 
     if handle.communicates_nothing:  # one rank, no replicas: each sharded view is its whole parameter
-        return tuple(view.to(handle.param_dtype).view(slot.shape)
+        return tuple(view.to(handle.compute_device, handle.param_dtype).view(slot.shape)
                      for view, slot in zip(handle.sharded_views, handle.slots))
 
     def gathered(*pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:

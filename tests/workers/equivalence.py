@@ -43,8 +43,8 @@ from common import (NestedMLP, ResidualBlock, bert_batch, gpt_batch, local_part,
 from gradients import compare_gradients, full_gradients, reference_gradients
 from torch import nn
 
-from fsdp_mpi import (Communicator, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, SampleDropout,
-                      ShardingStrategy, clip_grad_norm_, full_state_dict, use_sample_dropout)
+from fsdp_mpi import (Communicator, CPUOffload, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
+                      SampleDropout, ShardingStrategy, clip_grad_norm_, full_state_dict, use_sample_dropout)
 
 STEPS = 3
 U = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
@@ -231,8 +231,10 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
     same_policy = copy.deepcopy(initial).to(device, param_dtype) if param_dtype else reference
     policy_dtype = param_dtype or torch.float32
     u = torch.finfo(policy_dtype).eps / 2
-    sharded = FullyShardedDataParallel(copy.deepcopy(initial).to(device), comm=comm,
-                                       auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
+    if "cpu_offload" in wrap:  # built in host memory, and placed by the wrapper: buffers on `device` only
+        wrap = {**wrap, "device": device}
+    sharded = FullyShardedDataParallel(copy.deepcopy(initial).to("cpu" if "cpu_offload" in wrap else device),
+                                       comm=comm, auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
                                        mixed_precision=MixedPrecision(param_dtype=param_dtype), **wrap)
     calls = compile_model(sharded, wrap_classes, compiled)
     if compiled in WHOLE:
@@ -278,6 +280,10 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
                                               if p.requires_grad and p.grad is None}
         check = compare_gradients(ours, grads["policy"], grads["fp64"], comm.world_size, u)
         check["same_parameters_without_gradient"] = ours_without_gradient == reference_without_gradient
+        if "cpu_offload" in wrap:  # the shards and their gradients in host memory, pinned where CUDA is
+            held = [t for p in sharded.parameters() for t in (p, p.grad) if t is not None]
+            pinned = torch.cuda.is_available()
+            check["state_in_host_memory"] = all(t.device.type == "cpu" and (t.is_pinned() or not pinned) for t in held)
         check["loss_error"] = abs(our_loss - losses["fp64"])
         check["loss_bound"] = 4 * max(abs(losses["policy"] - losses["fp64"]), 16 * u * abs(losses["fp64"]))
 
@@ -418,6 +424,8 @@ MAIN_RUNS += [("gpt2", "adamw", "sharded", None), ("gpt2", "adamw", "no_sync", N
 MAIN_RUNS += [("gpt2_dropout", "adamw", "sharded", None), ("bert_dropout", "adamw", "none", None)]
 MAIN_RUNS += [("mlp", "sgd", "none", "bf16"), ("gpt2", "adamw", "sharded", "bf16"), ("bert", "sgd", "none", "bf16"),
               ("torch_encoder", "adamw", "none", "bf16"), ("hf_gpt2", "adamw", "none", "bf16")]
+# Offloaded (on a CPU the device is the host too: the same path, the copies free), with accumulation and bf16.
+MAIN_RUNS += [("gpt2", "adamw", "no_sync", None, None, "offload"), ("bert", "adamw", "none", "bf16", None, "offload")]
 FAMILY_RUNS = [("hf_albert", "adamw", "none", None), ("hf_albert", "sgd", "no_sync", None),
                ("hf_bert_frozen", "adamw", "none", None), ("hf_bert_frozen", "sgd", "none", "bf16")]
 # Compiled whole (dynamo and AOT autograd, eager kernels) with no_sync, with bf16 and every overlap switch: on 2
@@ -429,14 +437,16 @@ COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("hf_gpt2", "sgd", "n
                  *WHOLE_RUNS, ("gpt2", "adamw", "none", None, "whole_inductor"),
                  ("gpt2", "adamw", "none", None, "one_rank_whole")]
 # On a GPU (``--device cuda``): one model in fp32 (TF32 off) and in bf16, against one process on the same GPU.
-GPU_RUNS = [("gpt2", "adamw", "none", None), ("gpt2", "adamw", "sharded", "bf16")]
+GPU_RUNS = [("gpt2", "adamw", "none", None), ("gpt2", "adamw", "sharded", "bf16"),
+            ("gpt2", "adamw", "no_sync", "bf16", None, "offload")]
 # Across (emulated) nodes, in two levels: the main runs of two models, and SHARD_GRAD_OP's (no backward gather).
-NODE_RUNS = [run_ for run_ in MAIN_RUNS if run_[0] in ("mlp", "gpt2")] + [("gpt2", "adamw", "none", None, None,
-                                                                          "SHARD_GRAD_OP")]
+NODE_RUNS = [run_ for run_ in MAIN_RUNS if run_[0] in ("mlp", "gpt2") and "offload" not in run_]
+NODE_RUNS += [("gpt2", "adamw", "none", None, None, "SHARD_GRAD_OP")]
 
 # More FullyShardedDataParallel arguments for a run, by name.
 WRAP_OPTIONS = {"SHARD_GRAD_OP": {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP},
-                "overlap": {"forward_prefetch": True, "backward_prefetch": True, "async_reduce_scatter": True}}
+                "overlap": {"forward_prefetch": True, "backward_prefetch": True, "async_reduce_scatter": True},
+                "offload": {"cpu_offload": CPUOffload(offload_params=True)}}
 
 if __name__ == "__main__":
     # argv: output path, then optionally a name in `named` (those runs), or model names (their
