@@ -118,7 +118,7 @@ class FlatGradient:
         if kept is not None:
             full_grad.add_(kept)
         shard_grad = self._averaged(self.reduction.reduce_scatter(full_grad.to(self.reduce_dtype), handle.unit_name))
-        shard_grad = shard_grad.to(handle.shard.device, handle.shard.dtype)  # home, where offloaded
+        shard_grad = self._home(shard_grad)
         self._left_out_of_graph = [(index, piece.clone()) for index, (piece, before, now)
                                    in enumerate(zip(shard_grad.split(handle.shard_pieces), used_since_reduction,
                                                     used))
@@ -141,6 +141,11 @@ class FlatGradient:
         grad = self.handle.full_flat.grad
         return 0 if grad is None or self.handle.aliases_shard else grad.numel() * grad.element_size()
 
+    def _home(self, shard_grad: torch.Tensor) -> torch.Tensor:
+        """A reduced gradient shard where and as the shard is kept: copied to host memory where offloaded, cast
+        to the shard's dtype (a no-op where it is both already)."""
+        return shard_grad.to(self.handle.shard.device, self.handle.shard.dtype)
+
     def _averaged(self, shard_grad: torch.Tensor) -> torch.Tensor:
         """A reduce-scattered gradient summed over the replicas too and, unless backward scaled it, divided."""
         self.reduction.all_reduce_over_replicas(shard_grad, self.handle.unit_name)
@@ -151,7 +156,7 @@ class FlatGradient:
     def _accumulate(self, shard_grad: torch.Tensor) -> None:
         """Adds a reduced gradient to what the sharded views still hold, then exposes it through them."""
         views, pieces = self.handle.sharded_views, self.handle.shard_pieces
-        shard_grad = shard_grad.to(self.handle.shard.device, self.handle.shard.dtype)  # home, where offloaded
+        shard_grad = self._home(shard_grad)
         self.release_cleared_by_user()
         if self.shard_grad is None:
             self.shard_grad = shard_grad
