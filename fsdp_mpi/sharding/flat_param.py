@@ -86,7 +86,8 @@ class FlatParamHandle(FlatLayout):
                                      reduce_dtype if reduce_dtype and low_precision_applies else first.dtype)
 
         # (shard_numel,): the padding stays zero. Offloaded, it is in host memory and full_flat on the device.
-        self.shard = offload.zeros(self.shard_numel, first.dtype, offload.shard_device(self.compute_device))
+        self.shard = offload.zeros(self.shard_numel, first.dtype, self.compute_device)
+        self.copies_to_device = offload.copies_to_device(self.compute_device)
         if not first.is_meta:
             for slot, (param, _) in zip(self.slots, params):
                 self.copy_into_shard(slot, param.detach())

@@ -2,7 +2,7 @@
 
 With ``FullyShardedDataParallel(..., cpu_offload=CPUOffload(offload_params=True))`` (torch FSDP's names):
 
-    shard (the fp32 master copy) and its sharded views     host memory, pinned where CUDA is present
+    shard (the fp32 master copy) and its sharded views     host memory, pinned where the unit computes on a GPU
     each sharded view's .grad (the reduced gradient)       host memory: the reduction's shard copied home
     the optimizer's state                                  host memory: it steps the host views (a CPU optimizer)
     a unit's gathered weights, its full gradient           the compute device, only while the unit works
@@ -26,7 +26,7 @@ class CPUOffload:
 
     Args:
         offload_params: keep them in host memory (torch FSDP's ``CPUOffload(offload_params=True)``).
-        pin_memory: page-locked host memory where CUDA is present, so that copies to and from the device run
+        pin_memory: page-locked host memory where the units compute on a GPU, so that copies to and from it run
             at full speed (torch FSDP2's ``CPUOffloadPolicy(pin_memory=True)``).
     """
 
@@ -37,8 +37,14 @@ class CPUOffload:
         """Where a handle's shard lives when its unit computes on `compute_device`."""
         return torch.device("cpu") if self.offload_params else compute_device
 
-    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new (numel,) shard of zeros on `device` (``shard_device``'s answer): pinned host memory where it
-        is offloaded and CUDA is present."""
-        pinned = self.offload_params and self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
-        return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pinned)
+    def copies_to_device(self, compute_device: torch.device) -> bool:
+        """Whether shards live apart from `compute_device` (offloaded, and the units compute on a GPU): then
+        every gather and reduction copies between the two memories, and the host is free while the device
+        computes. On a CPU the two are one memory, so nothing is pinned and nothing is copied."""
+        return self.offload_params and compute_device.type != "cpu"
+
+    def zeros(self, numel: int, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
+        """A new (numel,) shard of zeros where a unit computing on `compute_device` keeps it (``shard_device``),
+        pinned where it is copied to and from that device."""
+        pinned = self.pin_memory and self.copies_to_device(compute_device)
+        return torch.zeros(numel, dtype=dtype, device=self.shard_device(compute_device), pin_memory=pinned)

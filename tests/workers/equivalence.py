@@ -280,9 +280,9 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
                                               if p.requires_grad and p.grad is None}
         check = compare_gradients(ours, grads["policy"], grads["fp64"], comm.world_size, u)
         check["same_parameters_without_gradient"] = ours_without_gradient == reference_without_gradient
-        if "cpu_offload" in wrap:  # the shards and their gradients in host memory, pinned where CUDA is
+        if "cpu_offload" in wrap:  # the shards and their gradients in host memory, pinned where units use a GPU
             held = [t for p in sharded.parameters() for t in (p, p.grad) if t is not None]
-            pinned = torch.cuda.is_available()
+            pinned = device.type == "cuda"
             check["state_in_host_memory"] = all(t.device.type == "cpu" and (t.is_pinned() or not pinned) for t in held)
         check["loss_error"] = abs(our_loss - losses["fp64"])
         check["loss_bound"] = 4 * max(abs(losses["policy"] - losses["fp64"]), 16 * u * abs(losses["fp64"]))
