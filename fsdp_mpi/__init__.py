@@ -7,7 +7,8 @@ The package has four layers, each a subpackage, and imports point only downwards
 
     communication/   talking to MPI: the Communicator, its log and watchdog, GPU paths, compression
     sharding/        flat shards and the unit lifecycle, state dicts, the FullyShardedDataParallel wrapper
-    loop/            what a training loop calls beside the model: clipping, loss scaling, uneven data, dropout
+    loop/            what a training loop calls beside the model: clipping, loss scaling, uneven data, dropout,
+                     the optimizer's step inside backward
     files/           checkpoints and Hugging Face files on disk
 
 Read them in that order (each subpackage's docstring orders its files); last, two adapters on top, each
@@ -32,6 +33,7 @@ from fsdp_mpi.loop.clip import clip_grad_norm_
 from fsdp_mpi.loop.even_batches import even_batches
 from fsdp_mpi.loop.grad_scaler import ShardedGradScaler
 from fsdp_mpi.loop.sample_dropout import SampleDropout, SampleKeys, use_sample_dropout
+from fsdp_mpi.loop.step_in_backward import step_in_backward
 from fsdp_mpi.files.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_mpi.files.pretrained import PretrainedError, export_pretrained, load_pretrained
 
@@ -64,6 +66,7 @@ __all__ = [
     "load_full_state_dict",
     "load_pretrained",
     "save_checkpoint",
+    "step_in_backward",
     "summon_full_params",
     "use_sample_dropout",
 ]

@@ -132,6 +132,34 @@ def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
         assert result["worst_gradient_ratio"] <= 1.0, mode
 
 
+@pytest.mark.one_mpi  # the lifecycle's logic; its collectives are the ones every other test takes
+def test_the_optimizer_stepped_inside_backward_makes_the_same_step_as_after_it(tmp_path):
+    """step_in_backward on 3 ranks, a handle at a time as gradients become final: parameters and optimizer state
+    bit for bit those of optimizer.step() after backward, whatever rank used which parameter, inline or on a
+    thread, offloaded, accumulated, asynchronous, bf16, for-loop / foreach / fused AdamW and SGD; inline, the
+    units behind the first layer step before backward reaches it; each misuse refused (workers/step_in_backward.py)."""
+    out = tmp_path / "step_in_backward.json"
+    check_ok(run_mpi("step_in_backward.py", 3, out))
+    report = json.loads(out.read_text())
+    refusals = report.pop("refusals")
+    for name, result in report.items():
+        assert result["same_parameters"] and result["same_optimizer_state"] and result["gradients_cleared"], name
+    # The branch's unit (used on even steps, by every rank) steps during backward; experts (one never chosen) and
+    # the root (it takes its gradient last) wait for the end of backward.
+    assert report["inline"]["steps_before_first_layers_backward"] == [1, 0, 1, 0]
+    assert report["bf16_offloaded"]["steps_before_first_layers_backward"] == [1, 0, 1, 0]
+    assert report["no_sync_fused"]["steps_before_first_layers_backward"][1::2] == [1, 0, 0, 0]  # the synced ones
+    expected = {"clip": ("RuntimeError", "already stepped inside this backward"),
+                "clip_after_plain_backward": ("nothing", ""),
+                "lbfgs": ("TypeError", "LBFGS needs every gradient"),
+                "foreign": ("ValueError", "1 tensors that are not this model's sharded parameters"),
+                "nested_unit": ("ValueError", "outermost FullyShardedDataParallel unit"),
+                "no_backward": ("RuntimeError", "no synchronised backward ran inside step_in_backward"),
+                "entered_twice": ("RuntimeError", "already entered")}
+    for name, (kind, words) in expected.items():
+        assert refusals[name][0] == kind and words in refusals[name][1], (name, refusals[name])
+
+
 @pytest.mark.one_mpi  # the sharding layer's logic; under a second MPI, the collectives worker checks every path it takes
 def test_any_entry_point_gathers_what_it_needs_and_matches_one_process(tmp_path):
     """A part of the root unit, a part of a nested unit, and an encoder-decoder's training step and generate(),

@@ -35,6 +35,7 @@ STAGING_VARIABLE = "tests/test_comm.py::test_force_staging_variable_is_read_and_
 MIXED = "tests/test_mixed_precision.py"
 ONE_RANK = "tests/test_comm.py::test_one_rank_makes_no_mpi_call"
 UNUSED = "tests/test_equivalence.py::test_parameters_that_no_rank_used_get_no_gradient"
+STEP_IN_BACKWARD = "tests/test_equivalence.py::test_the_optimizer_stepped_inside_backward_makes_the_same_step_as_after_it"
 ENTRY_POINTS = "tests/test_equivalence.py::test_any_entry_point_gathers_what_it_needs_and_matches_one_process"
 FAMILIES = "tests/test_equivalence.py::test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
@@ -400,6 +401,15 @@ MUTANTS = {
     "an eager reduction after a compiled one forgets the gradients the graph gave": (
         "fsdp_mpi/sharding/flat_gradient.py", "                    piece += view.grad", "                    pass",
         [UNUSED]),
+    "inside backward, a handle steps before the ranks agreed which of its parameters got no gradient": (
+        "fsdp_mpi/loop/step_in_backward.py", "        if all(handle.gradient.received):", "        if True:",
+        [STEP_IN_BACKWARD]),
+    "inside backward, every handle waits for the end of backward: nothing overlaps": (
+        "fsdp_mpi/loop/step_in_backward.py", "        if all(handle.gradient.received):", "        if False:",
+        [STEP_IN_BACKWARD]),
+    "clipping after the optimizer stepped inside backward clips nothing, silently": (
+        "fsdp_mpi/loop/clip.py", "    if units[0][1].root.context.stepped_in_backward:", "    if False:",
+        [STEP_IN_BACKWARD]),
     "a module inside a unit may be cast apart from its shards": (
         "fsdp_mpi/sharding/lifecycle.py", "refuse_moving_or_casting([module, *parts], self.handles)",
         "refuse_moving_or_casting([module], self.handles)", [MOVING]),

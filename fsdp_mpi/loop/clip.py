@@ -23,6 +23,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     ``min(1, max_norm / (total_norm + 1e-6))``. Every rank must call it (it reduces).
     """
     units = require_units_with_names(model, "clip_grad_norm_")
+    if units[0][1].root.context.stepped_in_backward:
+        raise RuntimeError("the optimizer already stepped inside this backward (step_in_backward), with the "
+                           "gradients unclipped: clipping needs every gradient before any step, so train with "
+                           "optimizer.step() after backward to clip")
     comm = units[0][1].groups.shard
     norm_type = float(norm_type)
     grads = [p.grad for p in model.parameters() if p.grad is not None]

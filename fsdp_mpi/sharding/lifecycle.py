@@ -11,6 +11,9 @@ lifecycle in one training step::
     end of backward (root only): reduce what got no gradient, reshard what is left,
                         and set .grad = None where no rank used a parameter (one small all-reduce)
 
+(inside ``step_in_backward``, each reduced gradient also steps the optimizer on
+its handle's shard, through the root's context: ``loop/step_in_backward.py``)
+
 so at any moment a rank holds its shards plus the full parameters of the units
 that are computing. Because the hooks sit on the module itself, it computes
 correctly however it is called: through the ``FullyShardedDataParallel``
@@ -276,6 +279,8 @@ class ShardedUnit:
             handle.gradient.reduce(asynchronous=asynchronous)
             if asynchronous:
                 self.root.context.leave_in_flight(handle)
+            else:
+                self.root.context.gradient_reduced(handle)
         if not any(h.gradient.awaiting for h in self.handles):
             self._to_idle()
 
@@ -301,6 +306,7 @@ class ShardedUnit:
             unit._to_idle()
         if self.requires_gradient_sync:
             self._drop_gradients_no_rank_used()
+            self.context.backward_reduced()
         self.context.end_of_backward_done()
 
     def _drop_gradients_no_rank_used(self) -> None:

@@ -1,0 +1,134 @@
+"""The optimizer stepped inside backward against the same training stepped after it (run under mpiexec).
+
+Two copies of ``unused_parameters.Branchy`` (uses that depend on the step, the data
+and the rank: some handles step as their reduction ends, the others at the end of
+backward, after the ranks agree which parameters got no gradient), trained on the
+same batches: one with ``optimizer.step()`` after backward (whose equivalence with
+one process the other workers prove), one inside ``step_in_backward``. Stepping a
+handle at a time must be the same step: after every step the parameters and the
+optimizer's state are equal to the bit, and the stepped model's gradients are
+cleared. Variants: inline and on a thread of its own, offloaded, accumulated under
+``no_sync()``, with the reduce-scatter asynchronous, in bf16, with a scheduler, and
+with the for-loop, foreach and fused AdamW and SGD with momentum. Inline, some handles must
+have stepped before backward reached the first layer. Then the refusals.
+"""
+
+import copy
+
+import torch
+from common import output_path, write_json
+from torch import nn
+from unused_parameters import STEPS, Branchy, Experts, backward
+
+from fsdp_mpi import (Communicator, CPUOffload, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
+                      clip_grad_norm_, step_in_backward)
+
+OFFLOAD = {"cpu_offload": CPUOffload(offload_params=True)}
+# name: (accumulation mode, FullyShardedDataParallel arguments, optimizer, on_host_thread)
+VARIANTS = {
+    "inline": ("sync", {}, "adamw_for_loop", None),
+    "thread_offloaded": ("sync", OFFLOAD, "adamw_foreach", True),
+    "no_sync_fused": ("no_sync", OFFLOAD, "adamw_fused", None),
+    "async_sgd": ("sync", {"async_reduce_scatter": True, "backward_prefetch": True}, "sgd", True),
+    "bf16_offloaded": ("sync", {**OFFLOAD, "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)},
+                       "adamw_fused", None),
+}
+
+
+def make_optimizer(kind: str, model: nn.Module):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    flags = {"adamw_for_loop": {"foreach": False}, "adamw_foreach": {"foreach": True}, "adamw_fused": {"fused": True}}
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, **flags[kind])
+
+
+def wrap(reference: nn.Module, comm: Communicator, options: dict) -> FullyShardedDataParallel:
+    return FullyShardedDataParallel(copy.deepcopy(reference), comm=comm,
+                                    auto_wrap_policy=ModuleWrapPolicy({nn.Sequential, Experts}), **options)
+
+
+def same_state(one, other) -> bool:
+    """Bit for bit: every tensor of two (nested) state dicts."""
+    if isinstance(one, dict):
+        return one.keys() == other.keys() and all(same_state(one[key], other[key]) for key in one)
+    if isinstance(one, (list, tuple)):
+        return len(one) == len(other) and all(same_state(a, b) for a, b in zip(one, other))
+    if isinstance(one, torch.Tensor):
+        return torch.equal(one, other)
+    return one == other
+
+
+def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, on_host_thread) -> dict:
+    torch.manual_seed(0)
+    reference = Branchy()
+    after, inside = wrap(reference, comm, options), wrap(reference, comm, options)
+    optimizers = make_optimizer(optimizer_kind, after), make_optimizer(optimizer_kind, inside)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step)) for optimizer in optimizers]
+    report = {"same_parameters": [], "same_optimizer_state": [], "gradients_cleared": []}
+    # How many handle steps ran before backward reached the first layer (the last to get its gradient): inline,
+    # the units behind it stepped during backward, not after.
+    steps, early = [0], []
+    optimizers[1].register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+
+    def count_when_its_gradient_comes(_module, _inputs, output) -> None:
+        output.register_hook(lambda _: early.append(steps[0]))
+
+    inside.trunk.register_forward_hook(count_when_its_gradient_comes)
+    for step in range(STEPS):
+        backward(after, step, comm.world_size, mode, comm.rank)
+        optimizers[0].step()
+        optimizers[0].zero_grad(set_to_none=True)
+        steps[0] = 0
+        with step_in_backward(inside, optimizers[1], on_host_thread=on_host_thread):
+            backward(inside, step, comm.world_size, mode, comm.rank)
+        for scheduler in schedulers:
+            scheduler.step()
+        report["same_parameters"].append(same_state(dict(after.named_parameters()), dict(inside.named_parameters())))
+        report["same_optimizer_state"].append(same_state(optimizers[0].state_dict(), optimizers[1].state_dict()))
+        report["gradients_cleared"].append(all(p.grad is None for p in inside.parameters()))
+    return {**{key: all(comm.all_gather_object(all(values))) for key, values in report.items()},
+            "steps_before_first_layers_backward": early}
+
+
+def refusals(comm: Communicator) -> dict:
+    """What each misuse raises, as (exception type, message)."""
+    torch.manual_seed(0)
+    model = wrap(Branchy(), comm, {})
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def raised(action) -> list:
+        try:
+            action()
+        except Exception as error:  # the type and message are what is checked
+            return [type(error).__name__, str(error)]
+        return ["nothing", ""]
+
+    def clip_after_stepping():
+        with step_in_backward(model, optimizer):
+            backward(model, 0, comm.world_size, "sync", comm.rank)
+        clip_grad_norm_(model, 1.0)
+
+    def no_backward():
+        with step_in_backward(model, optimizer):
+            pass
+
+    def entered_twice():
+        with step_in_backward(model, optimizer), step_in_backward(model, optimizer):
+            pass
+
+    foreign = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(2))], lr=0.1)
+    return {"clip": raised(clip_after_stepping),
+            "clip_after_plain_backward": raised(lambda: (backward(model, 1, comm.world_size, "sync", comm.rank),
+                                                         clip_grad_norm_(model, 1.0))),
+            "lbfgs": raised(lambda: step_in_backward(model, torch.optim.LBFGS(model.parameters())).__enter__()),
+            "foreign": raised(lambda: step_in_backward(model, foreign).__enter__()),
+            "nested_unit": raised(lambda: step_in_backward(model.branch, optimizer).__enter__()),
+            "no_backward": raised(no_backward),
+            "entered_twice": raised(entered_twice)}
+
+
+if __name__ == "__main__":
+    communicator = Communicator()
+    results = {name: variant(communicator, *arguments) for name, arguments in VARIANTS.items()}
+    results["refusals"] = refusals(communicator)
+    write_json(output_path(), results)
