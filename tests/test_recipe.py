@@ -9,7 +9,7 @@ from torch import nn
 from fsdp_mpi import FullyShardedDataParallel, ModuleWrapPolicy
 from fsdp_mpi_models.bert import BertForPreTraining, BertLayer, bert_config
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
-from training.recipe import optimizer_and_schedule, parameter_groups
+from training.recipe import FUSED_ON_CPU, optimizer_and_schedule, parameter_groups
 from training.sampling import Batching, epoch_steps, total_optimizer_steps
 
 
@@ -69,7 +69,7 @@ def test_schedule_warms_up_linearly_then_follows_a_cosine_to_a_tenth(warmup_step
     # 101 steps: the default warm-up is int(101 / 10) = 10 steps too, and the cosine spans steps 10 to 100.
     optimizer, schedule = optimizer_and_schedule(nn.Linear(3, 2), total_steps=101, lr=2e-3, weight_decay=0.1,
                                                  warmup_steps=warmup_steps)
-    assert not optimizer.defaults["fused"]  # on the CPU torch's default (foreach); fused where parameters are on a GPU
+    assert optimizer.defaults["fused"] == FUSED_ON_CPU  # fused on the CPU where torch has it (2.4 on), as on a GPU
     lrs = []
     for _ in range(101):
         assert optimizer.param_groups[0]["lr"] == optimizer.param_groups[1]["lr"]

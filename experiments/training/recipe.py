@@ -41,14 +41,20 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+# torch's fused AdamW kernel runs on the CPU from 2.4 on. There, on one thread, it steps 50M parameters in 300
+# tensors in 0.38x the time of torch's default (a loop over tensors) and foreach takes 2.5x (docs/performance.md).
+FUSED_ON_CPU = torch.__version__ >= "2.4"
+
+
 def adamw(params, fused: bool = True, **options) -> torch.optim.AdamW:
     """AdamW over `params` (tensors or parameter groups) in the fastest form their device has: ``fused=True``
-    (one kernel for all tensors) on a GPU unless `fused` is False, torch's default elsewhere (``foreach``; on
-    the CPU the fused kernel has not been measured). `options` go to AdamW (lr, weight_decay, ...)."""
+    (one kernel for all tensors) on a GPU, and on the CPU where torch has it (the optimizer of offloaded
+    shards), unless `fused` is False; torch's default elsewhere. `options` go to AdamW (lr, weight_decay, ...)."""
     params = list(params)
     tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
-    on_gpu = bool(tensors) and all(p.device.type == "cuda" for p in tensors)
-    return torch.optim.AdamW(params, fused=True if on_gpu and fused else None, **options)
+    devices = {p.device.type for p in tensors}
+    fusable = bool(tensors) and devices <= ({"cuda", "cpu"} if FUSED_ON_CPU else {"cuda"})
+    return torch.optim.AdamW(params, fused=True if fusable and fused else None, **options)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
