@@ -59,10 +59,11 @@ def test_resume_on_the_same_ranks_continues_bit_for_bit(uninterrupted, tmp_path)
 
 @pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 def test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run(tmp_path):
-    """Without dropout, a resharded run differs from the uninterrupted one only by the order of sums."""
+    """Without dropout, a resharded run differs from the uninterrupted one only by the order of sums. The 3-rank
+    run is offloaded (CPUOffload): its files are the same as any, loaded from and loaded by runs that are not."""
     losses = train(tmp_path, "two", 2, 6, "--save-at", 3, "--dropout", 0)
     three = train(tmp_path, "three", 3, 6, "--resume", tmp_path / "two" / "ckpt", "--save-after-load",
-                  tmp_path / "three" / "loaded", "--save-at", 4, "--dropout", 0)
+                  tmp_path / "three" / "loaded", "--save-at", 4, "--dropout", 0, "--offload")
     one = train(tmp_path, "one", 1, 6, "--resume", tmp_path / "three" / "ckpt", "--save-after-load",
                 tmp_path / "one" / "loaded", "--dropout", 0)
     # Loading on another world size changes nothing: saved again at once, the state is the same bits.

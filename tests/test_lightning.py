@@ -40,7 +40,7 @@ def test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_p
     # Lightning's own collectives go through MPI: ranks hold 1.0 and 2.0.
     assert (report["reduce_sum"], report["reduce_mean"], report["all_gather"]) == (3.0, 1.5, [1.0, 2.0])
     assert report["broadcast"] == "from 1"
-    # Resumed from the checkpoint after step 2 (shards, momentum, loops): bit for bit the run that went on.
+    # Resumed from the checkpoint after step 2 (shards, momentum, loops), offloaded: bit for bit the run that went on.
     assert report["resumed_global_step"] == 4 and report["resumed_difference"] == 0.0
     # Lightning's weights_only reaches the state file: by default a state holding more than tensors and plain
     # values (here a path object) is refused on every rank, naming the file; weights_only=False loads it, and

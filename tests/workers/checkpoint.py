@@ -20,8 +20,8 @@ from dataclasses import replace
 import torch
 from common import gpt_batch, local_part, write_json
 
-from fsdp_mpi import (CheckpointError, Communicator, FullyShardedDataParallel, ModuleWrapPolicy, export_pretrained,
-                      full_state_dict, load_checkpoint, load_pretrained, save_checkpoint)
+from fsdp_mpi import (CheckpointError, Communicator, CPUOffload, FullyShardedDataParallel, ModuleWrapPolicy,
+                      export_pretrained, full_state_dict, load_checkpoint, load_pretrained, save_checkpoint)
 from fsdp_mpi.files.safetensors_file import SafetensorsWriter
 from fsdp_mpi_models.bert import BertForPreTraining, BertLayer, bert_config
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, checkpoint_key_to_name, config_to_hf, gpt2_config
@@ -30,12 +30,14 @@ GPT2 = gpt2_config("gpt2-tiny", dropout=0.1)
 PADDED_GPT2 = replace(GPT2, vocab_size=100)  # 128 rows in memory, 100 in Hugging Face's files
 
 
-def wrapped_gpt2(seed: int = 0, meta: bool = False, dropout: float = GPT2.dropout, config=GPT2):
+def wrapped_gpt2(seed: int = 0, meta: bool = False, dropout: float = GPT2.dropout, config=GPT2,
+                 offload: bool = False):
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = GPT2LMHeadModel(replace(config, dropout=dropout))
     return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
-                                    param_init_fn=model.init_module if meta else None)
+                                    param_init_fn=model.init_module if meta else None,
+                                    cpu_offload=CPUOffload(offload_params=True) if offload else None)
 
 
 def recipe(model):
@@ -59,7 +61,7 @@ def train_step(model, optimizer, scheduler, comm, step: int) -> float:
 
 
 def train(args, comm) -> dict:
-    model = wrapped_gpt2(seed=comm.rank + 7, dropout=args.dropout)  # rank 0's weights are broadcast; a resume overwrites them anyway
+    model = wrapped_gpt2(seed=comm.rank + 7, dropout=args.dropout, offload=args.offload)  # rank 0's weights are broadcast; a resume overwrites them anyway
     optimizer, scheduler = recipe(model)
     torch.manual_seed(100 + comm.rank)  # dropout masks differ per rank
     step = 0
@@ -224,6 +226,7 @@ if __name__ == "__main__":
     parser.add_argument("--resume")
     parser.add_argument("--save-after-load")
     parser.add_argument("--dropout", type=float, default=GPT2.dropout)
+    parser.add_argument("--offload", action="store_true", help="the shards and optimizer state in host memory")
     arguments = parser.parse_args()
     communicator = Communicator()
     write_json(arguments.out, globals()[arguments.mode](arguments, communicator))

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from fsdp_mpi import CheckpointError, Compression, full_state_dict
+from fsdp_mpi import CheckpointError, Compression, CPUOffload, full_state_dict
 from fsdp_mpi.lightning import LIGHTNING_STATE_FILE, FSDPMPIPrecision, FSDPMPIStrategy
 
 SAMPLES, PER_RANK, WIDTH, LR, MOMENTUM = 16, 8, 8, 0.1, 0.9
@@ -163,8 +163,9 @@ def main(out_path: str, checkpoint_dir: str) -> None:
     report["broadcast"] = strategy.broadcast(f"from {comm.Get_rank()}", src=comm.Get_size() - 1)
 
     # Resume from the checkpoint that the first run's ModelCheckpoint wrote after its first epoch (2 of its
-    # 4 steps) in a fresh Trainer: the same weights as the run that went on.
-    resumed = trainer(4)
+    # 4 steps) in a fresh Trainer, offloaded (on a CPU the same path, its copies free): the same weights as the
+    # run that went on.
+    resumed = trainer(4, FSDPMPIStrategy(auto_wrap_policy={Block}, cpu_offload=CPUOffload(offload_params=True)))
     module = Regression()
     resumed.fit(module, ckpt_path=f"{checkpoint_dir}/epoch=0.ckpt")
     weights = trained_weights(module, resumed)
