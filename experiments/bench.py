@@ -66,7 +66,11 @@ of in two levels (``FSDP_MPI_TWO_LEVEL=0``).
 ``fsdp-mpi+offload`` keeps the shards, their gradients and the optimizer state
 in host memory (``CPUOffload(offload_params=True)``; the experiments'
 ``--cpu-offload``): the device holds only the unit that computes, and the
-optimizer steps on the CPU.
+optimizer steps on the CPU; ``torch-fsdp+offload`` is FSDP2's counterpart
+(``CPUOffloadPolicy``).
+``fsdp-mpi+step_in_backward`` steps the optimizer inside backward, each unit as
+its gradient is final (``fsdp_mpi.step_in_backward``; offloaded from a GPU, on a
+host thread overlapped with the rest of backward); in 32 or bf16-mixed.
 ``fsdp-mpi+SHARD_GRAD_OP`` (or any sharding strategy) runs fsdp-mpi with that
 strategy in place of ``--sharding-strategy``, so that several share the rounds.
 Where the ranks span several hosts (``FSDP_MPI_MPIEXEC`` names a launcher that

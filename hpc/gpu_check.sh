@@ -46,8 +46,9 @@
 #       # issued_s, MFU. Named only, up to 17 minutes (each run compiles first: on an H100 plain torch's compile
 #       # took most of 110 s, and fsdp-mpi's did not finish in the rest): two calls, or the gpt2 steps alone
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh offload
-#       # CPU offload (issue 76): gpt2-large, bf16, one rank: plain torch, fsdp-mpi and fsdp-mpi+offload (shards,
-#       # gradients and optimizer state in host memory), peak GPU MB and step s. Named only, about 3 minutes
+#       # CPU offload (issue 76): gpt2-xl, bf16, one rank: plain torch, fsdp-mpi, fsdp-mpi+offload (shards,
+#       # gradients and optimizer state in host memory), the same with the optimizer stepped inside backward on a
+#       # host thread, and torch FSDP2 with CPUOffloadPolicy; peak GPU MB and step s. Named only, about 6 minutes
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -245,12 +246,13 @@ if [[ "$only" == *" compiled-whole "* ]]; then
         "$out"/compiled-whole-*.log 2> /dev/null | tee "$out/compiled-whole.md"
 fi
 
-# CPU offload (issue 76): gpt2-large, bf16, one rank: plain torch, fsdp-mpi, and fsdp-mpi with the shards, their
-# gradients and the optimizer state in host memory; peak GPU MB and step s side by side.
+# CPU offload (issue 76): gpt2-xl, bf16, one rank: plain torch, fsdp-mpi, fsdp-mpi with the shards, their
+# gradients and the optimizer state in host memory (the optimizer stepped after backward, and inside it on a host
+# thread), and torch FSDP2's CPUOffloadPolicy; peak GPU MB and step s side by side.
 if [[ "$only" == *" offload "* ]]; then
-    run offload 300 $PY experiments/bench.py --device cuda --seq-len 1024 --steps 3 --warmup 1 --rounds 1 --ranks 1 \
-        --model gpt2-large --batch-size 4 --out "$out/offload.csv" \
-        --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed,fsdp-mpi+offload:bf16-mixed
+    run offload 420 $PY experiments/bench.py --device cuda --seq-len 1024 --steps 3 --warmup 1 --rounds 1 --ranks 1 \
+        --model gpt2-xl --batch-size 4 --out "$out/offload.csv" \
+        --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed,fsdp-mpi+offload:bf16-mixed,fsdp-mpi+offload+step_in_backward:bf16-mixed,torch-fsdp+offload:bf16-mixed
 fi
 
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.

@@ -21,8 +21,9 @@ def run_bench(*args, timeout=300):
 
 def test_bench_rounds_ratios_and_bytes(tmp_path):
     out = tmp_path / "bench.csv"
-    plan = ["plain", "plain@2", "fsdp-mpi@1", "fsdp-mpi", "ddp", "torch-fsdp", "fsdp-mpi+forward_prefetch:bf16-mixed",
-            "torch-fsdp+backend=fsdp_mpi"]
+    # the optimizer stepped inside backward (fsdp-mpi+...+step_in_backward) and FSDP2 offloaded: their paths run
+    plan = ["plain", "plain@2", "fsdp-mpi@1", "fsdp-mpi", "ddp", "torch-fsdp",
+            "fsdp-mpi+forward_prefetch+step_in_backward:bf16-mixed", "torch-fsdp+offload+backend=fsdp_mpi"]
     result = run_bench("--model", "gpt2-tiny", "--vocab-size", "128", "--batch-size", "2", "--seq-len", "16",
                        "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
                        "--strategies", ",".join(plan), timeout=600)  # 16 launches: past 300 s on a GPU image
@@ -34,7 +35,7 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
         runs = list(csv.DictReader(f))
     # every strategy ran once per round, the second round's order rotated by one
     names = [("plain", "1"), ("plain", "2"), ("fsdp-mpi", "1"), ("fsdp-mpi", "2"), ("ddp", "2"), ("torch-fsdp", "2"),
-             ("fsdp-mpi+forward_prefetch", "2"), ("torch-fsdp+backend=fsdp_mpi", "2")]
+             ("fsdp-mpi+forward_prefetch+step_in_backward", "2"), ("torch-fsdp+offload+backend=fsdp_mpi", "2")]
     order = [(r["strategy"], r["ranks"]) for r in sorted(runs, key=lambda r: (int(r["round"]), int(r["position"])))]
     assert order == names + names[1:] + names[:1]
     assert all(row["note"] == "" and int(row["rounds"]) == 2 for row in summary.values())
@@ -42,7 +43,7 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     # a ratio is fsdp-mpi's step over this strategy's in the same round, on as many ranks at the same precision
     assert float(ours["fsdp_mpi_ratio"]) == float(ours["fsdp_mpi_ratio_min"]) == 1.0
     assert float(plain["beyond_plain_s"]) == 0.0
-    bf16 = summary["fsdp-mpi+forward_prefetch", "bf16-mixed", "2"]
+    bf16 = summary["fsdp-mpi+forward_prefetch+step_in_backward", "bf16-mixed", "2"]
     assert bf16["fsdp_mpi_ratio"] == bf16["beyond_plain_s"] == ""  # neither fsdp-mpi nor plain ran in bf16
     for row in summary.values():
         assert float(row["step_s_min"]) <= float(row["step_s"]) <= float(row["step_s_max"])
@@ -83,8 +84,8 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     # dimension to a multiple of 2 ranks) aside: gpt2-tiny's dimensions are even, so none.
     assert float(summary["ddp", "32", "2"]["comm_mb_per_step"]) == pytest.approx(4 * 112_384 / 2**20, rel=1e-9)
     assert float(summary["torch-fsdp", "32", "2"]["comm_mb_per_step"]) == pytest.approx(megabytes["32"], rel=1e-9)
-    # the same FSDP2 over fsdp_mpi's backend (fsdp_mpi/distributed/) makes the same calls
-    over_ours = summary["torch-fsdp+backend=fsdp_mpi", "32", "2"]
+    # the same FSDP2 over fsdp_mpi's backend (fsdp_mpi/distributed/), offloaded, makes the same calls
+    over_ours = summary["torch-fsdp+offload+backend=fsdp_mpi", "32", "2"]
     assert float(over_ours["comm_mb_per_step"]) == pytest.approx(megabytes["32"], rel=1e-9)
     # sharding halves what each rank holds for parameters, gradients and Adam state (up to padding)
     assert 0.5 <= float(ours["model_state_mb"]) / float(summary["ddp", "32", "2"]["model_state_mb"]) < 0.51
@@ -129,7 +130,9 @@ BAD_ARGUMENTS = [  # each refused before anything is launched
     (["--strategies", "ddp+compile"], "unknown strategy 'ddp+compile'"),  # plain, fsdp-mpi and torch-fsdp only
     (["--strategies", "plain+compile+compile_whole"], "unknown strategy 'plain+compile+compile_whole'"),  # not both
     (["--strategies", "ddp+comm=int8"], "unknown strategy 'ddp+comm=int8'"),
-    (["--strategies", "torch-fsdp+offload"], "unknown strategy 'torch-fsdp+offload'"),  # fsdp-mpi's own
+    (["--strategies", "ddp+offload"], "unknown strategy 'ddp+offload'"),  # fsdp-mpi's and FSDP2's only
+    (["--strategies", "ddp+step_in_backward"], "unknown strategy 'ddp+step_in_backward'"),
+    (["--strategies", "fsdp-mpi+step_in_backward:16-mixed"], "step_in_backward trains in 32 or bf16-mixed"),
     (["--strategies", "fsdp-mpi+comm=int4"], "each one of none, bf16, int8"),
     (["--strategies", "ddp@x"], "the rank count after @ must be a number"),
     (["--strategies", "ddp:fp8"], "the precision after : must be one of"),
@@ -157,6 +160,8 @@ def test_bad_arguments_are_refused_with_their_reason(capsys):
     assert bench.arguments(["--strategies", "fsdp-mpi+flat,fsdp-mpi+mpi+flat"])[1] == [("fsdp-mpi+flat", 2),
                                                                                        ("fsdp-mpi+mpi+flat", 2)]
     assert bench.arguments(["--strategies", "fsdp-mpi+offload:bf16-mixed"])[1] == [("fsdp-mpi+offload:bf16-mixed", 2)]
+    assert bench.arguments(["--strategies", "fsdp-mpi+offload+step_in_backward"])[1] == [
+        ("fsdp-mpi+offload+step_in_backward", 2)]
     assert [name for name, _ in bench.arguments(["--strategies", "plain+sample_dropout,ddp+sample_dropout"])[1]] == [
         "plain+sample_dropout", "ddp+sample_dropout"]
     assert bench.arguments(["--strategies", "torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed@1"])[1] == [

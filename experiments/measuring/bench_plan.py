@@ -23,11 +23,12 @@ COMPILE_WHOLE = "compile_whole"  # the whole (wrapped) model: torch.compile(mode
 COMPILING = (COMPILE, COMPILE_WHOLE)  # one of them per strategy
 THROUGH_MPI = "mpi"  # the node's ranks exchange through MPI, not the memory they share
 FLAT = "flat"  # a group spanning nodes goes through one flat ring, not in two levels
-OFFLOAD = "offload"  # fsdp-mpi's shards, gradients and optimizer state in host memory (CPUOffload)
+OFFLOAD = "offload"  # shards, gradients and optimizer state in host memory: fsdp-mpi's CPUOffload, FSDP2's policy
+STEP_IN_BACKWARD = "step_in_backward"  # fsdp-mpi's optimizer steps each unit inside backward (step_in_backward)
 SAMPLE_DROPOUT = "sample_dropout"  # dropout drawn per sample (fsdp_mpi.use_sample_dropout), as the experiments train
 VARIABLES = {THROUGH_MPI: {"FSDP_MPI_NODE_TRANSPORT": "0"}, FLAT: {"FSDP_MPI_TWO_LEVEL": "0"}}  # set for the run
 # fsdp-mpi's alone; a sharding strategy (fsdp-mpi+NO_SHARD) replaces --sharding-strategy for that run
-FSDP_MPI_SWITCHES = (*OVERLAP, *SHARDING_STRATEGIES, THROUGH_MPI, FLAT, OFFLOAD)
+FSDP_MPI_SWITCHES = (*OVERLAP, *SHARDING_STRATEGIES, THROUGH_MPI, FLAT, OFFLOAD, STEP_IN_BACKWARD)
 COMPRESSION = "comm="  # comm=WEIGHTS[/GRADIENTS]: --comm-compression's, for training's COMPRESSING strategies
 BACKEND = "backend="  # backend=NAME: torch.distributed's, one of training's BACKENDS (auto: leave it out)
 
@@ -90,16 +91,20 @@ def check_spec(spec: Spec, item: str, device: str) -> None:
         raise PlanError(f"{spec.base} is benchmarked on the CPU only; on a GPU compare plain, fsdp-mpi and torch-fsdp")
     if spec.precision not in PRECISIONS:
         raise PlanError(f"{item!r}: the precision after : must be one of {', '.join(PRECISIONS)}")
+    if STEP_IN_BACKWARD in spec.options and spec.precision == "16-mixed":
+        raise PlanError(f"{item!r}: fp16's loss scaling would have to skip steps taken inside backward already; "
+                        "step_in_backward trains in 32 or bf16-mixed")
 
 
 def switches_fit(spec: Spec) -> bool:
     """Whether every switch (the options but comm=) is known and fits the strategy: fsdp-mpi's own on
-    fsdp-mpi alone, one sharding strategy and one way of compiling at the most, compiling where it is offered,
-    per-sample dropout on all but Lightning's (whose loop is its own)."""
+    fsdp-mpi alone (offload on torch-fsdp too), one sharding strategy and one way of compiling at the most,
+    compiling where it is offered, per-sample dropout on all but Lightning's (whose loop is its own)."""
     switches = {option for option in spec.options if not option.startswith(COMPRESSION)}
     compiling = switches & set(COMPILING)
+    shared = {SAMPLE_DROPOUT, *([OFFLOAD] if spec.base == "torch-fsdp" else [])}  # beyond fsdp-mpi
     return (switches <= {*FSDP_MPI_SWITCHES, *COMPILING, SAMPLE_DROPOUT}
-            and (spec.base == "fsdp-mpi" or not switches - compiling - {SAMPLE_DROPOUT})
+            and (spec.base == "fsdp-mpi" or not switches - compiling - shared)
             and (spec.base not in CPU_ONLY or SAMPLE_DROPOUT not in switches)
             and len(switches & set(SHARDING_STRATEGIES)) <= 1 and len(compiling) <= 1
             and (spec.base in COMPILED or not compiling))

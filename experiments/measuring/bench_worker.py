@@ -34,7 +34,7 @@ from training.startup import allow_tf32
 from training.strategies import Prepared, compression_from_option, node_placement, prepare, torch_amp
 
 from fsdp_mpi import (Communicator, CPUOffload, ShardingStrategy, abort_job_on_uncaught_exception,
-                      use_sample_dropout)
+                      step_in_backward, use_sample_dropout)
 
 
 def arguments():
@@ -60,9 +60,14 @@ def arguments():
     return parser.parse_args()
 
 
-def train_step(prepared: Prepared, optimizer, batch) -> None:
+def train_step(prepared: Prepared, optimizer, batch, in_backward: bool = False) -> None:
+    """One optimizer step; `in_backward` (+step_in_backward): taken inside backward, unit by unit."""
     with prepared.autocast():
         loss = prepared.model(*batch)[-1]  # GPT-2's (logits, loss), BERT's (masked-LM, NSP logits, loss)
+    if in_backward:  # no loss scaling to apply: the plan refuses it with fp16
+        with step_in_backward(prepared.model, optimizer):
+            loss.backward()
+        return
     prepared.scaler.scale(loss).backward()
     prepared.scaler.step(optimizer)
     prepared.scaler.update()
@@ -70,10 +75,11 @@ def train_step(prepared: Prepared, optimizer, batch) -> None:
 
 
 def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, device: torch.device,
-                breakdown: StepBreakdown | None = None):
+                breakdown: StepBreakdown | None = None, in_backward: bool = False):
     """Per step after warm-up: (slowest rank's wall time, the latest rank's time to issue the step, busiest
     rank's CPU time, this rank's time blocked in MPI, its bytes moved by collectives, the slowest rank's step in
-    ``reported.PARTS`` if a `breakdown` is installed). fsdp-mpi trains over `comm` itself, so the step's
+    ``reported.PARTS`` if a `breakdown` is installed); `in_backward`: the optimizer steps inside backward
+    (``train_step``). fsdp-mpi trains over `comm` itself, so the step's
     figures are read before the timing's own collectives on it.
 
     A step is issued when the host has handed all of it to the device, before waiting for the GPU to run it
@@ -85,7 +91,7 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, 
         if breakdown:
             breakdown.start_step()
         cpu_start, start = time.process_time(), time.perf_counter()
-        train_step(prepared, optimizer, batch)
+        train_step(prepared, optimizer, batch, in_backward)
         issued_seconds = time.perf_counter() - start
         if device.type == "cuda":  # the step has ended when the GPU has run it
             torch.cuda.synchronize(device)
@@ -263,9 +269,10 @@ def wrapped(model, block_class: type, args, comm: Communicator, device: torch.de
     fsdp_options = dict.fromkeys((option for option in options if option in bench_plan.OVERLAP), True)
     given = bench_plan.compressions(options)  # comm=WEIGHTS[/GRADIENTS], the last if several
     fsdp_options["compression"] = compression_from_option(given[-1] if given else "none")
+    if bench_plan.OFFLOAD in options:  # fsdp-mpi's CPUOffload, or FSDP2's CPUOffloadPolicy (strategies.prepare)
+        fsdp_options["cpu_offload"] = CPUOffload(offload_params=True)
     if args.strategy == "fsdp-mpi":
-        fsdp_options.update(sharding_strategy=ShardingStrategy[sharding], hybrid_group_size=args.hybrid_group_size,
-                            cpu_offload=CPUOffload(offload_params=True) if bench_plan.OFFLOAD in options else None)
+        fsdp_options.update(sharding_strategy=ShardingStrategy[sharding], hybrid_group_size=args.hybrid_group_size)
     return prepare(args.strategy, model, block_class, device, comm, args.precision, args.backend, **fsdp_options)
 
 
@@ -287,12 +294,12 @@ def torch_run(model, batch, args, comm: Communicator, device: torch.device, opti
                 module.compile()
     if bench_plan.COMPILE_WHOLE in options:  # the whole (wrapped) model: fsdp-mpi's gathers and reductions traced
         prepared.model = torch.compile(prepared.model)
-    optimizer = adamw(trained.parameters(), lr=1e-4)  # fused on a GPU, for every strategy alike
+    optimizer = adamw(trained.parameters(), lr=1e-4)  # fused where torch has it, for every strategy alike
     if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
         with counting_torch_collectives() as torch_bytes:
             train_step(prepared, optimizer, batch)
     times, issued, cpu, blocked, moved, parts = timed_steps(prepared, optimizer, batch, args, comm, device,
-                                                            breakdown)
+                                                            breakdown, bench_plan.STEP_IN_BACKWARD in options)
     if args.strategy == "torch-fsdp":
         moved = torch_bytes
     elif args.strategy == "ddp":

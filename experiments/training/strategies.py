@@ -114,7 +114,8 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
     strategies on torch.distributed's `backend` (``choices.BACKENDS``).
 
     `fsdp_options` go to fsdp-mpi's FullyShardedDataParallel (e.g. forward_prefetch=True); torch's strategies
-    have no use for them (``options.check_config`` refuses compression for them). fsdp-mpi shards
+    have no use for them (``options.check_config`` refuses compression for them), but for torch-fsdp's
+    ``cpu_offload``, which becomes FSDP2's ``CPUOffloadPolicy``. fsdp-mpi shards
     over `comm` itself, so its communication time and bytes (``comm_seconds``, ``comm_bytes``) also count
     the caller's own collectives on `comm`: compare them around training steps only.
     """
@@ -128,7 +129,10 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
                         lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True,
                         scaler=ShardedGradScaler(comm, enabled=scaling), all_reduce_max=comm.all_reduce_max_float,
                         comm_bytes=lambda: sum(comm.bytes_moved.values()))
-    model.to(device)
+    offload = fsdp_options.get("cpu_offload")  # honoured by torch-fsdp too (bench.py's torch-fsdp+offload)
+    offloaded = strategy == "torch-fsdp" and offload is not None and offload.offload_params
+    if not offloaded:  # offloaded, FSDP2 keeps the parameters in host memory and moves the buffers itself
+        model.to(device)
     init_torch_distributed(comm, device, backend)
     clip_torch = partial(_clip_grad_norm_torch, model)
     autocast, torch_scaler = torch_amp(device.type, precision)
@@ -141,16 +145,18 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
                         scaler=torch_scaler, all_reduce_max=comm.all_reduce_max_float, autocast=autocast)
     if strategy == "torch-fsdp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        # FSDP2's counterpart of CPUOffload: shards, gradients and optimizer state in (pinned, on a GPU) host memory
+        placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offloaded else OffloadPolicy()
         # On the run's device: fully_shard's default mesh takes the accelerator whenever one is visible, so a
         # CPU run on a GPU machine would put rank k on GPU k (and fail where there are fewer GPUs than ranks).
         mesh = init_device_mesh(device.type, (comm.world_size,))
         for module in model.modules():
             if isinstance(module, block_class):
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+                fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=placement)
+        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
         return Prepared(model, _unknown_comm_seconds, clip_torch, lambda: _fsdp2_no_sync(model), shards_gradients=True,
                         scaler=torch_scaler, all_reduce_max=comm.all_reduce_max_float)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
