@@ -401,6 +401,9 @@ MUTANTS = {
     "an eager reduction after a compiled one forgets the gradients the graph gave": (
         "fsdp_mpi/sharding/flat_gradient.py", "                    piece += view.grad", "                    pass",
         [UNUSED]),
+    "offloaded shards are pinned, and stepped on a host thread, where the units compute on the CPU too": (
+        "fsdp_mpi/sharding/offload.py", 'return self.offload_params and compute_device.type != "cpu"',
+        "return self.offload_params", ["tests/test_switches.py::test_offload_pins_and_copies_only_where_units_compute_on_a_gpu"]),
     "inside backward, a handle steps before the ranks agreed which of its parameters got no gradient": (
         "fsdp_mpi/loop/step_in_backward.py", "        if all(handle.gradient.received):", "        if True:",
         [STEP_IN_BACKWARD]),

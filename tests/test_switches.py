@@ -33,3 +33,19 @@ def test_every_switch_does_what_it_says(tmp_path):
     # Eager training of our GPT-2 loads no compiler (0.9 s of each rank's start): neither the hooks that
     # compiled code must not trace nor the model's construction on meta.
     assert report["compiler_loaded"] == []
+
+
+def test_offload_pins_and_copies_only_where_units_compute_on_a_gpu():
+    """CPUOffload's one decision (``copies_to_device``), which sets pinning and step_in_backward's host thread:
+    offloaded from a GPU only. Asking initialises no CUDA; on the CPU nothing is pinned whatever pin_memory says."""
+    import torch
+
+    from fsdp_mpi import CPUOffload
+
+    offloaded, kept = CPUOffload(offload_params=True), CPUOffload(offload_params=False)
+    assert offloaded.copies_to_device(torch.device("cuda", 0)) and offloaded.copies_to_device(torch.device("xpu"))
+    assert not offloaded.copies_to_device(torch.device("cpu")) and not kept.copies_to_device(torch.device("cuda"))
+    assert offloaded.shard_device(torch.device("cuda", 1)) == torch.device("cpu")
+    assert kept.shard_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    shard = offloaded.zeros(5, torch.float32, torch.device("cpu"))
+    assert shard.device.type == "cpu" and not shard.is_pinned() and shard.tolist() == [0.0] * 5

@@ -8,8 +8,9 @@ one process the other workers prove), one inside ``step_in_backward``. Stepping 
 handle at a time must be the same step: after every step the parameters and the
 optimizer's state are equal to the bit, and the stepped model's gradients are
 cleared. Variants: inline and on a thread of its own, offloaded, accumulated under
-``no_sync()``, with the reduce-scatter asynchronous, in bf16, with a scheduler, and
-with the for-loop, foreach and fused AdamW and SGD with momentum. Inline, some handles must
+``no_sync()``, with the reduce-scatter asynchronous, in bf16, compiled whole (every
+handle then steps at the end of backward), with a scheduler, and with the
+for-loop, foreach and fused AdamW and SGD with momentum. Inline, some handles must
 have stepped before backward reached the first layer. Then the refusals.
 """
 
@@ -18,20 +19,22 @@ import copy
 import torch
 from common import output_path, write_json
 from torch import nn
-from unused_parameters import STEPS, Branchy, Experts, backward
+from unused_parameters import STEPS, Branchy, Experts, StaticBranchy, backward, compile_afresh
 
 from fsdp_mpi import (Communicator, CPUOffload, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
                       clip_grad_norm_, step_in_backward)
 
 OFFLOAD = {"cpu_offload": CPUOffload(offload_params=True)}
-# name: (accumulation mode, FullyShardedDataParallel arguments, optimizer, on_host_thread)
+# name: (accumulation mode, FullyShardedDataParallel arguments, optimizer, on_host_thread, compiled whole)
 VARIANTS = {
-    "inline": ("sync", {}, "adamw_for_loop", None),
-    "thread_offloaded": ("sync", OFFLOAD, "adamw_foreach", True),
-    "no_sync_fused": ("no_sync", OFFLOAD, "adamw_fused", None),
-    "async_sgd": ("sync", {"async_reduce_scatter": True, "backward_prefetch": True}, "sgd", True),
+    "inline": ("sync", {}, "adamw_for_loop", None, False),
+    "thread_offloaded": ("sync", OFFLOAD, "adamw_foreach", True, False),
+    "no_sync_fused": ("no_sync", OFFLOAD, "adamw_fused", None, False),
+    "async_sgd": ("sync", {"async_reduce_scatter": True, "backward_prefetch": True}, "sgd", True, False),
     "bf16_offloaded": ("sync", {**OFFLOAD, "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)},
-                       "adamw_fused", None),
+                       "adamw_fused", None, False),
+    # torch.compile of the whole model (AOT autograd) on StaticBranchy, whose uses depend on the step only
+    "compiled_no_sync": ("no_sync", {}, "adamw_fused", None, True),
 }
 
 
@@ -58,10 +61,12 @@ def same_state(one, other) -> bool:
     return one == other
 
 
-def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, on_host_thread) -> dict:
+def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, on_host_thread,
+            compiled: bool) -> dict:
     torch.manual_seed(0)
-    reference = Branchy()
+    reference = StaticBranchy(with_part=False) if compiled else Branchy()
     after, inside = wrap(reference, comm, options), wrap(reference, comm, options)
+    calls = (compile_afresh(after), compile_afresh(inside)) if compiled else (after, inside)
     optimizers = make_optimizer(optimizer_kind, after), make_optimizer(optimizer_kind, inside)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step)) for optimizer in optimizers]
     report = {"same_parameters": [], "same_optimizer_state": [], "gradients_cleared": []}
@@ -73,14 +78,15 @@ def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, o
     def count_when_its_gradient_comes(_module, _inputs, output) -> None:
         output.register_hook(lambda _: early.append(steps[0]))
 
-    inside.trunk.register_forward_hook(count_when_its_gradient_comes)
+    if not compiled:  # a hook inside the compiled root would break its graph, and so change what it computes
+        inside.trunk.register_forward_hook(count_when_its_gradient_comes)
     for step in range(STEPS):
-        backward(after, step, comm.world_size, mode, comm.rank)
+        backward(after, step, comm.world_size, mode, comm.rank, calls[0])
         optimizers[0].step()
         optimizers[0].zero_grad(set_to_none=True)
         steps[0] = 0
         with step_in_backward(inside, optimizers[1], on_host_thread=on_host_thread):
-            backward(inside, step, comm.world_size, mode, comm.rank)
+            backward(inside, step, comm.world_size, mode, comm.rank, calls[1])
         for scheduler in schedulers:
             scheduler.step()
         report["same_parameters"].append(same_state(dict(after.named_parameters()), dict(inside.named_parameters())))
