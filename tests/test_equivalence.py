@@ -154,6 +154,7 @@ def test_the_optimizer_stepped_inside_backward_makes_the_same_step_as_after_it(t
                 "lbfgs": ("TypeError", "LBFGS needs every gradient"),
                 "foreign": ("ValueError", "1 tensors that are not this model's sharded parameters"),
                 "nested_unit": ("ValueError", "outermost FullyShardedDataParallel unit"),
+                "fp16": ("ValueError", "cannot train in fp16"),
                 "no_backward": ("RuntimeError", "no synchronised backward ran inside step_in_backward"),
                 "entered_twice": ("RuntimeError", "already entered")}
     for name, (kind, words) in expected.items():

@@ -24,7 +24,7 @@ agreed which parameters got no gradient (``lifecycle.py``). A backward under
 ``no_sync()`` reduces nothing and so steps nothing: accumulate under ``no_sync()``
 and let the last micro-batch's backward step. Clipping needs every gradient
 before any step: ``clip_grad_norm_`` refuses after a stepped backward. fp16 loss
-scaling cannot skip a step it has not seen yet: use bf16, which needs none.
+scaling cannot skip a step it has not seen yet: fp16 is refused; bf16 needs none.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +55,9 @@ def step_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, on_host
     if context.gradient_consumer is not None:
         raise RuntimeError("step_in_backward is already entered for this model")
     handles = [handle for unit in units for handle in unit.handles]
+    if any(handle.param_dtype == torch.float16 for handle in handles):
+        raise ValueError("step_in_backward cannot train in fp16: its loss scaling would have to skip steps already "
+                         "taken inside backward; compute in bf16 (MixedPrecision(param_dtype=torch.bfloat16))")
     if on_host_thread is None:
         on_host_thread = any(handle.copies_to_device for handle in handles)
     stepper = HandleSteps(optimizer, handles, on_host_thread)

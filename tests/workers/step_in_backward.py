@@ -123,12 +123,14 @@ def refusals(comm: Communicator) -> dict:
             pass
 
     foreign = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(2))], lr=0.1)
+    fp16 = wrap(Branchy(), comm, {"mixed_precision": MixedPrecision(param_dtype=torch.float16)})
     return {"clip": raised(clip_after_stepping),
             "clip_after_plain_backward": raised(lambda: (backward(model, 1, comm.world_size, "sync", comm.rank),
                                                          clip_grad_norm_(model, 1.0))),
             "lbfgs": raised(lambda: step_in_backward(model, torch.optim.LBFGS(model.parameters())).__enter__()),
             "foreign": raised(lambda: step_in_backward(model, foreign).__enter__()),
             "nested_unit": raised(lambda: step_in_backward(model.branch, optimizer).__enter__()),
+            "fp16": raised(lambda: step_in_backward(fp16, torch.optim.AdamW(fp16.parameters())).__enter__()),
             "no_backward": raised(no_backward),
             "entered_twice": raised(entered_twice)}
 
