@@ -49,6 +49,8 @@
 #       # CPU offload (issue 76): gpt2-xl, bf16, one rank: plain torch, fsdp-mpi, fsdp-mpi+offload (shards,
 #       # gradients and optimizer state in host memory), the same with the optimizer stepped inside backward on a
 #       # host thread, and torch FSDP2 with CPUOffloadPolicy; peak GPU MB and step s. Named only, about 6 minutes
+#   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh offload-two-ranks
+#       # the same offloaded runs on 2 ranks sharing the GPU, FSDP2 through the fsdp_mpi backend. Named only
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -253,6 +255,11 @@ if [[ "$only" == *" offload "* ]]; then
     run offload 420 $PY experiments/bench.py --device cuda --seq-len 1024 --steps 3 --warmup 1 --rounds 1 --ranks 1 \
         --model gpt2-xl --batch-size 4 --out "$out/offload.csv" \
         --strategies plain:bf16-mixed,fsdp-mpi:bf16-mixed,fsdp-mpi+offload:bf16-mixed,fsdp-mpi+offload+step_in_backward:bf16-mixed,torch-fsdp+offload:bf16-mixed
+fi
+if [[ "$only" == *" offload-two-ranks "* ]]; then
+    run offload-two-ranks 420 $PY experiments/bench.py --device cuda --seq-len 1024 --steps 3 --warmup 1 --rounds 1 \
+        --ranks 2 --model gpt2-xl --batch-size 4 --out "$out/offload-two-ranks.csv" \
+        --strategies fsdp-mpi+offload:bf16-mixed,fsdp-mpi+offload+step_in_backward:bf16-mixed,torch-fsdp+offload+backend=fsdp_mpi:bf16-mixed
 fi
 
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.
