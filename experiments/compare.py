@@ -36,7 +36,10 @@ EVAL_SHOWN = ["run_id", "model", "world_size", "precision", "batch_size", "size_
               "val_mlm_accuracy", "val_nsp_accuracy", "latency_p50_ms", "latency_p99_ms", "tokens_per_s"]
 
 
-ADDED_LATER = {"cpu_offload": False}  # training columns newer than some CSVs, with the value those runs had
+# training columns newer than some CSVs, with the value those runs had
+ADDED_LATER = {"cpu_offload": False, "step_in_backward": False}
+# a run with one of these on is its own line beside the same strategy's, named with the suffix
+OWN_LINE = {"cpu_offload": "+offload", "step_in_backward": "+step_in_backward"}
 
 
 class CompareError(Exception):
@@ -69,9 +72,9 @@ def load(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         missing = [c for c in columns if c not in frame.columns]
         if missing:
             raise CompareError(f"{path}: not a results CSV (missing columns {', '.join(missing)})")
-        if kind == "training":  # an offloaded run is its own line beside the same strategy's
-            frame["strategy"] = frame["strategy"].where(~frame["cpu_offload"].astype(bool),
-                                                        frame["strategy"] + "+offload")
+        if kind == "training":
+            for column, suffix in OWN_LINE.items():
+                frame["strategy"] = frame["strategy"].where(~frame[column].astype(bool), frame["strategy"] + suffix)
         frames[kind].append(frame)
     training, steps, evaluation = (pd.concat(frames[kind], ignore_index=True) if frames[kind] else pd.DataFrame()
                                    for kind in ("training", "steps", "evaluation"))

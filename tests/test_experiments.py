@@ -217,6 +217,24 @@ def test_an_offloaded_run_trains_as_the_same_run_not_offloaded_and_says_so(resul
 
 @pytest.mark.one_mpi
 @needs_data
+def test_a_run_stepping_inside_backward_trains_as_the_same_run_stepping_after_and_says_so(tmp_path):
+    """--step-in-backward (with accumulation, clipping off as it requires): the same losses to the bit as the
+    same run stepping after backward, a step_in_backward column that says it, and compare.py's own line."""
+    same = [*QUICK, "--clip-norm", "0", "--grad-accum", "2"]
+    for name, extra in (("inside", ["--step-in-backward"]), ("after", [])):
+        check_ok(launch("run_gpt2.py", 2, *same, *extra, "--out-dir", tmp_path / name))
+    inside, after = read_rows(tmp_path / "inside"), read_rows(tmp_path / "after")
+    assert [row["step_in_backward"] for row in inside] == ["True"] * 2 and after[0]["step_in_backward"] == "False"
+    assert [(row["train_loss"], row["val_loss"]) for row in inside] == [(row["train_loss"], row["val_loss"])
+                                                                         for row in after]
+    compared = subprocess.run([sys.executable, str(EXPERIMENTS / "compare.py"), *map(str, tmp_path.glob("*/*.csv")),
+                               "--out-dir", str(tmp_path / "compared")], capture_output=True, text=True, timeout=120)
+    check_ok(compared)
+    assert "fsdp-mpi+step_in_backward" in compared.stdout and "| fsdp-mpi |" in compared.stdout.replace("  ", " ")
+
+
+@pytest.mark.one_mpi
+@needs_data
 def test_compare_makes_tables_and_plots(results_dir, tmp_path):
     csvs = sorted(str(p) for p in results_dir.glob("*/*.csv"))
     # the same configuration run on a GPU: a row of its own, never averaged with the CPU's
@@ -299,6 +317,11 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--comm-compression", "int4"], "expected WEIGHTS or WEIGHTS/GRADIENTS, each one of none, bf16, int8"),
     (["--strategy", "ddp", "--comm-compression", "int8"], "--comm-compression is fsdp_mpi's"),
     (["--strategy", "ddp", "--cpu-offload"], "--cpu-offload is fsdp_mpi's"),
+    (["--strategy", "ddp", "--step-in-backward", "--clip-norm", "0"], "--step-in-backward is fsdp-mpi's"),
+    (["--step-in-backward"], "--step-in-backward needs --clip-norm 0"),
+    (["--step-in-backward", "--clip-norm", "0", "--precision", "16-mixed"], "--step-in-backward trains in 32 or bf16"),
+    (["--step-in-backward", "--clip-norm", "0", "--keep-going", "--sharding-strategy", "NO_SHARD"],
+     "--step-in-backward and --keep-going do not go together"),
     (["--backend", "gloo"], "--backend gloo is torch.distributed's, which fsdp-mpi does not use"),
 ])
 def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):

@@ -404,6 +404,9 @@ MUTANTS = {
     "offloaded shards are pinned, and stepped on a host thread, where the units compute on the CPU too": (
         "fsdp_mpi/sharding/offload.py", 'return self.offload_params and compute_device.type != "cpu"',
         "return self.offload_params", ["tests/test_switches.py::test_offload_pins_and_copies_only_where_units_compute_on_a_gpu"]),
+    "the experiments' --step-in-backward never steps inside backward (nor after it)": (
+        "experiments/training/loop.py", "stepping = last and config.step_in_backward", "stepping = False",
+        ["tests/test_experiments.py::test_a_run_stepping_inside_backward_trains_as_the_same_run_stepping_after_and_says_so"]),
     "inside backward, a handle steps before the ranks agreed which of its parameters got no gradient": (
         "fsdp_mpi/loop/step_in_backward.py", "        if all(handle.gradient.received):", "        if True:",
         [STEP_IN_BACKWARD]),

@@ -26,7 +26,7 @@ from training.saved_run import save_trained
 from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
 from fsdp_mpi import (Communicator, CPUOffload, RankLostError, SampleKeys, ShardingStrategy,
-                      continuation_unavailable)
+                      continuation_unavailable, step_in_backward)
 
 
 def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tuple[float, torch.Tensor]:
@@ -38,22 +38,29 @@ def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tu
     on every rank. Dropout draws each sample's masks from (seed, the run's step, the sample): the same on any
     number of ranks. Returns the step's loss sum over all ranks and this rank's last micro-batch's per-sample
     losses. Under --keep-going the survivors agree before the update, so that all of them take it or none.
+    Under --step-in-backward the last micro-batch's backward takes the step itself, unit by unit.
     """
     task, prepared, optimizer, config = run.task, run.prepared, run.optimizer, run.config
     loss_sum, losses, scaler = 0.0, None, prepared.scaler
     for index, micro in enumerate(step):
-        defer_sync = index < len(step) - 1 and (config.accum_no_sync or not prepared.shards_gradients)
+        last = index == len(step) - 1
+        defer_sync = not last and (config.accum_no_sync or not prepared.shards_gradients)
+        stepping = last and config.step_in_backward  # the optimizer steps inside this backward
         run.dropout_keys.set_batch(position.step, micro.indices)
         with prepared.no_sync() if defer_sync else nullcontext():
             with prepared.autocast():
                 batch = to_device(task.train.batch(micro.indices, position.epoch), run.device)
                 losses = task.sample_losses(prepared.model, batch)
-            scaler.scale(losses.sum() * micro.weight).backward()
+            with step_in_backward(prepared.model, optimizer) if stepping else nullcontext():
+                scaler.scale(losses.sum() * micro.weight).backward()
         loss_sum += losses.sum().item() if micro.weight else 0.0
+    loss_sum = run.comm.all_reduce_sum_float(loss_sum)
+    if config.step_in_backward:  # stepped, gradients cleared; no clipping, keep-going or fp16 (options.py)
+        run.schedule.step()
+        return loss_sum, losses
     if config.clip_norm:
         scaler.unscale_(optimizer)
         prepared.clip_grad_norm(config.clip_norm)
-    loss_sum = run.comm.all_reduce_sum_float(loss_sum)
     if config.keep_going:  # every survivor takes this step, or none does (keep_going.py)
         run.comm.agree()
     scaler.step(optimizer)

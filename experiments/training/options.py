@@ -48,6 +48,7 @@ class RunConfig:
     warmup_steps: int | None  # None: a tenth of the run's optimizer steps
     weight_decay: float
     clip_norm: float  # 0: no clipping
+    step_in_backward: bool  # fsdp-mpi: the optimizer steps each unit inside backward (fsdp_mpi.step_in_backward)
     # Where it runs, and where files go.
     threads: int
     device: str  # auto, cpu, cuda
@@ -113,6 +114,9 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
         help="optimizer steps of linear warm-up (default: a tenth of the run's steps)")
     add("--weight-decay", type=float, default=0.1, help="AdamW's, on weights and embeddings (default: %(default)s)")
     add("--clip-norm", type=float, default=1.0, help="gradient-norm clipping threshold; 0: none (default: %(default)s)")
+    add("--step-in-backward", action="store_true",
+        help="fsdp-mpi: the optimizer steps each unit's shards inside backward as their gradients are final "
+             "(on a host thread, overlapped, when offloaded from a GPU); needs --clip-norm 0, not 16-mixed")
     add("--seed", type=int, default=0)
     add("--val-steps", type=int, default=10, help="validation batches per rank after each epoch")
     add("--threads", type=int, default=1, help="torch threads per rank")
@@ -152,6 +156,21 @@ def check_checkpoint_options(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error("--checkpoint-every must be 0 (only at the end and on a signal) or positive")
 
 
+def check_step_in_backward(config: RunConfig) -> None:
+    """Raises UsageError where the optimizer cannot step inside backward (fsdp_mpi.step_in_backward)."""
+    if config.strategy != "fsdp-mpi":
+        raise UsageError(f"--step-in-backward is fsdp-mpi's: {config.strategy} steps its optimizer after backward")
+    if config.clip_norm:
+        raise UsageError("--step-in-backward needs --clip-norm 0: clipping needs every gradient before the first "
+                         "unit steps")
+    if config.precision == "16-mixed":
+        raise UsageError("--step-in-backward trains in 32 or bf16-mixed: fp16's loss scaling would have to skip "
+                         "steps already taken")
+    if config.keep_going:
+        raise UsageError("--step-in-backward and --keep-going do not go together: the survivors agree on a step "
+                         "before taking it, and inside backward it is already taken")
+
+
 def check_config(config: RunConfig) -> None:
     """Raises UsageError for values no run can use, and for a fresh run into a used --checkpoint-dir."""
     for name in ("epochs", "batch_size", "grad_accum", "seq_len", "threads", "val_steps"):
@@ -176,6 +195,8 @@ def check_config(config: RunConfig) -> None:
     if config.cpu_offload and config.strategy not in COMPRESSING:
         raise UsageError(f"--cpu-offload is fsdp_mpi's: {config.strategy} keeps its state where torch puts it "
                          f"(use --strategy {' or '.join(COMPRESSING)})")
+    if config.step_in_backward:
+        check_step_in_backward(config)
     for name in ("warmup_steps", "weight_decay", "clip_norm"):
         if (getattr(config, name) or 0) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")

@@ -42,7 +42,8 @@ class RunRecorder:
             "run_id": self.run_id, "experiment": experiment, "strategy": config.strategy, "model": task.model_name,
             "parameters": model.num_parameters(), "world_size": world, "threads_per_rank": config.threads,
             "device": device.type, "precision": config.precision, "comm_compression": config.comm_compression,
-            "cpu_offload": config.cpu_offload, "global_batch": global_batch,
+            "cpu_offload": config.cpu_offload, "step_in_backward": config.step_in_backward,
+            "global_batch": global_batch,
             "grad_accum": math.ceil(global_batch / (batching.batch_size * world)),  # micro-batches a step, here
             "seq_len": task.seq_len, "git_commit": git_commit(),
         }

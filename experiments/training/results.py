@@ -15,7 +15,7 @@ from training.choices import PRECISIONS
 
 COLUMNS = [
     "run_id", "experiment", "strategy", "model", "parameters", "world_size", "threads_per_rank", "device", "precision",
-    "comm_compression", "cpu_offload", "global_batch", "grad_accum", "seq_len", "epoch", "steps", "epoch_time_s", "samples_per_s", "tokens_per_s",
+    "comm_compression", "cpu_offload", "step_in_backward", "global_batch", "grad_accum", "seq_len", "epoch", "steps", "epoch_time_s", "samples_per_s", "tokens_per_s",
     "tflops", "mfu", "train_loss", "val_loss", "val_perplexity", "val_mlm_accuracy", "val_nsp_accuracy",
     "peak_memory_mb", "peak_rss_mb", "model_state_mb", "comm_time_s", "compute_time_s",
     "comm_mb_per_step", "git_commit", "timestamp",

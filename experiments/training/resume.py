@@ -52,7 +52,7 @@ STEP_NAME = re.compile(r"step-\d{8}")
 # Options a resumed run may change: where files go and how fast it runs, not what it computes.
 MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume", "out_dir", "save_dir",
                                   "no_progress", "threads", "device", "data_dir", "no_download", "keep_going",
-                                  "sharding_strategy"})
+                                  "sharding_strategy", "step_in_backward"})  # the last: the same steps either way
 
 
 class ResumeError(Exception):
