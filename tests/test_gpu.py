@@ -105,6 +105,18 @@ def test_gpt2_trains_on_the_gpu_as_one_process_on_it_in_fp32_and_bf16(tmp_path):
     check_equivalence(results)
 
 
+def test_the_optimizer_stepped_inside_backward_on_the_gpu_makes_the_same_step_as_after_it(tmp_path):
+    """workers/step_in_backward.py on the GPU: offloaded (the steps on a host thread while the GPU goes on),
+    offloaded with no_sync and bf16, and not offloaded: parameters and optimizer state bit for bit those of
+    stepping after backward, the gradients cleared."""
+    out = tmp_path / "step_in_backward.json"
+    check_ok(run_mpi("step_in_backward.py", 2, out, "--device", "cuda", env=FIRST_GPU, timeout=300))
+    report = json.loads(out.read_text())
+    assert set(report) == {"offloaded_on_the_gpu", "offloaded_no_sync_bf16_on_the_gpu", "on_the_gpu"}
+    for name, result in report.items():
+        assert result["same_parameters"] and result["same_optimizer_state"] and result["gradients_cleared"], name
+
+
 def test_a_run_resumed_on_the_gpu_continues_bit_for_bit(tmp_path):
     """BERT, with dropout, on 2 ranks sharing the GPU and checkpointed every step. Resumed from the checkpoint one
     step before the end, its last step draws the masks the run never stopped drew (the CUDA generators come back

@@ -11,13 +11,15 @@ cleared. Variants: inline and on a thread of its own, offloaded, accumulated und
 ``no_sync()``, with the reduce-scatter asynchronous, in bf16, compiled whole (every
 handle then steps at the end of backward), with a scheduler, and with the
 for-loop, foreach and fused AdamW and SGD with momentum. Inline, some handles must
-have stepped before backward reached the first layer. Then the refusals.
+have stepped before backward reached the first layer. Then the refusals. With
+``--device cuda`` (the GPU lane) the GPU variants instead: offloaded (its steps on the
+host thread), offloaded with no_sync and bf16, and not offloaded.
 """
 
 import copy
 
 import torch
-from common import output_path, write_json
+from common import output_path, take_device_argument, write_json
 from torch import nn
 from unused_parameters import STEPS, Branchy, Experts, StaticBranchy, backward, compile_afresh
 
@@ -36,6 +38,13 @@ VARIANTS = {
     # torch.compile of the whole model (AOT autograd) on StaticBranchy, whose uses depend on the step only
     "compiled_no_sync": ("no_sync", {}, "adamw_fused", None, True),
 }
+# On a GPU (--device cuda): offloaded (the steps on a host thread, as by default there), and not (inline).
+GPU_VARIANTS = {
+    "offloaded_on_the_gpu": ("sync", OFFLOAD, "adamw_fused", None, False),
+    "offloaded_no_sync_bf16_on_the_gpu": ("no_sync", {**OFFLOAD, "mixed_precision": MixedPrecision(
+        param_dtype=torch.bfloat16)}, "adamw_fused", None, False),
+    "on_the_gpu": ("sync", {}, "adamw_fused", None, False),
+}
 
 
 def make_optimizer(kind: str, model: nn.Module):
@@ -45,8 +54,10 @@ def make_optimizer(kind: str, model: nn.Module):
     return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, **flags[kind])
 
 
-def wrap(reference: nn.Module, comm: Communicator, options: dict) -> FullyShardedDataParallel:
-    return FullyShardedDataParallel(copy.deepcopy(reference), comm=comm,
+def wrap(reference: nn.Module, comm: Communicator, options: dict,
+         device: torch.device | None = None) -> FullyShardedDataParallel:
+    """A sharded copy of `reference` (on the CPU: the wrapper places it, offloaded or not, on `device`)."""
+    return FullyShardedDataParallel(copy.deepcopy(reference), comm=comm, device=device,
                                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential, Experts}), **options)
 
 
@@ -62,10 +73,10 @@ def same_state(one, other) -> bool:
 
 
 def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, on_host_thread,
-            compiled: bool) -> dict:
+            compiled: bool, device: torch.device) -> dict:
     torch.manual_seed(0)
     reference = StaticBranchy(with_part=False) if compiled else Branchy()
-    after, inside = wrap(reference, comm, options), wrap(reference, comm, options)
+    after, inside = wrap(reference, comm, options, device), wrap(reference, comm, options, device)
     calls = (compile_afresh(after), compile_afresh(inside)) if compiled else (after, inside)
     optimizers = make_optimizer(optimizer_kind, after), make_optimizer(optimizer_kind, inside)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step)) for optimizer in optimizers]
@@ -81,12 +92,12 @@ def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, o
     if not compiled:  # a hook inside the compiled root would break its graph, and so change what it computes
         inside.trunk.register_forward_hook(count_when_its_gradient_comes)
     for step in range(STEPS):
-        backward(after, step, comm.world_size, mode, comm.rank, calls[0])
+        backward(after, step, comm.world_size, mode, comm.rank, calls[0], device)
         optimizers[0].step()
         optimizers[0].zero_grad(set_to_none=True)
         steps[0] = 0
         with step_in_backward(inside, optimizers[1], on_host_thread=on_host_thread):
-            backward(inside, step, comm.world_size, mode, comm.rank, calls[1])
+            backward(inside, step, comm.world_size, mode, comm.rank, calls[1], device)
         for scheduler in schedulers:
             scheduler.step()
         report["same_parameters"].append(same_state(dict(after.named_parameters()), dict(inside.named_parameters())))
@@ -136,7 +147,11 @@ def refusals(comm: Communicator) -> dict:
 
 
 if __name__ == "__main__":
+    chosen = take_device_argument()
     communicator = Communicator()
-    results = {name: variant(communicator, *arguments) for name, arguments in VARIANTS.items()}
-    results["refusals"] = refusals(communicator)
+    on_gpu = chosen.type == "cuda"
+    results = {name: variant(communicator, *arguments, chosen)
+               for name, arguments in (GPU_VARIANTS if on_gpu else VARIANTS).items()}
+    if not on_gpu:
+        results["refusals"] = refusals(communicator)
     write_json(output_path(), results)

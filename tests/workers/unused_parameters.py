@@ -132,15 +132,17 @@ def micro_batches(step: int, world: int, mode: str, rank: int | None = None) -> 
     return batches
 
 
-def backward(model, step: int, world: int, mode: str, rank: int | None = None, call=None) -> None:
+def backward(model, step: int, world: int, mode: str, rank: int | None = None, call=None,
+             device: torch.device | None = None) -> None:
     """One step's gradients of the mean loss over the global batch: from `rank`'s share (scaled by the
     rank count, since fsdp_mpi averages over ranks), or from all of it in one process (rank None).
-    `call`: what computes the model's output (its compiled form), if not `model`."""
+    `call`: what computes the model's output (its compiled form), if not `model`; `device`: where the model
+    computes, if not where its parameters are (offloaded)."""
     batches = micro_batches(step, world, mode, rank)
     scale = 1 if rank is None else world
     dtype = next(model.parameters()).dtype  # float64 for the exact reference
     for position, (x, flagged, targets, use_branch) in enumerate(batches):
-        x, targets = x.to(dtype), targets.to(dtype)
+        x, targets, flagged = x.to(device, dtype), targets.to(device, dtype), flagged.to(device)
         defer = hasattr(model, "no_sync") and position < len(batches) - 1
         with model.no_sync() if defer else nullcontext():  # forward too: compiled, it decides whether to reduce
             output = (model if call is None else call)(x, flagged, use_branch)
