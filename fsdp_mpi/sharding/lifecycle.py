@@ -11,9 +11,6 @@ lifecycle in one training step::
     end of backward (root only): reduce what got no gradient, reshard what is left,
                         and set .grad = None where no rank used a parameter (one small all-reduce)
 
-(inside ``step_in_backward``, each reduced gradient also steps the optimizer on
-its handle's shard, through the root's context: ``loop/step_in_backward.py``)
-
 so at any moment a rank holds its shards plus the full parameters of the units
 that are computing. Because the hooks sit on the module itself, it computes
 correctly however it is called: through the ``FullyShardedDataParallel``
@@ -26,6 +23,8 @@ forward would, and backward follows it the same way. The outermost unit is the
 root; it owns the end-of-backward step, and the tree's bookkeeping (every unit,
 the recorded execution order, the reduction in flight) lives in its
 ``RootContext`` (``root_context.py``), which every unit reads through its root.
+Inside ``step_in_backward`` the context also hands each reduced gradient to the
+optimizer's step (``loop/step_in_backward.py``).
 
 Under mixed precision (``mixed_precision.py``) the pre-hook also casts the
 forward's floating-point inputs to ``param_dtype``; gathering and reducing in
