@@ -147,6 +147,7 @@ def test_the_optimizer_stepped_inside_backward_makes_the_same_step_as_after_it(t
     # The branch's unit (used on even steps, by every rank) steps during backward; experts (one never chosen) and
     # the root (it takes its gradient last) wait for the end of backward.
     assert report["inline"]["steps_before_first_layers_backward"] == [1, 0, 1, 0]
+    assert report["inline"]["branch_gradient_freed_by_then"] == [True] * 4  # stepped and freed, or unused
     assert report["bf16_offloaded"]["steps_before_first_layers_backward"] == [1, 0, 1, 0]
     assert report["no_sync_fused"]["steps_before_first_layers_backward"][1::2] == [1, 0, 0, 0]  # the synced ones
     expected = {"clip": ("RuntimeError", "already stepped inside this backward"),

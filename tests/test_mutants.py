@@ -413,6 +413,9 @@ MUTANTS = {
     "inside backward, every handle waits for the end of backward: nothing overlaps": (
         "fsdp_mpi/loop/step_in_backward.py", "        if all(handle.gradient.received):", "        if False:",
         [STEP_IN_BACKWARD]),
+    "inside backward, a handle stepped inline keeps its gradient until the end of backward": (
+        "fsdp_mpi/loop/step_in_backward.py", "            _clear_gradient(handle)  # its memory is free for the rest of backward\n",
+        "            pass\n", [STEP_IN_BACKWARD]),
     "clipping after the optimizer stepped inside backward clips nothing, silently": (
         "fsdp_mpi/loop/clip.py", "    if units[0][1].root.context.stepped_in_backward:", "    if False:",
         [STEP_IN_BACKWARD]),

@@ -8,7 +8,9 @@ Why: offloaded (``CPUOffload``) with units on a GPU, the optimizer steps host
 shards on the CPU, and after backward that step is time the GPU waits. Here the
 units whose gradients are home step on a host thread while the GPU computes the
 rest of backward (ZeRO-Offload's overlap). Elsewhere the step runs inline, in
-the same order, with nothing to overlap (on a CPU the host is the device).
+the same order, with nothing to overlap (on a CPU the host is the device), and
+each handle's gradient is freed as soon as it has stepped, so that the rest of
+backward runs without it.
 
 How: one ordinary optimizer over the model's parameters (the sharded views),
 stepped one handle at a time: for each step its param groups list only that
@@ -105,16 +107,15 @@ class HandleSteps:
             self._step(handle)
 
     def backward_reduced(self, handles: list[FlatParamHandle]) -> None:
-        """The end of a synchronised backward: steps what was left to it, then clears every gradient stepped."""
+        """The end of a synchronised backward: steps what was left to it, then clears the gradients that the
+        thread stepped with (inline, each is cleared as soon as its handle steps)."""
         self._wait()
         for handle in handles:
             if handle not in self._stepped and any(view.grad is not None for view in handle.sharded_views):
                 self._step(handle)
         self._wait()
         for handle in self._stepped:
-            for view in handle.sharded_views:
-                view.grad = None
-            handle.gradient.release_cleared_by_user()
+            _clear_gradient(handle)
         self._stepped.clear()
         self.backwards += 1
 
@@ -127,6 +128,7 @@ class HandleSteps:
         self._stepped.add(handle)
         if self._thread is None:
             self._step_views(self._views[handle])
+            _clear_gradient(handle)  # its memory is free for the rest of backward
         else:
             self._running.append(self._thread.submit(self._step_views, self._views[handle]))
 
@@ -147,3 +149,10 @@ class HandleSteps:
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params
+
+
+def _clear_gradient(handle: FlatParamHandle) -> None:
+    """``zero_grad(set_to_none=True)`` for one handle: its views' ``.grad`` and the reduced shard behind them."""
+    for view in handle.sharded_views:
+        view.grad = None
+    handle.gradient.release_cleared_by_user()

@@ -11,7 +11,8 @@ cleared. Variants: inline and on a thread of its own, offloaded, accumulated und
 ``no_sync()``, with the reduce-scatter asynchronous, in bf16, compiled whole (every
 handle then steps at the end of backward), with a scheduler, and with the
 for-loop, foreach and fused AdamW and SGD with momentum. Inline, some handles must
-have stepped before backward reached the first layer. Then the refusals. With
+have stepped, and freed their gradients, before backward reached the first layer.
+Then the refusals. With
 ``--device cuda`` (the GPU lane) the GPU variants instead: offloaded (its steps on the
 host thread), offloaded with no_sync and bf16, and not offloaded.
 """
@@ -83,11 +84,15 @@ def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, o
     report = {"same_parameters": [], "same_optimizer_state": [], "gradients_cleared": []}
     # How many handle steps ran before backward reached the first layer (the last to get its gradient): inline,
     # the units behind it stepped during backward, not after.
-    steps, early = [0], []
+    # And whether the branch's unit then holds no gradient (inline, one that stepped has freed it).
+    steps, early, branch_free = [0], [], []
     optimizers[1].register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
 
     def count_when_its_gradient_comes(_module, _inputs, output) -> None:
-        output.register_hook(lambda _: early.append(steps[0]))
+        def count(_):
+            early.append(steps[0])
+            branch_free.append(all(p.grad is None for p in inside.branch.parameters()))
+        output.register_hook(count)
 
     if not compiled:  # a hook inside the compiled root would break its graph, and so change what it computes
         inside.trunk.register_forward_hook(count_when_its_gradient_comes)
@@ -104,7 +109,7 @@ def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, o
         report["same_optimizer_state"].append(same_state(optimizers[0].state_dict(), optimizers[1].state_dict()))
         report["gradients_cleared"].append(all(p.grad is None for p in inside.parameters()))
     return {**{key: all(comm.all_gather_object(all(values))) for key, values in report.items()},
-            "steps_before_first_layers_backward": early}
+            "steps_before_first_layers_backward": early, "branch_gradient_freed_by_then": branch_free}
 
 
 def refusals(comm: Communicator) -> dict:
