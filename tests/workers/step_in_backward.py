@@ -8,13 +8,13 @@ one process the other workers prove), one inside ``step_in_backward``. Stepping 
 handle at a time must be the same step: after every step the parameters and the
 optimizer's state are equal to the bit, and the stepped model's gradients are
 cleared. Variants: inline and on a thread of its own, offloaded, accumulated under
-``no_sync()``, with the reduce-scatter asynchronous, in bf16, compiled whole (every
-handle then steps at the end of backward), with a scheduler, and with the
-for-loop, foreach and fused AdamW and SGD with momentum. Inline, some handles must
-have stepped, and freed their gradients, before backward reached the first layer.
-Then the refusals. With
-``--device cuda`` (the GPU lane) the GPU variants instead: offloaded (its steps on the
-host thread), offloaded with no_sync and bf16, and not offloaded.
+``no_sync()``, with the reduce-scatter asynchronous, NO_SHARD (every rank a
+replica), in bf16, compiled whole (every handle then steps at the end of
+backward), with a scheduler, and with the for-loop, foreach and fused AdamW and
+SGD with momentum. Inline, some handles must have stepped, and freed their
+gradients, before backward reached the first layer. Then the refusals. With
+``--device cuda`` (the GPU lane) the GPU variants instead: offloaded (its steps on
+the host thread), offloaded with no_sync and bf16, and not offloaded.
 """
 
 import copy
@@ -25,7 +25,7 @@ from torch import nn
 from unused_parameters import STEPS, Branchy, Experts, StaticBranchy, backward, compile_afresh
 
 from fsdp_mpi import (Communicator, CPUOffload, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
-                      clip_grad_norm_, step_in_backward)
+                      ShardingStrategy, clip_grad_norm_, step_in_backward)
 
 OFFLOAD = {"cpu_offload": CPUOffload(offload_params=True)}
 # name: (accumulation mode, FullyShardedDataParallel arguments, optimizer, on_host_thread, compiled whole)
@@ -34,6 +34,7 @@ VARIANTS = {
     "thread_offloaded": ("sync", OFFLOAD, "adamw_foreach", True, False),
     "no_sync_fused": ("no_sync", OFFLOAD, "adamw_fused", None, False),
     "async_sgd": ("sync", {"async_reduce_scatter": True, "backward_prefetch": True}, "sgd", True, False),
+    "no_shard": ("sync", {"sharding_strategy": ShardingStrategy.NO_SHARD}, "adamw_for_loop", None, False),
     "bf16_offloaded": ("sync", {**OFFLOAD, "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)},
                        "adamw_fused", None, False),
     # torch.compile of the whole model (AOT autograd) on StaticBranchy, whose uses depend on the step only
