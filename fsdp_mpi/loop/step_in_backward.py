@@ -51,9 +51,9 @@ def step_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, on_host
             shards are offloaded to host memory and the units compute on a GPU (``CPUOffload.copies_to_device``).
     """
     units = [unit for _, unit in require_units_with_names(model, "step_in_backward")]
-    context = units[0].root.context
-    if context is None or units[0].root is not units[0]:
+    if not units[0].is_root:
         raise ValueError("step_in_backward needs the whole model, its outermost FullyShardedDataParallel unit")
+    context = units[0].context
     if context.gradient_consumer is not None:
         raise RuntimeError("step_in_backward is already entered for this model")
     handles = [handle for unit in units for handle in unit.handles]
