@@ -136,7 +136,7 @@ def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
 def test_the_optimizer_stepped_inside_backward_makes_the_same_step_as_after_it(tmp_path):
     """step_in_backward on 3 ranks, a handle at a time as gradients become final: parameters and optimizer state
     bit for bit those of optimizer.step() after backward, whatever rank used which parameter, inline or on a
-    thread, offloaded, accumulated, asynchronous, NO_SHARD, bf16, compiled whole, for-loop / foreach / fused AdamW and SGD; inline, the
+    thread, offloaded, accumulated, asynchronous, NO_SHARD, bf16, a frozen layer, compiled whole, for-loop / foreach / fused AdamW and SGD; inline, the
     units behind the first layer step before backward reaches it; each misuse refused (workers/step_in_backward.py)."""
     out = tmp_path / "step_in_backward.json"
     check_ok(run_mpi("step_in_backward.py", 3, out))

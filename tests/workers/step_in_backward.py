@@ -9,15 +9,16 @@ handle at a time must be the same step: after every step the parameters and the
 optimizer's state are equal to the bit, and the stepped model's gradients are
 cleared. Variants: inline and on a thread of its own, offloaded, accumulated under
 ``no_sync()``, with the reduce-scatter asynchronous, NO_SHARD (every rank a
-replica), in bf16, compiled whole (every handle then steps at the end of
-backward), with a scheduler, and with the for-loop, foreach and fused AdamW and
-SGD with momentum. Inline, some handles must have stepped, and freed their
+replica), in bf16, with a frozen layer, compiled whole (every handle then steps
+at the end of backward), with a scheduler, and with the for-loop, foreach and
+fused AdamW and SGD with momentum. Inline, some handles must have stepped, and freed their
 gradients, before backward reached the first layer. Then the refusals. With
 ``--device cuda`` (the GPU lane) the GPU variants instead: offloaded (its steps on
 the host thread), offloaded with no_sync and bf16, and not offloaded.
 """
 
 import copy
+from typing import NamedTuple
 
 import torch
 from common import output_path, take_device_argument, write_json
@@ -28,24 +29,34 @@ from fsdp_mpi import (Communicator, CPUOffload, FullyShardedDataParallel, MixedP
                       ShardingStrategy, clip_grad_norm_, step_in_backward)
 
 OFFLOAD = {"cpu_offload": CPUOffload(offload_params=True)}
-# name: (accumulation mode, FullyShardedDataParallel arguments, optimizer, on_host_thread, compiled whole)
+BF16 = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}
+
+
+class Variant(NamedTuple):
+    mode: str  # unused_parameters' accumulation mode: "sync" or "no_sync"
+    options: dict  # more FullyShardedDataParallel arguments
+    optimizer: str  # make_optimizer's kind
+    on_host_thread: bool | None = None  # step_in_backward's
+    compiled: bool = False  # torch.compile of the whole model (AOT autograd), on StaticBranchy
+    frozen: bool = False  # the root's `side` layer frozen before wrapping: a handle that never steps
+
+
 VARIANTS = {
-    "inline": ("sync", {}, "adamw_for_loop", None, False),
-    "thread_offloaded": ("sync", OFFLOAD, "adamw_foreach", True, False),
-    "no_sync_fused": ("no_sync", OFFLOAD, "adamw_fused", None, False),
-    "async_sgd": ("sync", {"async_reduce_scatter": True, "backward_prefetch": True}, "sgd", True, False),
-    "no_shard": ("sync", {"sharding_strategy": ShardingStrategy.NO_SHARD}, "adamw_for_loop", None, False),
-    "bf16_offloaded": ("sync", {**OFFLOAD, "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)},
-                       "adamw_fused", None, False),
-    # torch.compile of the whole model (AOT autograd) on StaticBranchy, whose uses depend on the step only
-    "compiled_no_sync": ("no_sync", {}, "adamw_fused", None, True),
+    "inline": Variant("sync", {}, "adamw_for_loop"),
+    "thread_offloaded": Variant("sync", OFFLOAD, "adamw_foreach", on_host_thread=True),
+    "no_sync_fused": Variant("no_sync", OFFLOAD, "adamw_fused"),
+    "async_sgd": Variant("sync", {"async_reduce_scatter": True, "backward_prefetch": True}, "sgd",
+                         on_host_thread=True),
+    "no_shard": Variant("sync", {"sharding_strategy": ShardingStrategy.NO_SHARD}, "adamw_for_loop"),
+    "bf16_offloaded": Variant("sync", {**OFFLOAD, **BF16}, "adamw_fused"),
+    "frozen_part": Variant("sync", {}, "adamw_for_loop", frozen=True),
+    "compiled_no_sync": Variant("no_sync", {}, "adamw_fused", compiled=True),  # StaticBranchy: uses by step only
 }
 # On a GPU (--device cuda): offloaded (the steps on a host thread, as by default there), and not (inline).
 GPU_VARIANTS = {
-    "offloaded_on_the_gpu": ("sync", OFFLOAD, "adamw_fused", None, False),
-    "offloaded_no_sync_bf16_on_the_gpu": ("no_sync", {**OFFLOAD, "mixed_precision": MixedPrecision(
-        param_dtype=torch.bfloat16)}, "adamw_fused", None, False),
-    "on_the_gpu": ("sync", {}, "adamw_fused", None, False),
+    "offloaded_on_the_gpu": Variant("sync", OFFLOAD, "adamw_fused"),
+    "offloaded_no_sync_bf16_on_the_gpu": Variant("no_sync", {**OFFLOAD, **BF16}, "adamw_fused"),
+    "on_the_gpu": Variant("sync", {}, "adamw_fused"),
 }
 
 
@@ -74,10 +85,12 @@ def same_state(one, other) -> bool:
     return one == other
 
 
-def variant(comm: Communicator, mode: str, options: dict, optimizer_kind: str, on_host_thread,
-            compiled: bool, device: torch.device) -> dict:
+def variant(comm: Communicator, chosen: Variant, device: torch.device) -> dict:
+    mode, options, optimizer_kind, on_host_thread, compiled, frozen = chosen
     torch.manual_seed(0)
     reference = StaticBranchy(with_part=False) if compiled else Branchy()
+    if frozen:
+        reference.side.requires_grad_(False)
     after, inside = wrap(reference, comm, options, device), wrap(reference, comm, options, device)
     calls = (compile_afresh(after), compile_afresh(inside)) if compiled else (after, inside)
     optimizers = make_optimizer(optimizer_kind, after), make_optimizer(optimizer_kind, inside)
@@ -156,7 +169,7 @@ if __name__ == "__main__":
     chosen = take_device_argument()
     communicator = Communicator()
     on_gpu = chosen.type == "cuda"
-    results = {name: variant(communicator, *arguments, chosen)
+    results = {name: variant(communicator, arguments, chosen)
                for name, arguments in (GPU_VARIANTS if on_gpu else VARIANTS).items()}
     if not on_gpu:
         results["refusals"] = refusals(communicator)
