@@ -74,14 +74,16 @@ def test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwra
     with bf16 and every overlap switch, on 2 and 3 ranks; on 2 also on each unit's module, on HF's GPT-2, with
     inductor, and where each rank holds the whole model. The same step checks as eager sharding against one
     eager process (compiled kernels round differently, within the bounds' rounding), and dynamo breaks the
-    wrapped model's graph exactly where it breaks the same model unwrapped: fsdp_mpi adds no break (see
-    workers/equivalence.py)."""
+    wrapped model's graph exactly where it breaks the same model unwrapped: fsdp_mpi adds no break, none
+    where the model's own code breaks inside a unit either (see workers/equivalence.py)."""
     out = tmp_path / "compiled.json"
     check_ok(run_mpi("equivalence.py", nprocs, out, runs, timeout=600))
     results = json.loads(out.read_text())
-    if runs == "compiled":  # a graph break inside a unit, with dynamo resuming inside nested frames: none added
+    if runs == "compiled":  # a graph break inside a unit (dynamo's defaults, nested frames, HF's): none added
         inside = results.pop("breaks_inside_a_unit")
-        assert inside["wrapped"]["breaks"] == inside["unwrapped"]["breaks"] > 0, inside
+        assert set(inside) == {"printing", "printing/nested", "printing/function", "hf_gpt2"}
+        for case, found in inside.items():
+            assert found["wrapped"]["breaks"] == found["unwrapped"]["breaks"] > 0, (case, found)
     expected = WHOLE_RUNS | ({"gpt2/adamw/none/units", "hf_gpt2/sgd/none/whole", "gpt2/adamw/none/whole_inductor",
                               "gpt2/adamw/none/one_rank_whole"} if runs == "compiled" else set())
     assert set(results) == expected
@@ -114,14 +116,10 @@ def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
              "rare_head.weight", "router.bias", "router.weight"]
     odd_steps = sorted([*never, "branch.0.bias", "branch.0.weight", "side.bias", "side.weight"])
     assert report["compiled"]["no_gradient_names"] == [never, odd_steps] * 2
-    # A break inside the root's graph: the root's parameters that leave it all get gradients (zeros where
-    # unused), the other units' still none where unused.
-    part = report.pop("compiled_part")
-    root_held = {"rare_head.bias", "rare_head.weight", "router.bias", "router.weight", "side.bias", "side.weight"}
-    assert part["ours_no_gradient_names"] == [[n for n in names if n not in root_held]
-                                              for names in part["no_gradient_names"]]
+    # A break inside the root's graph (a part gathered eagerly): the same, the root's parameters being inputs
+    # of the graph (the root gathers outside it).
+    part = report["compiled_part"]
     assert part["no_gradient_names"] == [never[2:], [n for n in odd_steps if not n.startswith("experts.linears.0")]] * 2
-    assert part["worst_gradient_ratio"] <= 1.0
     assert report["compiled_no_sync"]["no_gradient_names"][2] == sorted([*never, "branch.0.bias", "branch.0.weight",
                                                                          "side.bias", "side.weight"])
     accumulation = report.pop("compiled_accumulation")

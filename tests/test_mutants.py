@@ -65,6 +65,7 @@ CONTROLLER_FAILS = "tests/test_resumable.py::test_a_controller_that_fails_now_an
 SPLIT_DROPOUT = "tests/test_dropout.py::test_a_batch_split_any_way_draws_the_masks_of_the_whole_batch"
 COMPILED_WHOLE = ("tests/test_equivalence.py::"
                   "test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model[3-compiled_whole]")
+COMPILED = COMPILED_WHOLE.replace("[3-compiled_whole]", "[2-compiled]")  # breaks in the model's code, one rank
 MOVING = ("tests/test_bad_input.py::"
           "test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unless_it_changes_nothing")
 STOPPED_BY_A_SIGNAL = ("tests/test_resume_experiments.py::"
@@ -388,6 +389,16 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py", "    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",
         "    @torch.compiler.disable\n    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",
         [COMPILED_WHOLE]),
+    "compiled, a frame of the wrapper's lies between the model's: a break inside a unit costs one more": (
+        "fsdp_mpi/sharding/fully_sharded.py", "            return self.module.__call__",
+        "            return self._call_wrapped", [COMPILED]),
+    "the hooks' own frames are compiled: the root's gather is a graph of its own, its unused get zeros": (
+        "fsdp_mpi/sharding/traced.py", "    _EAGER_AS_FRAMES.append(function.__code__)", "    pass", [COMPILED_WHOLE]),
+    "torch.compile(model) runs the root's hooks before anything marked them for dynamo": (
+        "fsdp_mpi/sharding/fully_sharded.py", "        mark_eager_frames_for_dynamo()\n", "        pass\n",
+        [COMPILED_WHOLE]),
+    "compiled on one rank, the eager end of backward drops the gradients the graph gave": (
+        "fsdp_mpi/sharding/traced.py", "        handle.gradient.reduced_in_graph = True", "        pass", [COMPILED]),
     "an eager hook that compiled code must not trace loads the compiler at its first call": (
         "fsdp_mpi/sharding/traced.py", 'if "torch._dynamo" not in sys.modules:', "if False:", [SWITCHES]),
     "compiled, dynamo traces the views' backward with a gradient for every view: unused ones get zeros": (

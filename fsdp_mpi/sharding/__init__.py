@@ -1,7 +1,7 @@
 """The sharded state and its lifecycle: flat shards of a module's parameters, gathered while it computes.
 
 Read in this order: strategy -> collectives -> host_memory -> offload -> flat_layout -> full_views
--> flat_gradient -> flat_param -> traced -> nested -> mixed_precision -> execution_order -> root_context
+-> flat_gradient -> flat_param -> nested -> mixed_precision -> traced -> execution_order -> root_context
 -> in_place -> lifecycle -> state_dict -> validation -> deferred_init -> wrap -> fully_sharded.
 Imports only ``fsdp_mpi.communication``.
 """

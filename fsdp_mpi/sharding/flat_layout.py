@@ -92,9 +92,9 @@ class FlatLayout:
             stop = min(max(offset + shape.numel() - self.shard_offset, 0), self.shard_numel)
             self.slots.append(ParamSlot(tuple(uses), shape, offset, shape.numel(), start, stop))
             offset += shape.numel()
-        # Each place a parameter attribute is shown, as (its module's __dict__, the attribute, the slot's index):
-        # showing full or sharded views runs every forward and backward, so it is one flat loop.
-        self._attribute_places = [(use.owner.__dict__, use.attribute, index)
+        # Each place a parameter attribute is shown, as (its module, the attribute, the slot's index): showing
+        # full or sharded views runs every forward and backward, so it is one flat loop.
+        self._attribute_places = [(use.owner, use.attribute, index)
                                   for index, slot in enumerate(self.slots) for use in slot.uses]
         # The slots' parts of the shard lie end to end: one split gives every sharded view's piece, the padding last.
         held = [slot.shard_stop - slot.shard_start for slot in self.slots]
@@ -117,12 +117,13 @@ class FlatLayout:
 
     def install_full_views(self, views: list[torch.Tensor]) -> None:
         """Shadows each parameter attribute with the given full-shape view (one per slot), in the owner's
-        ``__dict__``; ``use_sharded_views()`` removes them."""
-        for namespace, attribute, index in self._attribute_places:
-            namespace[attribute] = views[index]
+        ``__dict__`` (looked up each time: code that dynamo traces sees the module's attributes change only
+        through it, not through a dict held elsewhere); ``use_sharded_views()`` removes them."""
+        for owner, attribute, index in self._attribute_places:
+            owner.__dict__[attribute] = views[index]
 
     def use_sharded_views(self) -> None:
         """Removes the full views: each attribute is its registered sharded view again."""
-        for namespace, attribute, _ in self._attribute_places:
-            namespace.pop(attribute, None)
+        for owner, attribute, _ in self._attribute_places:
+            owner.__dict__.pop(attribute, None)
 

@@ -25,6 +25,8 @@ from fsdp_mpi.sharding.mixed_precision import MixedPrecision
 from fsdp_mpi.sharding.offload import CPUOffload
 from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict
 from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
+from fsdp_mpi.sharding.traced import (eager_as_a_frame_of_its_own, gather_in_graph, mark_eager_frames_for_dynamo,
+                                      release_in_graph)
 from fsdp_mpi.sharding.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
 from fsdp_mpi.sharding.wrap import apply_wrap_policy
 
@@ -118,17 +120,35 @@ class FullyShardedDataParallel(nn.Module):
         self.add_module(WRAPPED_MODULE, module)
         self._unit = ShardedUnit(module, comm, _groups, sharding_strategy, overlap, mixed_precision, device,
                                  compression, cpu_offload)
+        self.register_forward_pre_hook(self._gather_traced, prepend=True, with_kwargs=True)
+        self.register_forward_hook(self._release_traced)
         if deferred and not nested_in_wrap:
             materialize_into_shards(module, self._unit.context.units, param_init_fn, comm, sync_module_states)
         if not nested_in_wrap:
             _reserve_node_memory(self._unit.context.units, _groups)
 
-    def forward(self, *args, **kwargs):
-        """Calls the wrapped module; its unit's hooks gather the parameters around the call, or, in code that
-        torch.compile traces, operators in the graph (``ShardedUnit.traced_call``)."""
+    @property
+    def forward(self):
+        """What ``nn.Module.__call__`` calls. In code that torch.compile traces, the wrapped module's own call,
+        so that no frame of the wrapper's lies between the model's frames (the wrapper's hooks gather around it,
+        ``traced.gather_in_graph``). Otherwise a method of the wrapper's that calls the module: what
+        ``torch.compile(model)`` finds when it wraps the model (a forward from torch's own files would make it
+        add a frame of its own above the model's)."""
         if torch.compiler.is_compiling():
-            return self._unit.traced_call(args, kwargs)
+            return self.module.__call__
+        mark_eager_frames_for_dynamo()
+        return self._call_wrapped
+
+    def _call_wrapped(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @eager_as_a_frame_of_its_own
+    def _gather_traced(self, _wrapper, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        return gather_in_graph(self._unit, args, kwargs)
+
+    @eager_as_a_frame_of_its_own
+    def _release_traced(self, _wrapper, _args: tuple, _output) -> None:
+        release_in_graph(self._unit)
 
     # ----------------------------------------------------------------- transparency
 

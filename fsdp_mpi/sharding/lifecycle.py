@@ -31,9 +31,11 @@ forward's floating-point inputs to ``param_dtype``; gathering and reducing in
 other dtypes is the handles' business.
 
 Code that ``torch.compile`` traces takes another path through the same handles:
-``traced_call``, which the wrapper's forward calls instead of the module, gathers
-and reduces through custom operators in the graph (``traced.py``), and the hooks
-stand aside while it runs.
+the wrapper's hooks gather through custom operators in the graph, whose backward
+reduces (``traced.py``), and the unit's hooks stand aside until the module
+returns. Hooks that dynamo meets as frames of their own (``torch.compile(model)``
+runs the compiled module's hooks outside its frame) run eagerly: compiled whole,
+the root gathers and reduces around the graph, as in an eager step.
 
 Optional overlap (each off by default, see docs/communication.md#overlap): ``forward_prefetch``
 starts gathering the next unit when a unit's forward starts, ``backward_prefetch``
@@ -58,7 +60,7 @@ from fsdp_mpi.sharding.mixed_precision import MixedPrecision, cast_floating_tens
 from fsdp_mpi.sharding.nested import for_each_tensor
 from fsdp_mpi.sharding.root_context import RootContext
 from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
-from fsdp_mpi.sharding.traced import register, traced_full_views, untraced
+from fsdp_mpi.sharding.traced import eager_as_a_frame_of_its_own, register, untraced
 
 # The unit of a sharded module, kept in the module's __dict__ (not a registered submodule).
 UNIT_ATTRIBUTE = "_fsdp_mpi_unit"
@@ -133,7 +135,7 @@ class ShardedUnit:
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         self._called_alone: nn.Module | None = None  # the part whose own call gathered this unit, if any
-        self._traced_call_running = False  # inside traced_call: the graph gathers, the hooks stand aside
+        self.gathered_in_graph = False  # the wrapper's hooks gathered it in a graph: its hooks stand aside
         parts = _parts(module)
         for part in parts:
             part.register_forward_pre_hook(self._pre_forward_of_part, prepend=True, with_kwargs=True)
@@ -163,30 +165,14 @@ class ShardedUnit:
 
     # ----------------------------------------------------------------- traced by torch.compile
 
-    def traced_call(self, args: tuple, kwargs: dict):
-        """Calls the module in code that dynamo traces: each handle's full views come from the traced gather
-        (``traced.py``), and the module computes with them in place of its parameters
-        (``torch.func.functional_call``), its hooks and its parts' standing aside."""
-        if self.mixed_precision.param_dtype is not None:
-            args, kwargs = cast_floating_tensors((args, kwargs), self.mixed_precision.param_dtype)
-        views = {}
-        for handle in self.handles:
-            for slot, view in zip(handle.slots, traced_full_views(handle, self.requires_gradient_sync,
-                                                                  self.keeps_gathered_for_backward)):
-                views.update((use.name, view) for use in slot.uses)
-        self._traced_call_running = True
-        try:
-            return torch.func.functional_call(self.module, views, args, kwargs, strict=False)
-        finally:
-            self._traced_call_running = False
-
     def _hooks_stand_aside(self) -> bool:
-        """Inside ``traced_call`` under dynamo: the graph gathers and frees, so the hooks do nothing (and dynamo
-        traces them, a check and a return, rather than breaking the graph at them)."""
-        return torch.compiler.is_compiling() and self._traced_call_running
+        """Under dynamo, between the wrapper's hooks (``traced.gather_in_graph``, ``release_in_graph``): the graph
+        gathers and frees, so the hooks do nothing (and dynamo traces them, a check and a return, rather than breaking the graph at them)."""
+        return torch.compiler.is_compiling() and self.gathered_in_graph
 
     # ----------------------------------------------------------------- forward
 
+    @eager_as_a_frame_of_its_own
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The unit's forward pre-hook: gathers (and casts the inputs), unless the hooks stand aside."""
         if self._hooks_stand_aside():
@@ -217,6 +203,7 @@ class ShardedUnit:
             handle.use_full_views(new_forward=True)
         self.state = TrainingState.FORWARD
 
+    @eager_as_a_frame_of_its_own
     def _pre_forward_of_part(self, part: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """A module inside this unit is called while the unit is not computing: gather as for the unit's forward."""
         if self._hooks_stand_aside() or self.state is not TrainingState.IDLE or self._called_alone is not None:
@@ -224,11 +211,13 @@ class ShardedUnit:
         self._called_alone = part
         return self._pre_forward(part, args, kwargs)
 
+    @eager_as_a_frame_of_its_own
     def _post_forward_of_part(self, part: nn.Module, args: tuple, output) -> None:
         if self._called_alone is part:
             self._post_forward(part, args, output)
             self._called_alone = None
 
+    @eager_as_a_frame_of_its_own
     def _post_forward(self, module: nn.Module, args: tuple, output) -> None:
         """The unit's forward hook: frees (or keeps for backward), unless the hooks stand aside."""
         if not self._hooks_stand_aside():

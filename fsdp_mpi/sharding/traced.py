@@ -2,11 +2,11 @@
 
 Eager code gathers in the unit's hooks (``lifecycle.py``), which talk to MPI and
 keep state, so compiled code cannot trace them: each unit would end a graph. Code
-that dynamo traces takes this path instead (the wrapper's ``forward`` chooses it,
-``lifecycle.ShardedUnit.traced_call``), in which the lifecycle is data flow:
+that dynamo traces takes this path instead (the wrapper's forward hooks,
+``gather_in_graph`` and ``release_in_graph``), in which the lifecycle is data flow:
 
     forward:   pieces of the shard (the sharded views) -> cat -> fsdp_mpi::all_gather_unit
-               -> split into full views (_FullViews) -> the module, called with them (torch.func.functional_call)
+               -> split into full views (_FullViews) -> shown as the module's parameters while it is called
     backward:  the full views' gradients -> cat -> fsdp_mpi::reduce_scatter_unit -> split -> each sharded
                view's .grad, none where its full view got none
 
@@ -21,12 +21,15 @@ and the views sit in a selective-checkpoint region whose every op must be
 recomputed: the compiled forward frees the gathered weights when their last
 user is done, and the compiled backward gathers them again just before it needs
 them, as the eager hooks do (a unit that keeps its weights for backward, the
-root and ``SHARD_GRAD_OP``, takes no region). On one rank with no replicas each
+root and ``SHARD_GRAD_OP``'s, takes no region). On one rank with no replicas each
 sharded view is its whole parameter, and the views are plain views of it: the
-graph is plain torch's. Prefetch and asynchronous
-reduction are the eager hooks' business; compiled, each collective runs where
-the graph puts it, and every rank must compile the same graph (the same model,
-called the same way), which the collectives' order then follows on every rank.
+graph is plain torch's. A hook that dynamo meets as a frame of its own runs
+eagerly (``eager_as_a_frame_of_its_own``): compiled whole, the root gathers around
+the graph, and its parameters are the graph's inputs.
+Prefetch and asynchronous reduction are the eager hooks' business; compiled,
+each collective runs where the graph puts it, and every rank must compile the
+same graph (the same model, called the same way), which the collectives' order
+then follows on every rank.
 
 The operators reach the handle through a name (``traced_id``), the only way a
 graph can name it; the handle does the communication as the eager path does
@@ -44,6 +47,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp_mpi.sharding.flat_param import FlatParamHandle
+from fsdp_mpi.sharding.mixed_precision import cast_floating_tensors
 
 _handles: "weakref.WeakValueDictionary[str, FlatParamHandle]" = weakref.WeakValueDictionary()
 _after_reduction: dict[str, Callable[[], None]] = {}
@@ -83,6 +87,41 @@ def untraced(method):
 
     call._torchdynamo_disable = True
     return call
+
+
+_EAGER_AS_FRAMES: list = []  # the code of the functions below, and of every untraced function's `call`
+_eager_frames_marked = False
+
+
+def eager_as_a_frame_of_its_own(function):
+    """Marks a hook that dynamo may meet as a frame of its own, outside any graph: ``torch.compile(model)`` runs
+    the compiled module's hooks outside the frame it compiles, as does the eager code around a graph that
+    dynamo gave up on (a break in a loop). There it runs as it is, eagerly (the root then gathers as in an
+    eager step, and the frame dynamo compiles is the model's own forward, as unwrapped); inlined into a graph
+    it is traced as any code. Its code is told to dynamo once it is loaded (``mark_eager_frames_for_dynamo``)."""
+    _EAGER_AS_FRAMES.append(function.__code__)
+    return function
+
+
+_EAGER_AS_FRAMES.append(untraced(lambda: None).__code__)  # met alone (after a break at its call): 2 breaks more
+
+
+def mark_eager_frames_for_dynamo() -> None:
+    """Once dynamo is loaded, has it run the marked frames as they are, and what they call (its frame execution
+    strategy, which ``torch._dynamo.skip`` sets for the frame alone; it does not touch where a graph inlines
+    the function). Called where a compile first meets the wrapped model, before any of its hooks can run:
+    where ``torch.compile(model)`` reads the root's ``forward``, and at the first traced gather."""
+    global _eager_frames_marked
+    if _eager_frames_marked or "torch._dynamo" not in sys.modules:
+        return
+    _eager_frames_marked = True
+    try:  # not public: where it has moved, these frames are compiled (a graph more, or two breaks, each)
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
+    for code in _EAGER_AS_FRAMES:
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 @torch.library.custom_op("fsdp_mpi::all_gather_unit", mutates_args=())
@@ -158,9 +197,11 @@ def _full_views(handle: str, sync: bool, full: torch.Tensor, *pieces: torch.Tens
 
 @functools.cache
 def _let_dynamo_put_views_in_graph() -> None:
-    """Marks ``_full_views`` for dynamo, at the first trace of a gather (whose shape dynamo asks for before it
-    reaches the views): marking it when fsdp_mpi is imported would import dynamo in every program."""
+    """Marks ``_full_views`` (and the hooks' frames) for dynamo, at the first trace of a gather (whose shape
+    dynamo asks for before it reaches the views): marking it when fsdp_mpi is imported would import dynamo in
+    every program."""
     torch._dynamo.allow_in_graph(_full_views)
+    mark_eager_frames_for_dynamo()
 
 
 def _recompute_everything(_ctx, _op, *_args, **_kwargs) -> CheckpointPolicy:
@@ -170,11 +211,39 @@ def _recompute_everything(_ctx, _op, *_args, **_kwargs) -> CheckpointPolicy:
 _RECOMPUTED = functools.partial(create_selective_checkpoint_contexts, _recompute_everything)
 
 
+def gather_in_graph(unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A wrapper's forward pre-hook. In code that dynamo traces, `unit` (a ``lifecycle.ShardedUnit``) other than
+    the root gathers in the graph: each handle's full views shadow its parameter attributes, as eager forward's
+    do, and the inputs are cast under mixed precision; until ``release_in_graph`` the unit's hooks and its
+    parts' stand aside. Hooks around the module's own call, not a call of ours: dynamo resumes a broken graph
+    only in the frame it compiled, so a frame of ours between the model's would cost a break more wherever the
+    model's code breaks one inside the unit."""
+    if not torch.compiler.is_compiling():
+        return None
+    for handle in unit.handles:
+        handle.install_full_views(traced_full_views(handle, unit.requires_gradient_sync,
+                                                    unit.keeps_gathered_for_backward))
+    unit.gathered_in_graph = True
+    if unit.mixed_precision.param_dtype is not None:
+        return cast_floating_tensors((args, kwargs), unit.mixed_precision.param_dtype)
+    return None
+
+
+def release_in_graph(unit) -> None:
+    """A wrapper's forward hook: after ``gather_in_graph``, the unit's parameters are its sharded views again
+    (the graph frees the full ones after their last use)."""
+    if unit.gathered_in_graph and torch.compiler.is_compiling():
+        unit.gathered_in_graph = False
+        for handle in unit.handles:
+            handle.use_sharded_views()
+
+
 def traced_full_views(handle: FlatParamHandle, sync: bool, keep: bool) -> tuple[torch.Tensor, ...]:
     """The handle's full-shape views, one per slot, computed by operators that dynamo traces. `keep`: saved
     for backward (the root, SHARD_GRAD_OP); otherwise gathered again in backward."""
 
-    if handle.communicates_nothing:  # one rank, no replicas: each sharded view is its whole parameter
+    if handle.communicates_nothing:  # one rank, no replicas: each sharded view is its whole parameter, and
+        handle.gradient.reduced_in_graph = True  # the graph's gradient its own (the end of backward leaves it)
         return tuple(view.to(handle.compute_device, handle.param_dtype).view(slot.shape)
                      for view, slot in zip(handle.sharded_views, handle.slots))
 

@@ -348,20 +348,33 @@ class PrintingBlocks(nn.Module):
 
 
 def breaks_inside_a_unit(comm: Communicator) -> dict:
-    """Dynamo's breaks compiling (``aot_eager``) two such blocks and a head, unwrapped and wrapped one unit
-    per block, under ``nested_graph_breaks``, with which dynamo resumes inside the frame that broke; without
-    it every Python frame between the model's and the break (the wrapper's own) adds a break."""
-    torch.manual_seed(0)
-    model = PrintingBlocks()
-    wrapped = FullyShardedDataParallel(copy.deepcopy(model), comm=comm,
-                                       auto_wrap_policy=ModuleWrapPolicy({BlockThatPrints}))
+    """Dynamo's breaks compiling (``aot_eager``) a model unwrapped and wrapped, forward and backward, where the
+    model's own code breaks the graph inside a unit: two printing blocks and a head (one unit per block), with
+    dynamo's defaults, under ``nested_graph_breaks``, and inside a compiled function that calls the model (the
+    root traced inline, not around the graph); and HF's GPT-2 with its loss left unnamed (it warns through
+    ``logging`` in the root's forward, a break), two steps, with the defaults."""
     found = {}
-    with torch._dynamo.config.patch(nested_graph_breaks=True):
-        for name, candidate in (("unwrapped", model), ("wrapped", wrapped)):
-            torch._dynamo.reset()
-            torch._dynamo.utils.counters.clear()
-            torch.compile(candidate, backend="aot_eager")(torch.ones(2, 8)).sum().backward()
-            found[name] = dynamo_graphs()
+    torch.manual_seed(0)
+    printing = PrintingBlocks()
+    hf_model, hf_blocks, hf_batch, hf_loss = hf_gpt2()
+    hf_model.loss_type = None  # as HF leaves it
+    cases = {"printing": (printing, {BlockThatPrints}, lambda m: m(torch.ones(2, 8)).sum(), 1),
+             "hf_gpt2": (hf_model, hf_blocks, lambda m: hf_loss(m, *hf_batch(0)), 2)}
+    for case, nested, in_function in (("printing", False, False), ("printing", True, False),
+                                      ("printing", False, True), ("hf_gpt2", False, False)):
+        model, wrap_classes, loss_of, steps = cases[case]
+        wrapped = FullyShardedDataParallel(copy.deepcopy(model), comm=comm,
+                                           auto_wrap_policy=ModuleWrapPolicy(wrap_classes))
+        with torch._dynamo.config.patch(nested_graph_breaks=nested):
+            for form, candidate in (("unwrapped", model), ("wrapped", wrapped)):
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+                step = (torch.compile(loss_of, backend="aot_eager") if in_function else
+                        lambda m, compiled=torch.compile(candidate, backend="aot_eager"): loss_of(compiled))
+                for _ in range(steps):
+                    step(candidate).backward()
+                found.setdefault(case + ("/nested" if nested else "") + ("/function" if in_function else ""),
+                                 {})[form] = dynamo_graphs()
     return found
 
 

@@ -9,8 +9,8 @@ handle at a time must be the same step: after every step the parameters and the
 optimizer's state are equal to the bit, and the stepped model's gradients are
 cleared. Variants: inline and on a thread of its own, offloaded, accumulated under
 ``no_sync()``, with the reduce-scatter asynchronous, NO_SHARD (every rank a
-replica), in bf16, with a frozen layer, compiled whole (every handle then steps
-at the end of backward), with a scheduler, and with the for-loop, foreach and
+replica), in bf16, with a frozen layer, compiled whole (the graph's handles then
+step at the end of backward), with a scheduler, and with the for-loop, foreach and
 fused AdamW and SGD with momentum. Inline, some handles must have stepped, and freed their
 gradients, before backward reached the first layer. Then the refusals. With
 ``--device cuda`` (the GPU lane) the GPU variants instead: offloaded (its steps on

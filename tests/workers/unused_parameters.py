@@ -27,7 +27,8 @@ gradient), and bf16 mixed precision (the None pattern and check 3 only). Compile
 (``torch.compile``, AOT autograd), where every rank must compile the same graph, on a model
 whose use depends on the step only (``StaticBranchy``: no routing by data, no rank-only head):
 the same checks with sync; the same with one expert called as a part of its unit (gathered
-by eager hooks: a break inside the root's graph, whose parameters then all get gradients);
+by eager hooks: a break inside the root's graph, whose parameters, gathered outside it, are its
+inputs: none where unused);
 with ``no_sync()``, where a compiled synced graph that does not run the branch must still
 hand it what the earlier micro-batch gave it; and two such steps' gradients summed without
 ``zero_grad`` between them.
