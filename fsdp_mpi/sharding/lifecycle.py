@@ -167,7 +167,8 @@ class ShardedUnit:
 
     def _hooks_stand_aside(self) -> bool:
         """Under dynamo, between the wrapper's hooks (``traced.gather_in_graph``, ``release_in_graph``): the graph
-        gathers and frees, so the hooks do nothing (and dynamo traces them, a check and a return, rather than breaking the graph at them)."""
+        gathers and frees, so the hooks do nothing (and dynamo traces them, a check and a return, rather than
+        breaking the graph at them)."""
         return torch.compiler.is_compiling() and self.gathered_in_graph
 
     # ----------------------------------------------------------------- forward
