@@ -179,7 +179,7 @@ MUTANTS = {
         "if new_forward and self.requires_grad and torch.is_grad_enabled() and self._full_views[0].grad_fn is None:",
         [STEP_PEAK]),
     "gathered views stay after reshard": (
-        "fsdp_mpi/sharding/flat_layout.py", "            namespace.pop(attribute, None)", "            pass", [NAMES]),
+        "fsdp_mpi/sharding/flat_layout.py", "            owner.__dict__.pop(attribute, None)", "            pass", [NAMES]),
     "forced staging copies nothing through the host": (
         "fsdp_mpi/communication/transports/direct.py", 'return not comm.force_staging and (device.type == "cpu" or comm.cuda_aware)',
         'return device.type == "cpu" or comm.cuda_aware', [COLLECTIVES]),
@@ -401,8 +401,8 @@ MUTANTS = {
         "fsdp_mpi/sharding/traced.py", "        handle.gradient.reduced_in_graph = True", "        pass", [COMPILED]),
     "an eager hook that compiled code must not trace loads the compiler at its first call": (
         "fsdp_mpi/sharding/traced.py", 'if "torch._dynamo" not in sys.modules:', "if False:", [SWITCHES]),
-    "compiled, dynamo traces the views' backward with a gradient for every view: unused ones get zeros": (
-        "fsdp_mpi/sharding/traced.py", "    torch._dynamo.allow_in_graph(_full_views)", "    pass", [UNUSED]),
+    "compiled, the views' autograd function is not put in the graph as it is: dynamo breaks at it": (
+        "fsdp_mpi/sharding/traced.py", "    torch._dynamo.allow_in_graph(_full_views)", "    pass", [COMPILED_WHOLE]),
     "compiled, a gradient that only no_sync gave, which the synced graph cannot hand over, is dropped": (
         "fsdp_mpi/sharding/flat_gradient.py", "            view.grad = piece if view.grad is None else view.grad.add_(piece)",
         "            pass", [UNUSED]),

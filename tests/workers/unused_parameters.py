@@ -26,9 +26,10 @@ used in one of them on odd steps, so that only a step with no use anywhere drops
 gradient), and bf16 mixed precision (the None pattern and check 3 only). Compiled whole
 (``torch.compile``, AOT autograd), where every rank must compile the same graph, on a model
 whose use depends on the step only (``StaticBranchy``: no routing by data, no rank-only head):
-the same checks with sync; the same with one expert called as a part of its unit (gathered
-by eager hooks: a break inside the root's graph, whose parameters, gathered outside it, are its
-inputs: none where unused);
+the same checks with sync, compiling a function that calls the model (the root's unused layer
+inside the graph); the same with one expert called as a part of its unit (gathered by eager
+hooks: a break inside the root's graph), compiling the model itself (the root gathered outside
+the graph: its parameters are the graph's inputs, none where unused);
 with ``no_sync()``, where a compiled synced graph that does not run the branch must still
 hand it what the earlier micro-batch gave it; and two such steps' gradients summed without
 ``zero_grad`` between them.
@@ -170,7 +171,7 @@ def run(comm: Communicator, mode: str) -> dict:
     precision = MixedPrecision(param_dtype=torch.bfloat16) if mode == "bf16" else None
     ours = FullyShardedDataParallel(copy.deepcopy(reference), comm=comm, mixed_precision=precision,
                                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential, Experts}))
-    call = compile_afresh(ours) if compiled else ours
+    call = compile_afresh(ours, from_a_function=mode != "compiled_part") if compiled else ours
     optimizer = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
     report = {"none_pattern_matches": [], "worst_gradient_ratio": 0.0, "untouched_when_no_gradient": [],
               "no_gradient_names": []}
@@ -209,10 +210,15 @@ def run(comm: Communicator, mode: str) -> dict:
     return report
 
 
-def compile_afresh(model):
-    """``torch.compile`` with AOT autograd, dynamo's caches emptied: each mode's model is new, and the
-    recompilations for earlier ones would reach dynamo's limit, after which it runs the code eagerly."""
+def compile_afresh(model, from_a_function: bool = True):
+    """``torch.compile`` with AOT autograd, dynamo's caches emptied (each mode's model is new, and the
+    recompilations for earlier ones would reach dynamo's limit, after which it runs the code eagerly): of a
+    function that calls the model, so that the root is traced into the graph too, whose own unused parameters
+    then test the graph's handing of None; or of the model itself (``torch.compile(model)``: the root gathers
+    around the graph, eagerly, and its parameters take the eager path)."""
     torch._dynamo.reset()
+    if from_a_function:
+        return torch.compile(lambda *args: model(*args), backend="aot_eager")
     return torch.compile(model, backend="aot_eager")
 
 
