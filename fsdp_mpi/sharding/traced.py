@@ -115,13 +115,18 @@ def mark_eager_frames_for_dynamo() -> None:
     if _eager_frames_marked or "torch._dynamo" not in sys.modules:
         return
     _eager_frames_marked = True
-    try:  # not public: where it has moved, these frames are compiled (a graph more, or two breaks, each)
+    # Not public: where it has moved, these frames are compiled (a graph more, or two breaks, each). Nothing may
+    # escape as AttributeError: the wrapper's ``forward`` property calls this, and Python would take such an
+    # error for a missing ``forward`` and call the wrapped module's own, bypassing its hooks.
+    try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:
+
+        run_as_they_are = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    except (ImportError, AttributeError):
         return
     for code in _EAGER_AS_FRAMES:
-        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        set_code_exec_strategy(code, run_as_they_are)
 
 
 @torch.library.custom_op("fsdp_mpi::all_gather_unit", mutates_args=())
@@ -212,8 +217,8 @@ _RECOMPUTED = functools.partial(create_selective_checkpoint_contexts, _recompute
 
 
 def gather_in_graph(unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """A wrapper's forward pre-hook. In code that dynamo traces, `unit` (a ``lifecycle.ShardedUnit``) other than
-    the root gathers in the graph: each handle's full views shadow its parameter attributes, as eager forward's
+    """A wrapper's forward pre-hook. In code that dynamo traces, `unit` (a ``lifecycle.ShardedUnit``) gathers in
+    the graph: each handle's full views shadow its parameter attributes, as eager forward's
     do, and the inputs are cast under mixed precision; until ``release_in_graph`` the unit's hooks and its
     parts' stand aside. Hooks around the module's own call, not a call of ours: dynamo resumes a broken graph
     only in the frame it compiled, so a frame of ours between the model's would cost a break more wherever the
