@@ -109,3 +109,35 @@ def test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unles
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[1] < losses[0]  # the steps reached the weights that forward gathers
+
+
+@pytest.mark.one_rank
+def test_torch_fsdp_wrap_policies_wrap_as_ours_and_anything_else_is_refused():
+    """A policy written for torch's FSDP selects the units it selects there: asked first whether to look inside
+    a module (recurse=True), torch's size-based policy looks inside neither a small subtree nor attention, whose
+    parameters then stay in their parent's unit."""
+    import functools
+
+    from torch.distributed.fsdp import wrap as torch_wrap
+
+    from fsdp_mpi import SizeBasedWrapPolicy
+
+    def units(policy) -> list[str]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 300),
+                              nn.MultiheadAttention(32, 1))  # its out_proj: a Linear of 1056 parameters
+        FullyShardedDataParallel(model, auto_wrap_policy=policy)
+        return [name for name, module in model.named_modules() if isinstance(module, FullyShardedDataParallel)]
+
+    by_class = units(ModuleWrapPolicy({nn.Linear}))
+    assert by_class == ["0", "1.0", "2", "3.out_proj"]
+    assert units(torch_wrap.ModuleWrapPolicy({nn.Linear})) == by_class
+    assert units(functools.partial(torch_wrap.transformer_auto_wrap_policy,
+                                   transformer_layer_cls={nn.Linear})) == by_class
+    assert units(functools.partial(torch_wrap.size_based_auto_wrap_policy, min_num_params=1000)) == ["2"]
+    assert units(SizeBasedWrapPolicy(1000)) == ["2", "3", "3._fsdp_wrapped_module.out_proj"]  # ours looks inside
+    for bad, named in ((torch_wrap.CustomPolicy(lambda module: True), "CustomPolicy"), ("Linear", "'Linear'"),
+                       (lambda module: True, "lambda")):
+        model = nn.Linear(2, 2)
+        with pytest.raises(TypeError, match=f"auto_wrap_policy must be .* got .*{named}"):
+            FullyShardedDataParallel(model, auto_wrap_policy=bad)
+        assert "weight" in model._parameters  # nothing was flattened

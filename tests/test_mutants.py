@@ -66,6 +66,7 @@ SPLIT_DROPOUT = "tests/test_dropout.py::test_a_batch_split_any_way_draws_the_mas
 COMPILED_WHOLE = ("tests/test_equivalence.py::"
                   "test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model[3-compiled_whole]")
 COMPILED = COMPILED_WHOLE.replace("[3-compiled_whole]", "[2-compiled]")  # breaks in the model's code, one rank
+TORCH_POLICIES = "tests/test_bad_input.py::test_torch_fsdp_wrap_policies_wrap_as_ours_and_anything_else_is_refused"
 MOVING = ("tests/test_bad_input.py::"
           "test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unless_it_changes_nothing")
 STOPPED_BY_A_SIGNAL = ("tests/test_resume_experiments.py::"
@@ -152,6 +153,9 @@ MUTANTS = {
         "fsdp_mpi/sharding/collectives.py", "        self.comm.reduce_scatter_sum(shard_grad, full_grad.contiguous(), unit)",
         "        shard_grad.copy_(full_grad.view(self.comm.world_size, -1)[self.comm.rank])",
         [KNOWN_ANSWER]),
+    "torch's wrap policy never asked whether to look inside": (
+        "fsdp_mpi/sharding/wrap.py", "            if not policy.should_descend(child, sum(p.numel() for p in child.parameters())):",
+        "            if False:", [TORCH_POLICIES]),
     "gradients summed, not averaged": (
         "fsdp_mpi/sharding/flat_gradient.py", "self.scale = 1 / divisor if self.scale_in_backward else 1.0",
         "self.scale = 1.0", [EQUIVALENCE]),

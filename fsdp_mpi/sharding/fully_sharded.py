@@ -28,7 +28,7 @@ from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
 from fsdp_mpi.sharding.traced import (eager_as_a_frame_of_its_own, gather_in_graph, mark_eager_frames_for_dynamo,
                                       release_in_graph)
 from fsdp_mpi.sharding.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
-from fsdp_mpi.sharding.wrap import apply_wrap_policy
+from fsdp_mpi.sharding.wrap import apply_wrap_policy, as_wrap_policy
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -37,7 +37,8 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         module: the model (or part of it) to shard. It must be built identically on every rank.
         comm: an mpi4py communicator or a ``fsdp_mpi.Communicator``; ``MPI.COMM_WORLD`` by default.
-        auto_wrap_policy: e.g. ``ModuleWrapPolicy({Block})``: which submodules become nested units.
+        auto_wrap_policy: e.g. ``ModuleWrapPolicy({Block})``: which submodules become nested units; a policy
+            written for torch's FSDP (a callable ``(module, recurse, nonwrapped_numel) -> bool``) works too.
         sharding_strategy: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP``, ``HYBRID_SHARD`` or ``NO_SHARD``
             (see ``strategy.py``).
         hybrid_group_size: under ``HYBRID_SHARD``, ranks per shard group (consecutive ranks); by default
@@ -91,6 +92,7 @@ class FullyShardedDataParallel(nn.Module):
         _check_compression(compression, mixed_precision)
         if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
             raise TypeError(f"cpu_offload must be a fsdp_mpi.CPUOffload, got {cpu_offload!r}")
+        auto_wrap_policy = None if auto_wrap_policy is None else as_wrap_policy(auto_wrap_policy)
         offloaded = cpu_offload is not None and cpu_offload.offload_params
         device = torch.device(device) if isinstance(device, (str, int)) else device
         check_module_can_be_sharded(module, device)
