@@ -159,6 +159,9 @@ MUTANTS = {
     "gradients summed, not averaged": (
         "fsdp_mpi/sharding/flat_gradient.py", "self.scale = 1 / divisor if self.scale_in_backward else 1.0",
         "self.scale = 1.0", [EQUIVALENCE]),
+    "compiled, gradients summed, not averaged": (
+        "fsdp_mpi/sharding/traced.py", "(grad.reshape(-1) if scale == 1.0 else grad.reshape(-1) * scale)",
+        "grad.reshape(-1)", [COMPILED_WHOLE]),
     "16-bit gradients summed, not averaged": (
         "fsdp_mpi/sharding/flat_gradient.py", "            shard_grad.div_(self.divisor)", "            pass", [EQUIVALENCE]),
     "gradient reduced into the wrong shard": (

@@ -94,8 +94,8 @@ class FlatGradient:
 
     def reduce_in_graph(self, full_grad: torch.Tensor, sync: bool, used: list[bool]) -> torch.Tensor:
         """The compiled path's ``reduce`` (``traced.py``): a new (shard_numel,) gradient of the shard's dtype,
-        averaged over the ranks, from backward's unscaled (padded_numel,) gradient of ``param_dtype``, which it
-        scales (as ``FullViews`` does) and reduces in place. Without `sync` (``no_sync``) the gradient is kept,
+        averaged over the ranks, from backward's (padded_numel,) gradient of ``param_dtype``, already times
+        ``scale`` (as ``FullViews`` gives it), which it reduces in place. Without `sync` (``no_sync``) the gradient is kept,
         as the eager path keeps it, in ``full_flat.grad`` (a copy: the graph may reuse its buffer), and zeros
         come back; a later synced backward adds what was kept before reducing.
 
@@ -107,8 +107,6 @@ class FlatGradient:
         handle = self.handle
         used_since_reduction = [before or now for before, now in zip(self.received, used)]
         self.shard_grad = None  # the graph adds to the views' gradients: no longer pieces of ours (_accumulate)
-        if self.scale_in_backward:
-            full_grad.mul_(self.scale)
         kept = handle.full_flat.grad
         handle.full_flat.grad = None
         if not sync:

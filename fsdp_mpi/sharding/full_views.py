@@ -20,7 +20,7 @@ class FullViews(torch.autograd.Function):
     views that got one.
 
     Its backward concatenates as ``torch.split``'s would, into one new flat gradient,
-    with zeros where a view got none, and scales that. ``ctx`` keeps shapes, the
+    with zeros where a view got none, and scales it: in host memory in the same pass, on a GPU after. ``ctx`` keeps shapes, the
     padding, the flags and where the flat gradient goes, no reference to the handle
     (the handle holds the views, whose node this is: a cycle through autograd that no collector breaks).
 
@@ -49,17 +49,23 @@ class FullViews(torch.autograd.Function):
     @timed(GRADIENT_ASSEMBLY)
     def backward(ctx, *grads: torch.Tensor | None):
         padded_numel, dtype, device = ctx.like
-        pieces = []
-        for index, (shape, grad) in enumerate(zip(ctx.shapes, grads)):
+        for index, grad in enumerate(grads):
             ctx.received[index] = ctx.received[index] or grad is not None
-            pieces.append(grad.reshape(-1) if grad is not None else torch.zeros(shape.numel(), dtype=dtype,
-                                                                                device=device))
-        if ctx.padding:  # none on one rank
-            pieces.append(torch.zeros(ctx.padding, dtype=dtype, device=device))
-        # One concatenation, not a copy per parameter: on a GPU, a kernel or two per unit instead of one per
-        # parameter, which a step of many small units would wait for the host to launch.
         into = (torch.empty(padded_numel, dtype=dtype, device=device) if ctx.buffer is None
                 else ctx.buffer.take(padded_numel, dtype))
+        if device.type == "cpu":  # bound by memory: one pass, each gradient scaled as it is copied in
+            parts = into.split([*(shape.numel() for shape in ctx.shapes), ctx.padding])
+            for part, grad in zip(parts, (*grads, None)):
+                if grad is None:
+                    part.zero_()
+                else:
+                    torch.mul(grad.reshape(-1), ctx.scale, out=part)
+            return into, None, None, None, None
+        # One concatenation, not a copy per parameter: on a GPU, a kernel or two per unit instead of one per
+        # parameter, which a step of many small units would wait for the host to launch.
+        pieces = [grad.reshape(-1) if grad is not None else torch.zeros(shape.numel(), dtype=dtype, device=device)
+                  for shape, grad in zip(ctx.shapes, grads)]
+        if ctx.padding:  # none on one rank
+            pieces.append(torch.zeros(ctx.padding, dtype=dtype, device=device))
         full_grad = torch.cat(pieces, out=into)
         return (full_grad if ctx.scale == 1.0 else full_grad.mul_(ctx.scale)), None, None, None, None
-

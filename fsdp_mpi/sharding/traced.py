@@ -5,10 +5,11 @@ keep state, so compiled code cannot trace them: each unit would end a graph. Cod
 that dynamo traces takes this path instead (the wrapper's forward hooks,
 ``gather_in_graph`` and ``release_in_graph``), in which the lifecycle is data flow:
 
-    forward:   pieces of the shard (the sharded views) -> cat -> fsdp_mpi::all_gather_unit
-               -> split into full views (_FullViews) -> shown as the module's parameters while it is called
-    backward:  the full views' gradients -> cat -> fsdp_mpi::reduce_scatter_unit -> split -> each sharded
-               view's .grad, none where its full view got none
+    forward:   pieces of the shard (the sharded views) -> fsdp_mpi::all_gather_unit (of the flat shard they
+               are slices of) -> split into full views (_FullViews) -> shown as the module's parameters while
+               it is called
+    backward:  the full views' gradients, times 1/N -> cat -> fsdp_mpi::reduce_scatter_unit -> split -> each
+               sharded view's .grad, none where its full view got none
 
 The two collectives are custom operators (``torch.library``) with fake
 implementations, so dynamo and AOTAutograd see their shapes without running
@@ -130,28 +131,31 @@ def mark_eager_frames_for_dynamo() -> None:
 
 
 @torch.library.custom_op("fsdp_mpi::all_gather_unit", mutates_args=())
-def all_gather_unit(shard: torch.Tensor, handle: str) -> torch.Tensor:
-    """(shard_numel,) of this rank -> (padded_numel,) of every rank's, in ``param_dtype``."""
+def all_gather_unit(pieces: list[torch.Tensor], handle: str) -> torch.Tensor:
+    """This rank's pieces of the shard (its sharded views, flat) -> (padded_numel,) of every rank's shard, in
+    ``param_dtype``. The pieces are slices of the flat shard, which the gather reads as it is, as eager's does:
+    they are the inputs only so that the graph orders the gather after what wrote them (their concatenation
+    would copy the shard once more)."""
     found = _handles[handle]
     full = torch.empty(found.padded_numel, dtype=found.param_dtype, device=found.compute_device)
-    found.gather.into(full, shard, found.unit_name)
+    found.gather.into(full, found.shard, found.unit_name)
     return full
 
 
 @all_gather_unit.register_fake
-def _(shard: torch.Tensor, handle: str) -> torch.Tensor:
+def _(pieces: list[torch.Tensor], handle: str) -> torch.Tensor:
     _let_dynamo_put_views_in_graph()
     found = _handles[handle]
-    return shard.new_empty(found.padded_numel, dtype=found.param_dtype, device=found.compute_device)
+    return pieces[0].new_empty(found.padded_numel, dtype=found.param_dtype, device=found.compute_device)
 
 
 @torch.library.custom_op("fsdp_mpi::reduce_scatter_unit", mutates_args=("full_grad",))
 def reduce_scatter_unit(full_grad: torch.Tensor, handle: str, sync: bool, used: list[bool]) -> torch.Tensor:
-    """(padded_numel,) gradient of this rank -> (shard_numel,) averaged over the ranks, in the shard's dtype;
-    `used`: which parameters (slots) got a gradient in this graph (False inside ``no_sync``). It scales and
-    reduces in `full_grad` itself (the transports use their input as scratch), and says so: the graph then
-    hands it the buffer that backward assembled the gradient in (inductor), where an operator that may not
-    write its input would copy it first."""
+    """(padded_numel,) gradient of this rank, already times 1/N -> (shard_numel,) averaged over the ranks, in
+    the shard's dtype; `used`: which parameters (slots) got a gradient in this graph (False inside
+    ``no_sync``). It reduces in `full_grad` itself (the transports use their input as scratch), and says so:
+    the graph then hands it the buffer that backward assembled the gradient in (inductor), where an operator
+    that may not write its input would copy it first."""
     shard_grad = _handles[handle].gradient.reduce_in_graph(full_grad, sync, used)
     if sync:
         _after_reduction[handle]()
@@ -167,6 +171,8 @@ def _(full_grad: torch.Tensor, handle: str, sync: bool, used: list[bool]) -> tor
 class _FullViews(torch.autograd.Function):
     """The gathered (padded_numel,) buffer -> one full-shape view per slot; backward: the views' gradients ->
     the reduced gradient of each sharded view (the pieces of the shard), None for a parameter that got none.
+    Each gradient is multiplied by 1/N (``FlatGradient.scale``) as it is copied into the flat gradient: in one
+    pass, which inductor fuses (where a separate pass would read and write the whole gradient once more).
 
     Dynamo would trace this function's backward with a gradient for every view, zeros where none came: so it
     puts the call in its graph as it is (``allow_in_graph``), and AOT autograd, which traces it with autograd
@@ -187,8 +193,9 @@ class _FullViews(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         found = _handles[ctx.handle]
         used = [grad is not None for grad in grads]
-        like = next(grad for grad in grads if grad is not None)
-        full_grad = torch.cat([*(grad.reshape(-1) if grad is not None else like.new_zeros(slot.numel)
+        like, scale = next(grad for grad in grads if grad is not None), found.gradient.scale
+        full_grad = torch.cat([*((grad.reshape(-1) if scale == 1.0 else grad.reshape(-1) * scale)
+                                 if grad is not None else like.new_zeros(slot.numel)
                                  for grad, slot in zip(grads, found.slots)),
                                like.new_zeros(found.padded_numel - found.numel)])
         shard_grad = reduce_scatter_unit(full_grad, ctx.handle, ctx.sync, used)
@@ -253,11 +260,10 @@ def traced_full_views(handle: FlatParamHandle, sync: bool, keep: bool) -> tuple[
                      for view, slot in zip(handle.sharded_views, handle.slots))
 
     def gathered(*pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        shard = torch.cat(pieces).detach()  # (shard_numel,): the same shape on every rank, whatever each piece's
-        full = all_gather_unit(shard, handle.traced_id)  # dynamo runs its fake here, which marks _full_views
-        return _full_views(handle.traced_id, sync, full, *pieces[:-1])
+        flat = [piece.detach().view(-1) for piece in pieces]  # dynamo runs the gather's fake here, which marks
+        full = all_gather_unit(flat, handle.traced_id)  # _full_views
+        return _full_views(handle.traced_id, sync, full, *pieces)
 
-    pieces = (*handle.sharded_views, handle.shard.new_zeros(handle.shard_padding))
     if keep or not torch.is_grad_enabled():
-        return gathered(*pieces)
-    return checkpoint(gathered, *pieces, use_reentrant=False, context_fn=_RECOMPUTED)
+        return gathered(*handle.sharded_views)
+    return checkpoint(gathered, *handle.sharded_views, use_reentrant=False, context_fn=_RECOMPUTED)
