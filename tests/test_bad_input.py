@@ -41,7 +41,7 @@ def test_wrapping_twice():
 def test_not_a_module_and_bad_strategy():
     with pytest.raises(TypeError, match="wraps an nn.Module"):
         FullyShardedDataParallel(torch.zeros(3))
-    with pytest.raises(TypeError, match="sharding_strategy must be a ShardingStrategy"):
+    with pytest.raises(TypeError, match="sharding_strategy must be fsdp_mpi.ShardingStrategy"):
         FullyShardedDataParallel(nn.Linear(2, 2), sharding_strategy="full")
     assert ShardingStrategy.FULL_SHARD.value == "full_shard"
 
@@ -140,4 +140,38 @@ def test_torch_fsdp_wrap_policies_wrap_as_ours_and_anything_else_is_refused():
         model = nn.Linear(2, 2)
         with pytest.raises(TypeError, match=f"auto_wrap_policy must be .* got .*{named}"):
             FullyShardedDataParallel(model, auto_wrap_policy=bad)
+        assert "weight" in model._parameters  # nothing was flattened
+
+
+@pytest.mark.one_rank
+def test_torch_fsdp_options_are_read_as_ours_and_what_cannot_be_is_refused():
+    """Code written for torch's FSDP passes its ShardingStrategy, MixedPrecision, CPUOffload and device_id as they
+    are; a setting fsdp_mpi cannot honour (low-precision .grad) is a TypeError that says why."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    from fsdp_mpi import CPUOffload, MixedPrecision
+    from fsdp_mpi.sharding.torch_options import read_cpu_offload
+
+    model = nn.Linear(4, 4)
+    wrapped = FullyShardedDataParallel(model, sharding_strategy=torch_fsdp.ShardingStrategy.SHARD_GRAD_OP,
+                                       mixed_precision=torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16),
+                                       cpu_offload=torch_fsdp.CPUOffload(offload_params=True), device_id="cpu")
+    unit = wrapped._unit
+    assert unit.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert unit.mixed_precision == MixedPrecision(param_dtype=torch.bfloat16)
+    assert unit.handles[0].gradient.reduce_dtype == torch.float32  # reduce_dtype unset: summed in fp32, as ours
+    assert wrapped(torch.ones(2, 4)).dtype == torch.bfloat16
+    # on a CPU an offloaded shard is where it was: what the wrapper was given is read as
+    assert read_cpu_offload(torch_fsdp.CPUOffload(offload_params=True)) == CPUOffload(offload_params=True)
+    for options, error, message in (
+            ({"mixed_precision": torch_fsdp.MixedPrecision(torch.bfloat16, keep_low_precision_grads=True)},
+             TypeError, r"keep_low_precision_grads=True\) is not supported"),
+            ({"sharding_strategy": torch_fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2}, TypeError,
+             r"sharding_strategy must be fsdp_mpi.ShardingStrategy \(FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, "
+             r"NO_SHARD\) or torch FSDP's of the same name, got <ShardingStrategy._HYBRID_SHARD_ZERO2"),
+            ({"cpu_offload": True}, TypeError, "cpu_offload must be a fsdp_mpi.CPUOffload or torch FSDP's"),
+            ({"device": "cpu", "device_id": "cpu"}, ValueError, "give device= or device_id=")):
+        model = nn.Linear(2, 2)
+        with pytest.raises(error, match=message):
+            FullyShardedDataParallel(model, **options)
         assert "weight" in model._parameters  # nothing was flattened

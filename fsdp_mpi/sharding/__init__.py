@@ -2,6 +2,7 @@
 
 Read in this order: strategy -> collectives -> host_memory -> offload -> flat_layout -> full_views
 -> flat_gradient -> flat_param -> nested -> mixed_precision -> traced -> execution_order -> root_context
--> in_place -> lifecycle -> state_dict -> validation -> deferred_init -> wrap -> fully_sharded.
+-> in_place -> lifecycle -> state_dict -> validation -> deferred_init -> wrap -> torch_options
+-> fully_sharded.
 Imports only ``fsdp_mpi.communication``.
 """

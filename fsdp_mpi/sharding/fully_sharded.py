@@ -27,6 +27,7 @@ from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict
 from fsdp_mpi.sharding.strategy import ShardGroups, ShardingStrategy
 from fsdp_mpi.sharding.traced import (eager_as_a_frame_of_its_own, gather_in_graph, mark_eager_frames_for_dynamo,
                                       release_in_graph)
+from fsdp_mpi.sharding.torch_options import read_cpu_offload, read_mixed_precision, read_sharding_strategy
 from fsdp_mpi.sharding.validation import check_module_can_be_sharded, check_same_model_on_all_ranks
 from fsdp_mpi.sharding.wrap import apply_wrap_policy, as_wrap_policy
 
@@ -40,7 +41,8 @@ class FullyShardedDataParallel(nn.Module):
         auto_wrap_policy: e.g. ``ModuleWrapPolicy({Block})``: which submodules become nested units; a policy
             written for torch's FSDP (a callable ``(module, recurse, nonwrapped_numel) -> bool``) works too.
         sharding_strategy: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP``, ``HYBRID_SHARD`` or ``NO_SHARD``
-            (see ``strategy.py``).
+            (see ``strategy.py``). torch FSDP's ``ShardingStrategy``, ``MixedPrecision`` and ``CPUOffload`` are
+            read as ours (``torch_options.py``).
         hybrid_group_size: under ``HYBRID_SHARD``, ranks per shard group (consecutive ranks); by default
             ``FSDP_MPI_HYBRID_GROUP_SIZE``, else the ranks of each node.
         mixed_precision: ``MixedPrecision(param_dtype=torch.bfloat16)`` gathers and computes in bf16
@@ -48,7 +50,7 @@ class FullyShardedDataParallel(nn.Module):
         compression: ``Compression(weights="int8", gradients="bf16")`` gathers weights and reduces gradients
             in fewer bytes, whatever dtype the module computes in (see ``compression.py``). None: uncompressed.
         device: where the unit computes; the module is moved there (under ``cpu_offload``, its buffers only).
-            Defaults to the parameters' device.
+            Defaults to the parameters' device. ``device_id``: torch FSDP's name for it.
         cpu_offload: ``CPUOffload(offload_params=True)`` keeps the shards, their gradients and so the
             optimizer state in host memory, each unit's shard copied to `device` for its gather
             (see ``offload.py``). None: all on `device`.
@@ -72,6 +74,7 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         compression: Compression | None = None,
         device: torch.device | str | int | None = None,
+        device_id: torch.device | str | int | None = None,
         cpu_offload: CPUOffload | None = None,
         sync_module_states: bool = True,
         forward_prefetch: bool = False,
@@ -84,16 +87,15 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         if isinstance(module, FullyShardedDataParallel) or UNIT_ATTRIBUTE in getattr(module, "__dict__", {}):
             raise ValueError("this module is already wrapped by FullyShardedDataParallel; wrap it only once")
-        if not isinstance(sharding_strategy, ShardingStrategy):
-            raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {sharding_strategy!r}")
-        mixed_precision = MixedPrecision() if mixed_precision is None else mixed_precision
-        if not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(f"mixed_precision must be a fsdp_mpi.MixedPrecision, got {mixed_precision!r}")
+        sharding_strategy = read_sharding_strategy(sharding_strategy)
+        mixed_precision = read_mixed_precision(mixed_precision)
         _check_compression(compression, mixed_precision)
-        if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-            raise TypeError(f"cpu_offload must be a fsdp_mpi.CPUOffload, got {cpu_offload!r}")
+        cpu_offload = read_cpu_offload(cpu_offload)
         auto_wrap_policy = None if auto_wrap_policy is None else as_wrap_policy(auto_wrap_policy)
         offloaded = cpu_offload is not None and cpu_offload.offload_params
+        if device_id is not None and device is not None:
+            raise ValueError("give device= or device_id= (torch FSDP's name for it), not both")
+        device = device if device_id is None else device_id
         device = torch.device(device) if isinstance(device, (str, int)) else device
         check_module_can_be_sharded(module, device)
         comm = comm if isinstance(comm, Communicator) else Communicator(comm)
