@@ -48,7 +48,8 @@ from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.sharding.fully_sharded import FullyShardedDataParallel
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
 from fsdp_mpi.sharding.strategy import ShardingStrategy
-from fsdp_mpi.sharding.wrap import ModuleWrapPolicy
+from fsdp_mpi.sharding.torch_options import read_sharding_strategy
+from fsdp_mpi.sharding.wrap import ModuleWrapPolicy, as_wrap_policy
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"  # beside the shards in a checkpoint directory
 _PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}
@@ -131,9 +132,11 @@ class FSDPMPIStrategy(ParallelStrategy):
     """Trains a LightningModule fully sharded over the MPI ranks.
 
     Args:
-        auto_wrap_policy: the module classes that become sharding units (a set of classes,
-            or any fsdp_mpi wrap policy); what is left belongs to the root unit.
-        sharding_strategy: as ``FullyShardedDataParallel``'s (FULL_SHARD by default).
+        auto_wrap_policy: the module classes that become sharding units (a set of classes, any fsdp_mpi wrap
+            policy, or a callable in torch FSDP's form, as Lightning's FSDPStrategy takes); what is left belongs
+            to the root unit.
+        sharding_strategy: as ``FullyShardedDataParallel``'s (FULL_SHARD by default), or its name
+            (``"HYBRID_SHARD"``), as Lightning's FSDPStrategy takes it.
         accumulate_without_sync: during gradient accumulation, reduce only on the step's last micro-batch.
         fsdp_kwargs: passed on to ``FullyShardedDataParallel`` (e.g. ``forward_prefetch=True``).
     """
@@ -148,8 +151,9 @@ class FSDPMPIStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         if isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
             auto_wrap_policy = ModuleWrapPolicy(set(auto_wrap_policy))
-        self.auto_wrap_policy = auto_wrap_policy
-        self.sharding_strategy = sharding_strategy
+        # Read now, so that a bad one fails here rather than when the Trainer sets the model up.
+        self.auto_wrap_policy = None if auto_wrap_policy is None else as_wrap_policy(auto_wrap_policy)
+        self.sharding_strategy = read_sharding_strategy(sharding_strategy)
         self.accumulate_without_sync = accumulate_without_sync
         self.fsdp_kwargs = fsdp_kwargs
         self.comm = Communicator()  # MPI.COMM_WORLD, logged and watched like every collective of the layer

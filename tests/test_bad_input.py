@@ -168,7 +168,7 @@ def test_torch_fsdp_options_are_read_as_ours_and_what_cannot_be_is_refused():
              TypeError, r"keep_low_precision_grads=True\) is not supported"),
             ({"sharding_strategy": torch_fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2}, TypeError,
              r"sharding_strategy must be fsdp_mpi.ShardingStrategy \(FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, "
-             r"NO_SHARD\) or torch FSDP's of the same name, got <ShardingStrategy._HYBRID_SHARD_ZERO2"),
+             r"NO_SHARD\), torch FSDP's of the same name, or the name, got <ShardingStrategy._HYBRID_SHARD_ZERO2"),
             ({"cpu_offload": True}, TypeError, "cpu_offload must be a fsdp_mpi.CPUOffload or torch FSDP's"),
             ({"device": "cpu", "device_id": "cpu"}, ValueError, "give device= or device_id=")):
         model = nn.Linear(2, 2)

@@ -100,3 +100,27 @@ def test_a_missing_damaged_or_foreign_state_file_gets_an_error_naming_it(tmp_pat
     torch.save([1, 2], path)
     with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: holds a list, not Lightning's state"):
         load_lightning_state(path)
+
+
+@pytest.mark.one_rank
+def test_the_strategy_takes_lightning_fsdp_options_and_refuses_bad_ones_when_made():
+    """As Lightning's FSDPStrategy: a strategy's name in any case, a set of classes or a policy in torch's form;
+    a bad one fails when the strategy is made, not when the Trainer sets the model up."""
+    import functools
+
+    from torch import nn
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from fsdp_mpi import ShardingStrategy
+    from fsdp_mpi.lightning import FSDPMPIStrategy
+
+    strategy = FSDPMPIStrategy(auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                                  transformer_layer_cls={nn.Linear}),
+                               sharding_strategy="shard_grad_op")
+    assert strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert strategy.auto_wrap_policy.should_wrap(nn.Linear(1, 1), 2)
+    assert not strategy.auto_wrap_policy.should_wrap(nn.ReLU(), 0)
+    with pytest.raises(TypeError, match=r"sharding_strategy must be .* or the name, got 'ZERO3'"):
+        FSDPMPIStrategy(sharding_strategy="ZERO3")
+    with pytest.raises(TypeError, match="auto_wrap_policy must be"):
+        FSDPMPIStrategy(auto_wrap_policy="Linear")

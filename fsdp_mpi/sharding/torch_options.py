@@ -1,6 +1,6 @@
 """torch FSDP's option objects read as fsdp_mpi's, so that code written for torch's FSDP wraps as it is.
 
-    torch.distributed.fsdp.ShardingStrategy.X        ->  ShardingStrategy.X (the same names)
+    torch.distributed.fsdp.ShardingStrategy.X, "X"   ->  ShardingStrategy.X (the same names; Lightning's strings)
     torch.distributed.fsdp.CPUOffload(offload_params) ->  CPUOffload(offload_params)
     torch.distributed.fsdp.MixedPrecision(...)       ->  MixedPrecision(param_dtype, reduce_dtype, buffer_dtype),
                                                          refused with keep_low_precision_grads=True (a sharded
@@ -23,12 +23,15 @@ def _is_torch_fsdp(value, class_name: str) -> bool:
 
 
 def read_sharding_strategy(value) -> ShardingStrategy:
+    """Ours; torch FSDP's member of the same name; or the name itself in any case (Lightning's FSDPStrategy
+    takes ``"FULL_SHARD"``)."""
     if isinstance(value, ShardingStrategy):
         return value
-    if _is_torch_fsdp(value, "ShardingStrategy") and value.name in ShardingStrategy.__members__:
-        return ShardingStrategy[value.name]
-    raise TypeError(f"sharding_strategy must be fsdp_mpi.ShardingStrategy ({', '.join(ShardingStrategy.__members__)})"
-                    f" or torch FSDP's of the same name, got {value!r}")
+    name = value.upper() if isinstance(value, str) else value.name if _is_torch_fsdp(value, "ShardingStrategy") else None
+    if name in ShardingStrategy.__members__:
+        return ShardingStrategy[name]
+    raise TypeError(f"sharding_strategy must be fsdp_mpi.ShardingStrategy ({', '.join(ShardingStrategy.__members__)}),"
+                    f" torch FSDP's of the same name, or the name, got {value!r}")
 
 
 def read_mixed_precision(value) -> MixedPrecision:
