@@ -18,6 +18,7 @@ from fsdp_mpi.sharding.strategy import ShardingStrategy
 
 
 def _is_torch_fsdp(value, class_name: str) -> bool:
+    """Whether `value` is an instance of torch FSDP's class `class_name` (without importing torch's FSDP)."""
     kind = type(value)
     return kind.__name__ == class_name and kind.__module__.startswith("torch.distributed.fsdp")
 
@@ -35,6 +36,7 @@ def read_sharding_strategy(value) -> ShardingStrategy:
 
 
 def read_mixed_precision(value) -> MixedPrecision:
+    """Ours (None: nothing cast), or torch FSDP's dtypes in ours."""
     if value is None:
         return MixedPrecision()
     if isinstance(value, MixedPrecision):
@@ -48,6 +50,7 @@ def read_mixed_precision(value) -> MixedPrecision:
 
 
 def read_cpu_offload(value) -> CPUOffload | None:
+    """Ours or None as given, or torch FSDP's ``offload_params`` in ours."""
     if value is None or isinstance(value, CPUOffload):
         return value
     if _is_torch_fsdp(value, "CPUOffload"):
