@@ -154,7 +154,7 @@ MUTANTS = {
         "        shard_grad.copy_(full_grad.view(self.comm.world_size, -1)[self.comm.rank])",
         [KNOWN_ANSWER]),
     "torch's wrap policy never asked whether to look inside": (
-        "fsdp_mpi/sharding/wrap.py", "            if not policy.should_descend(child, sum(p.numel() for p in child.parameters())):",
+        "fsdp_mpi/sharding/wrap.py", "            if not policy.should_descend(child, numel):",
         "            if False:", [TORCH_POLICIES]),
     "gradients summed, not averaged": (
         "fsdp_mpi/sharding/flat_gradient.py", "self.scale = 1 / divisor if self.scale_in_backward else 1.0",

@@ -28,7 +28,12 @@ def read_sharding_strategy(value) -> ShardingStrategy:
     takes ``"FULL_SHARD"``)."""
     if isinstance(value, ShardingStrategy):
         return value
-    name = value.upper() if isinstance(value, str) else value.name if _is_torch_fsdp(value, "ShardingStrategy") else None
+    if isinstance(value, str):
+        name = value.upper()
+    elif _is_torch_fsdp(value, "ShardingStrategy"):
+        name = value.name
+    else:
+        name = None
     if name in ShardingStrategy.__members__:
         return ShardingStrategy[name]
     raise TypeError(f"sharding_strategy must be fsdp_mpi.ShardingStrategy ({', '.join(ShardingStrategy.__members__)}),"

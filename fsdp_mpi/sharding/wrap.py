@@ -100,8 +100,9 @@ def apply_wrap_policy(root: nn.Module, policy: WrapPolicy, wrap: Callable[[nn.Mo
         for name, child in module.named_children():
             if isinstance(child, unit_type):
                 continue
-            if not policy.should_descend(child, sum(p.numel() for p in child.parameters())):
-                unwrapped_numel += sum(p.numel() for p in child.parameters())
+            numel = _numel(child)
+            if not policy.should_descend(child, numel):  # torch's policies may keep a subtree whole
+                unwrapped_numel += numel
                 continue
             child_numel = visit(child)
             if child_numel and policy.should_wrap(child, child_numel):
@@ -110,5 +111,10 @@ def apply_wrap_policy(root: nn.Module, policy: WrapPolicy, wrap: Callable[[nn.Mo
                 unwrapped_numel += child_numel
         return unwrapped_numel
 
-    if policy.should_descend(root, sum(p.numel() for p in root.parameters())):
+    if policy.should_descend(root, _numel(root)):
         visit(root)
+
+
+def _numel(module: nn.Module) -> int:
+    """Parameters in `module` and below."""
+    return sum(p.numel() for p in module.parameters())
