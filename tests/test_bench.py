@@ -4,6 +4,8 @@ import csv
 import json
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,7 +49,7 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     assert bf16["fsdp_mpi_ratio"] == bf16["beyond_plain_s"] == ""  # neither fsdp-mpi nor plain ran in bf16
     for row in summary.values():
         assert float(row["step_s_min"]) <= float(row["step_s"]) <= float(row["step_s_max"])
-        assert float(row["cpu_s"]) > 0 and float(row["tokens_per_s"]) > 0
+        assert float(row["cpu_s"]) > 0 and float(row["tokens_per_s"]) > 0 and float(row["first_step_s"]) > 0
         # on a CPU a step is issued when it ends (on a GPU, before the GPU has run it)
         assert float(row["step_s"]) - 1e-3 <= float(row["issued_s"]) <= float(row["step_s"])
         if row is not bf16:
@@ -299,6 +301,28 @@ def test_the_step_breakdown_tells_waiting_for_a_slower_rank_from_compute(tmp_pat
     assert early["mpi_waiting_s"] >= 0.8 * sleep and early["mpi_waiting_s"] <= early["mpi_s"]
     assert late["mpi_waiting_s"] <= 0.2 * sleep
     assert late["compute_s"] >= sleep > early["compute_s"]
+
+
+def test_the_first_step_is_reported_apart_from_the_timed_ones(monkeypatch):
+    """A compiled model compiles in its first step: the worker reports the slowest rank's first step, warm-up or
+    not (what compiling costs, beside the step), and times only the steps after warm-up."""
+    import torch
+    from measuring import bench_worker
+
+    sleeps = iter([0.2, 0.0, 0.01, 0.02])  # a first step that compiles, a warm one, then two timed
+    monkeypatch.setattr(bench_worker, "train_step", lambda *_: time.sleep(next(sleeps)))
+
+    class OneRank:
+        def barrier(self):
+            pass
+
+        def all_gather_object(self, value):
+            return [value]
+
+    prepared = SimpleNamespace(comm_seconds=lambda: 0.0, comm_bytes=lambda: 0)
+    times, *_, first = bench_worker.timed_steps(prepared, None, None, SimpleNamespace(warmup=2, steps=2), OneRank(),
+                                                torch.device("cpu"))
+    assert first >= 0.2 and len(times) == 2 and times[0] >= 0.01 and times[1] >= 0.02
 
 
 def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(monkeypatch):

@@ -266,6 +266,9 @@ MUTANTS = {
     "int8 quantizes nothing": (
         "experiments/eval.py", "return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8, inplace=True)",
         "return model", [EVAL_SIZES]),
+    "the bench's first step, which holds a compile, is one of the timed steps": (
+        "experiments/measuring/bench_worker.py", "parts)), times[0])", "parts)), times[args.warmup])",
+        ["tests/test_bench.py::test_the_first_step_is_reported_apart_from_the_timed_ones"]),
     "the cost model forgets the backward all-gather": (
         "experiments/measuring/costmodel.py", "if g > 1 and regathers and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
     "split communicators count their traffic nowhere": (

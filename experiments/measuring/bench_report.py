@@ -35,7 +35,7 @@ def print_table(rows: list[dict]) -> None:
         return f"{number(row[field])} ({number(row[field + '_min'])}-{number(row[field + '_max'])})"
 
     columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)",
-               "scaling efficiency (min-max)", "tokens/s", "MFU", "issued s/step",
+               "scaling efficiency (min-max)", "tokens/s", "MFU", "first step s", "issued s/step",
                "CPU s/step", "model state MB", "peak RSS MB", "peak GPU MB", "comm MB/step", "link MB/step", "blocked in MPI s",
                "beyond plain s", "hidden", "note"]
     print("| " + " | ".join(columns) + " |")
@@ -43,7 +43,7 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         cells = [row["strategy"], row["precision"], str(row["ranks"]), spread(row, "step_s"),
                  spread(row, "fsdp_mpi_ratio"), spread(row, "scaling_efficiency"), number(row.get("tokens_per_s")),
-                 number(row.get("mfu")), number(row.get("issued_s")),
+                 number(row.get("mfu")), number(row.get("first_step_s")), number(row.get("issued_s")),
                  number(row.get("cpu_s")), number(row.get("model_state_mb"), 4), number(row.get("peak_rss_mb"), 4),
                  number(row.get("peak_gpu_mb"), 4), number(row.get("comm_mb_per_step"), 4),
                  number(row.get("link_mb_per_step"), 4),

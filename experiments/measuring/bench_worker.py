@@ -78,7 +78,8 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, 
                 breakdown: StepBreakdown | None = None, in_backward: bool = False):
     """Per step after warm-up: (slowest rank's wall time, the latest rank's time to issue the step, busiest
     rank's CPU time, this rank's time blocked in MPI, its bytes moved by collectives, the slowest rank's step in
-    ``reported.PARTS`` if a `breakdown` is installed); `in_backward`: the optimizer steps inside backward
+    ``reported.PARTS`` if a `breakdown` is installed); then the slowest rank's first step, warm-up or not (where
+    the model is compiled, the compile is in it); `in_backward`: the optimizer steps inside backward
     (``train_step``). fsdp-mpi trains over `comm` itself, so the step's
     figures are read before the timing's own collectives on it.
 
@@ -107,7 +108,7 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, 
         if breakdown:
             mine = breakdown.parts(recorded, seconds, blocked[-1], comm)
             parts.append(comm.all_gather_object(mine)[seconds_by_rank.index(times[-1])])
-    return tuple(measured[args.warmup:] for measured in (times, issued, cpu, blocked, moved, parts))
+    return (*(measured[args.warmup:] for measured in (times, issued, cpu, blocked, moved, parts)), times[0])
 
 
 # torch.distributed's collectives and the argument that holds the full buffer (an all-gather's output,
@@ -146,7 +147,8 @@ def counting_torch_collectives():
 
 
 def lightning_steps(model, batch, args, comm: Communicator):
-    """The same steps through a Lightning Trainer with DDP (gloo), timed by a callback."""
+    """The same steps through a Lightning Trainer with DDP (gloo), timed by a callback: every step's time (the
+    warm-up's too), the CPU time of those after warm-up, the optimizer and the trained module."""
     import lightning as L
     from lightning.pytorch.plugins.environments import MPIEnvironment
     from lightning.pytorch.strategies import DDPStrategy
@@ -191,7 +193,7 @@ def lightning_steps(model, batch, args, comm: Communicator):
                         logger=False, enable_checkpointing=False, enable_model_summary=False,
                         enable_progress_bar=False, use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module)
-    return timer.times[args.warmup:], timer.cpu[args.warmup:], trainer.optimizers[0], module
+    return timer.times, timer.cpu[args.warmup:], trainer.optimizers[0], module
 
 
 def link_bytes_sent() -> int:
@@ -237,6 +239,7 @@ class Measured:
     blocked: list[float]
     moved: list[int]
     parts: list[dict]
+    first_step: float  # the slowest rank's first step, warm-up or not: a compiled model's includes its compile
     model: nn.Module  # as wrapped, not compiled: the model state to count
     optimizer: torch.optim.Optimizer
     link_bytes: float | None = None  # each host's bytes to the others in one step, where the ranks span hosts
@@ -298,21 +301,22 @@ def torch_run(model, batch, args, comm: Communicator, device: torch.device, opti
     if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
         with counting_torch_collectives() as torch_bytes:
             train_step(prepared, optimizer, batch)
-    times, issued, cpu, blocked, moved, parts = timed_steps(prepared, optimizer, batch, args, comm, device,
-                                                            breakdown, bench_plan.STEP_IN_BACKWARD in options)
+    times, issued, cpu, blocked, moved, parts, first = timed_steps(prepared, optimizer, batch, args, comm, device,
+                                                                   breakdown, bench_plan.STEP_IN_BACKWARD in options)
     if args.strategy == "torch-fsdp":
         moved = torch_bytes
     elif args.strategy == "ddp":
         moved = [gradient_bytes(model)]
-    return Measured(times, issued, cpu, blocked, moved, parts, trained, optimizer,
+    return Measured(times, issued, cpu, blocked, moved, parts, first, trained, optimizer,
                     node_link_bytes_per_step(prepared, optimizer, batch, comm))
 
 
 def lightning_run(model, batch, args, comm: Communicator) -> Measured:
     """Times the steps of a Lightning Trainer with DDP (``lightning_steps``)."""
-    times, cpu, optimizer, trained = lightning_steps(model, batch, args, comm)
+    every_step, cpu, optimizer, trained = lightning_steps(model, batch, args, comm)
+    times = every_step[args.warmup:]
     # Lightning runs on the CPU here, where a step is issued when it ends
-    return Measured(times, times, cpu, [float("nan")], [gradient_bytes(model)], [], trained, optimizer)
+    return Measured(times, times, cpu, [float("nan")], [gradient_bytes(model)], [], every_step[0], trained, optimizer)
 
 
 def reported_figures(measured: Measured, comm: Communicator, device: torch.device) -> dict:
@@ -353,7 +357,8 @@ def main() -> None:
                                       *([f"backend={args.backend}"] if args.backend != "auto" else [])]),
                 "sharding_strategy": sharding if args.strategy == "fsdp-mpi" else None,
                 "precision": args.precision, "ranks": comm.world_size, "parameters": parameters,
-                "step_s": step, "step_times_s": measured.times, "issued_s": statistics.median(measured.issued),
+                "step_s": step, "step_times_s": measured.times, "first_step_s": measured.first_step,
+                "issued_s": statistics.median(measured.issued),
                 "cpu_s": statistics.median(measured.cpu), "tokens_per_s": tokens_per_s,
                 "tflops": tokens_per_s * flops_per_token / 1e12, "mfu": tokens_per_s * flops_per_token / job_peak,
                 **figures, "comm_mb_per_step": statistics.median(measured.moved) / 2**20,
