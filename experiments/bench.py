@@ -102,13 +102,13 @@ from measuring.costmodel import ADAM_STATE_BYTES_PER_PARAMETER, SHARDING_STRATEG
 from measuring.reported import PARTS, median_of_known
 
 # what bench_worker reports per run (peak_gpu_mb: on a GPU; PARTS: fsdp-mpi's step, part by part)
-MEASURED = ["step_s", "first_step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb", "peak_rss_mb",
-            "peak_gpu_mb", "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step", *PARTS]
+MEASURED = ["step_s", "first_step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
+            "peak_rss_mb", "peak_gpu_mb", "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step", *PARTS]
 FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio",
           "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "scaling_efficiency", "scaling_efficiency_min",
-          "scaling_efficiency_max", "first_step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
-          "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s", "beyond_plain_s",
-          "hidden_fraction", *PARTS, "note"]
+          "scaling_efficiency_max", "first_step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu",
+          "model_state_mb", "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s",
+          "beyond_plain_s", "hidden_fraction", *PARTS, "note"]
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 

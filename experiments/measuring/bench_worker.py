@@ -147,8 +147,8 @@ def counting_torch_collectives():
 
 
 def lightning_steps(model, batch, args, comm: Communicator):
-    """The same steps through a Lightning Trainer with DDP (gloo), timed by a callback: every step's time (the
-    warm-up's too), the CPU time of those after warm-up, the optimizer and the trained module."""
+    """The same steps through a Lightning Trainer with DDP (gloo), timed by a callback: every step's wall and CPU
+    time (the warm-up's too), the optimizer and the trained module."""
     import lightning as L
     from lightning.pytorch.plugins.environments import MPIEnvironment
     from lightning.pytorch.strategies import DDPStrategy
@@ -193,7 +193,7 @@ def lightning_steps(model, batch, args, comm: Communicator):
                         logger=False, enable_checkpointing=False, enable_model_summary=False,
                         enable_progress_bar=False, use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module)
-    return timer.times, timer.cpu[args.warmup:], trainer.optimizers[0], module
+    return timer.times, timer.cpu, trainer.optimizers[0], module
 
 
 def link_bytes_sent() -> int:
@@ -313,8 +313,8 @@ def torch_run(model, batch, args, comm: Communicator, device: torch.device, opti
 
 def lightning_run(model, batch, args, comm: Communicator) -> Measured:
     """Times the steps of a Lightning Trainer with DDP (``lightning_steps``)."""
-    every_step, cpu, optimizer, trained = lightning_steps(model, batch, args, comm)
-    times = every_step[args.warmup:]
+    every_step, every_cpu, optimizer, trained = lightning_steps(model, batch, args, comm)
+    times, cpu = every_step[args.warmup:], every_cpu[args.warmup:]
     # Lightning runs on the CPU here, where a step is issued when it ends
     return Measured(times, times, cpu, [float("nan")], [gradient_bytes(model)], [], every_step[0], trained, optimizer)
 
