@@ -142,9 +142,9 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py", "return self.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP or self.is_root",
         "return self.is_root", [SWITCHES]),
     "backward prefetch does nothing": (
-        "fsdp_mpi/sharding/lifecycle.py", 'if self.overlap["backward_prefetch"] and', "if False and", [SWITCHES]),
+        "fsdp_mpi/sharding/lifecycle.py", 'if self.overlap.backward_prefetch and', "if False and", [SWITCHES]),
     "async reduce-scatter waits at once": (
-        "fsdp_mpi/sharding/lifecycle.py", 'asynchronous = self.overlap["async_reduce_scatter"]', "asynchronous = False",
+        "fsdp_mpi/sharding/lifecycle.py", 'asynchronous = self.overlap.async_reduce_scatter', "asynchronous = False",
         [SWITCHES]),
     "checkpointing never recomputes": (
         "models/gpt2.py", "if self.gradient_checkpointing and self.training", "if False and self.training",
@@ -393,7 +393,7 @@ MUTANTS = {
         "unit_ref, handle_ref = (lambda: unit), (lambda: handle)", [PERSISTENT]),
     "forward prefetch gathers nothing ahead": (
         "fsdp_mpi/sharding/lifecycle.py",
-        'if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:',
+        'if self.overlap.forward_prefetch and (upcoming := order.after(self)) is not None:',
         "if False:", [PREFETCH]),
     "a unit's forward hook is hidden from dynamo again, breaking a compiled model's graph at every unit": (
         "fsdp_mpi/sharding/lifecycle.py", "    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict)",

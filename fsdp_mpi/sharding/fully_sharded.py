@@ -19,7 +19,7 @@ from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exceptio
 from fsdp_mpi.communication.routes import report_route_once
 from fsdp_mpi.sharding.deferred_init import is_deferred, materialize_into_shards
 from fsdp_mpi.sharding.host_memory import keep_freed_host_memory_for_reuse
-from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, ShardedUnit, modules_outside_units,
+from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, Overlap, ShardedUnit, modules_outside_units,
                                 original_name, units_with_names)
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
 from fsdp_mpi.sharding.offload import CPUOffload
@@ -99,8 +99,7 @@ class FullyShardedDataParallel(nn.Module):
         device = torch.device(device) if isinstance(device, (str, int)) else device
         check_module_can_be_sharded(module, device)
         comm = comm if isinstance(comm, Communicator) else Communicator(comm)
-        overlap = {"forward_prefetch": forward_prefetch, "backward_prefetch": backward_prefetch,
-                   "async_reduce_scatter": async_reduce_scatter}
+        overlap = Overlap(forward_prefetch, backward_prefetch, async_reduce_scatter)
         deferred = is_deferred(module)
         if deferred:
             device = device or torch.device("cpu")
@@ -118,7 +117,8 @@ class FullyShardedDataParallel(nn.Module):
             def wrap_nested(child: nn.Module) -> FullyShardedDataParallel:
                 return FullyShardedDataParallel(child, comm=comm, sharding_strategy=sharding_strategy,
                                                 mixed_precision=mixed_precision, compression=compression,
-                                                device=device, cpu_offload=cpu_offload, **overlap, _groups=_groups)
+                                                device=device, cpu_offload=cpu_offload, **vars(overlap),
+                                                _groups=_groups)
 
             apply_wrap_policy(module, auto_wrap_policy, wrap_nested, FullyShardedDataParallel)
         self.add_module(WRAPPED_MODULE, module)

@@ -44,6 +44,7 @@ reduction run on while the earlier units' backward goes on (one in flight).
 """
 
 import weakref
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -94,6 +95,16 @@ def require_units_with_names(module: nn.Module, needed_by: str) -> list[tuple[st
     return units
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """Which of the optional overlaps a unit uses (the module's docstring; each off by default): named fields,
+    so that a switch misspelt fails where it is made, not when a hook first reads it."""
+
+    forward_prefetch: bool = False
+    backward_prefetch: bool = False
+    async_reduce_scatter: bool = False
+
+
 class ShardedUnit:
     """Flattens `module`'s own parameters into shards and gathers them whenever `module` computes.
 
@@ -102,7 +113,7 @@ class ShardedUnit:
         comm: every rank of the model.
         groups: the shard group and replica group of this rank under the strategy (``strategy.ShardGroups``).
         sharding_strategy: a ``ShardingStrategy``.
-        overlap: ``forward_prefetch``, ``backward_prefetch``, ``async_reduce_scatter`` flags.
+        overlap: which optional overlaps are on (``Overlap``).
         mixed_precision: the dtypes to gather, compute and reduce in.
         compression: how gathered weights and reduced gradients travel (None: uncompressed).
         device: where the unit computes (None: where its parameters are); where shards of parameters on the
@@ -111,7 +122,7 @@ class ShardedUnit:
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, groups: ShardGroups, sharding_strategy: ShardingStrategy,
-                 overlap: dict, mixed_precision: MixedPrecision, device: torch.device | None = None,
+                 overlap: Overlap, mixed_precision: MixedPrecision, device: torch.device | None = None,
                  compression: Compression | None = None, cpu_offload: CPUOffload | None = None):
         self.module = module
         self.comm = comm
@@ -198,7 +209,7 @@ class ShardedUnit:
         order = self.root.context.execution_order
         order.record(self)
         self._unshard()
-        if self.overlap["forward_prefetch"] and (upcoming := order.after(self)) is not None:
+        if self.overlap.forward_prefetch and (upcoming := order.after(self)) is not None:
             upcoming._start_unshard()
         for handle in self.handles:
             handle.use_full_views(new_forward=True)
@@ -254,7 +265,7 @@ class ShardedUnit:
         self._queue_end_of_backward()
         if self.state is not TrainingState.BACKWARD:
             self._to_backward()
-            if self.overlap["backward_prefetch"] and (upcoming := self.root.context.execution_order.before(self)):
+            if self.overlap.backward_prefetch and (upcoming := self.root.context.execution_order.before(self)):
                 upcoming._start_unshard()
 
     @timed(HOOK)
@@ -262,7 +273,7 @@ class ShardedUnit:
         """Runs when autograd has summed every use's gradient into ``handle.full_flat.grad``."""
         handle.gradient.awaiting = False
         if self.requires_gradient_sync:
-            asynchronous = self.overlap["async_reduce_scatter"]
+            asynchronous = self.overlap.async_reduce_scatter
             if asynchronous:
                 self.root.context.finish_reduction_in_flight()  # at most one in flight bounds the memory held
             handle.gradient.reduce(asynchronous=asynchronous)
