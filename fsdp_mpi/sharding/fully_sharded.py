@@ -99,7 +99,8 @@ class FullyShardedDataParallel(nn.Module):
         device = torch.device(device) if isinstance(device, (str, int)) else device
         check_module_can_be_sharded(module, device)
         comm = comm if isinstance(comm, Communicator) else Communicator(comm)
-        overlap = Overlap(forward_prefetch, backward_prefetch, async_reduce_scatter)
+        overlap = Overlap(forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
+                          async_reduce_scatter=async_reduce_scatter)
         deferred = is_deferred(module)
         if deferred:
             device = device or torch.device("cpu")
