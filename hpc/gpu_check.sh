@@ -52,6 +52,9 @@
 #       # host thread, and torch FSDP2 with CPUOffloadPolicy; peak GPU MB and step s. Named only, about 6 minutes
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh offload-two-ranks
 #       # the same offloaded runs on 2 ranks sharing the GPU, FSDP2 through the fsdp_mpi backend. Named only
+#   FSDP_MPI_GPU_CHECK_DRY=1 FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh seed-report compiled-whole
+#       # prints each step's name and command line instead of running it (installs nothing, needs no GPU): what a
+#       # loan will run, read before it starts. tests/test_gpu_check.py holds every command to its script's parser
 #   FSDP_MPI_WHEELS=/path/to/wheels bash hpc/gpu_check.sh
 #       # offline: wheels for this machine's Python (at least mpich and mpi4py; others the image lacks),
 #       # downloaded elsewhere with `pip download --only-binary=:all: --python-version X.Y ...`. They go under
@@ -61,14 +64,22 @@
 # layout) for the experiments of the full form.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${FSDP_MPI_GPU_CHECK_OUT:-results/gpu-check-$(date +%Y%m%d-%H%M%S)}"
+dry="${FSDP_MPI_GPU_CHECK_DRY:-0}"
+if [ "$dry" = 1 ]; then  # the commands on stdout; the logs and tables, empty, in a folder of their own
+    out="$(mktemp -d)"
+    trap 'rm -rf "$out"' EXIT
+else
+    out="${FSDP_MPI_GPU_CHECK_OUT:-results/gpu-check-$(date +%Y%m%d-%H%M%S)}"
+fi
 mkdir -p "$out"
 summary="$out/summary.txt"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" FSDP_MPI_TIMEOUT="${FSDP_MPI_TIMEOUT:-120}" PYTHONUNBUFFERED=1
 quick="${FSDP_MPI_GPU_CHECK_QUICK:-0}"
 only=" $* "  # the steps to run; all of the form's when none is named
 
-if [ -n "${FSDP_MPI_WHEELS:-}" ]; then
+if [ "$dry" = 1 ]; then
+    libmpi="" PY=python
+elif [ -n "${FSDP_MPI_WHEELS:-}" ]; then
     prefix="${FSDP_MPI_PREFIX:-$PWD/.gpu-prefix}"
     [ -x "$prefix/bin/mpiexec" ] || python3 -m pip install --no-index --no-deps --no-compile --prefix "$prefix" \
         "$FSDP_MPI_WHEELS"/*.whl > "$out/install.log" 2>&1 || { echo "install failed: see $out/install.log"; exit 1; }
@@ -96,18 +107,27 @@ mpiexec="${FSDP_MPI_MPIEXEC:-mpiexec}"
 run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time limit; its exit code in the summary
     local name="$1" seconds="$2"; shift 2
     [ "$only" = "  " ] || [[ "$only" == *" $name "* ]] || return 0
+    if [ "$dry" = 1 ]; then printf '%s %s' "$name" "$seconds"; printf ' %q' "$@"; echo; return 0; fi
     local start=$SECONDS
     timeout -s KILL "$seconds" "$@" > "$out/$name.log" 2>&1 < /dev/null
     local code=$?
     printf '%-48s exit %3d  %4d s\n' "$name" "$code" "$((SECONDS - start))" | tee -a "$summary"
 }
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+route="from fsdp_mpi.communication.machinery.mpi_library import cuda_awareness, describe_device_path; "
+route+="print(describe_device_path(cuda_awareness(), False))"  # the route device buffers take, and why
+[ "$dry" = 1 ] || { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   $PY -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
-  $PY -c "from fsdp_mpi.communication.machinery.mpi_library import cuda_awareness as a, describe_device_path as d; print(d(a(), False))"
+  $PY -c "$route"
+  # What each of the tests' hundreds of launches pays before its first step, which decides whether README's tests
+  # fit one call of a lent machine (the last H200 image took about 10 s a launch; the CPU machine about 1 s)
+  TIMEFORMAT="import torch: %R s"; time $PY -c "import torch"
+  TIMEFORMAT="import fsdp_mpi: %R s"; time $PY -c "import fsdp_mpi"
+  TIMEFORMAT="2 ranks launched to a Communicator: %R s"
+  time timeout 60 "$mpiexec" -n 2 $PY -c "import fsdp_mpi; fsdp_mpi.Communicator()"
 } > "$out/machine.txt" 2>&1
-cat "$out/machine.txt"
+cat "$out/machine.txt" 2> /dev/null
 
 # The seed report on a GPU (issues 63, 77), named only: run_gpt2.py and run_bert.py on the seed's models (gpt2-seed
 # with GPT-2's BPE, 256 tokens; bert-seed), bf16, 32 samples a step whatever the ranks, 2 epochs of 30 steps (the
@@ -182,14 +202,13 @@ fi
 # offload on, in a subshell, so that what follows runs under the MPI the check started with.
 if [[ "$only" == *" impi-direct "* ]]; then
     impi="${FSDP_MPI_IMPI:-.gpu/impi}"
-    [ -d "$impi" ] || [ ! -f "$impi.tar.xz" ] || tar -xJf "$impi.tar.xz" -C "$(dirname "$impi")"
+    [ -d "$impi" ] || [ ! -f "$impi.tar.xz" ] || [ "$dry" = 1 ] || tar -xJf "$impi.tar.xz" -C "$(dirname "$impi")"
     (
-        source hpc/impi_env.sh "$impi"
+        [ "$dry" = 1 ] || source hpc/impi_env.sh "$impi"
         export I_MPI_OFFLOAD=1 mpiexec="$impi/bin/mpiexec"
-        only="$only impi-gpu-lane impi-bench-comm impi-gpt2 "
-        $PY -c "from fsdp_mpi.communication.machinery.mpi_library import cuda_awareness as a, describe_device_path as d; print(d(a(), False))" \
-            > "$out/impi-machine.txt" 2>&1
-        cat "$out/impi-machine.txt"
+        only="$only impi-machine impi-gpu-lane impi-bench-comm impi-gpt2 "
+        run impi-machine 30 $PY -c "$route"
+        cat "$out/impi-machine.log" 2> /dev/null
         run impi-gpu-lane 100 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py \
             -k "collectives_on_the_gpu or staging_chunking"
         run impi-bench-comm 60 "$mpiexec" -n 2 $PY experiments/bench_comm.py --device cuda --sizes-mb 1,16,256 \

@@ -1,0 +1,115 @@
+"""hpc/gpu_check.sh read before a GPU is lent: every command its steps would run launches a script that exists,
+with arguments that script's own parser accepts, fits one call of a lent machine, and selects GPU tests that
+exist. A loan lasts minutes; a step that dies on a renamed option or test is a loan's step lost. The script's
+dry form (FSDP_MPI_GPU_CHECK_DRY=1) prints the commands instead of running them, so no GPU is needed here."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+from mpi_launch import REPO_ROOT
+from training.options import UsageError
+
+pytestmark = pytest.mark.one_mpi  # the GPU check's command lines, not the MPI library
+
+GPU_CHECK = REPO_ROOT / "hpc" / "gpu_check.sh"
+CALL_LIMIT_S = 600  # the longest command a lent machine runs (the device tool's per-call limit)
+
+
+def named_only_steps() -> list[str]:
+    """The steps the script runs only when named (its `[[ "$only" == *" NAME "* ]]` tests)."""
+    return sorted(set(re.findall(r'\*" ([a-z0-9-]+) "\*', GPU_CHECK.read_text())))
+
+
+def dry_run(*steps: str, quick: bool) -> list[tuple[str, int, list[str]]]:
+    """(name, time limit s, command words) of each command the check would run, in order."""
+    env = {**os.environ, "FSDP_MPI_GPU_CHECK_DRY": "1", "FSDP_MPI_GPU_CHECK_QUICK": "1" if quick else "0"}
+    done = subprocess.run(["bash", str(GPU_CHECK), *steps], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    commands = []
+    for line in done.stdout.splitlines():
+        if line.startswith("logs, CSVs and summary in"):
+            continue
+        name, seconds, *words = shlex.split(line)
+        commands.append((name, int(seconds), words))
+    return commands
+
+
+def launched(words: list[str]) -> list[str]:
+    """What a rank runs: the command without `env NAME=VALUE ...` and `mpiexec -n K` before it."""
+    if words[0] == "env":
+        words = words[1:]
+        while "=" in words[0]:
+            words = words[1:]
+    if os.path.basename(words[0]) == "mpiexec":
+        assert words[1] == "-n" and words[2].isdigit(), words
+        words = words[3:]
+    assert words[0] == "python", words
+    return words[1:]
+
+
+def check_experiment(script: str, argv: list[str], monkeypatch) -> None:
+    """Raises SystemExit (argparse's usage error) or UsageError where `script` would refuse `argv`."""
+    if script == "experiments/bench.py":
+        import bench
+        bench.arguments(argv)
+    elif script in ("experiments/run_gpt2.py", "experiments/run_bert.py"):
+        import run_bert
+        import run_gpt2
+        from training.options import check_checkpoint_options, check_config  # the checks of training/run.py
+        module, config_type = ((run_gpt2, run_gpt2.GPT2RunConfig) if script.endswith("gpt2.py")
+                               else (run_bert, run_bert.RunConfig))
+        parser = module.parser()
+        options = parser.parse_args(argv)
+        check_checkpoint_options(parser, options)
+        check_config(config_type.from_namespace(options))
+    elif script == "experiments/bench_comm.py":
+        import bench_comm
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        bench_comm.arguments()
+
+
+def check_test_selection(argv: list[str]) -> None:
+    """Every test file a pytest command names exists, and every word of its -k names a test in them."""
+    files = [REPO_ROOT / word for word in argv if word.startswith("tests/")]
+    assert all(path.is_file() for path in files), files
+    if "-k" in argv:
+        tests = " ".join(re.findall(r"^def (test_\w+)", "".join(path.read_text() for path in files), re.MULTILINE))
+        words = set(re.findall(r"\w+", argv[argv.index("-k") + 1])) - {"and", "or", "not"}
+        assert words and all(word in tests for word in words), (words, files)
+
+
+def test_the_dry_form_prints_every_named_step_and_runs_nothing():
+    named = named_only_steps()
+    assert {"seed-report", "pytest-all", "compiled-whole", "offload", "torch-test-base", "impi-direct"} <= set(named)
+    before = set((REPO_ROOT / "results").glob("gpu-check-*"))
+    names = [name for name, _, _ in dry_run(*named, quick=True)]
+    assert set((REPO_ROOT / "results").glob("gpu-check-*")) == before  # no folder of logs made
+    # each named step, or the commands it names (seed-report's runs, compiled-whole's four), is there once
+    assert len(names) == len(set(names))
+    assert {"pytest-all", "torch-test-base", "offload", "bench-mfu-blocks", "impi-gpu-lane"} <= set(names)
+    assert sum(name.startswith("seed-run_") for name in names) == 2 * 9 * 3  # 2 scripts, 9 strategies, 3 rounds
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick-and-every-named-step", "full-form"])
+def test_every_command_of_the_check_would_start(quick, monkeypatch):
+    commands = dry_run(*(named_only_steps() if quick else ()), quick=quick)
+    assert len(commands) > (60 if quick else 30)
+    for name, seconds, words in commands:
+        assert 0 < seconds <= CALL_LIMIT_S, name
+        argv = launched(words)
+        if argv[:2] == ["-m", "pytest"]:
+            check_test_selection(argv[2:])
+            continue
+        if argv[0] == "-c":
+            compile(argv[1], name, "exec")
+            continue
+        script, argv = argv[0], argv[1:]
+        assert (REPO_ROOT / script).is_file(), (name, script)
+        try:
+            check_experiment(script, argv, monkeypatch)
+        except (SystemExit, UsageError) as refused:
+            pytest.fail(f"{name}: {script} refuses its arguments ({refused!r}): {shlex.join(argv)}")
