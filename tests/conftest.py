@@ -64,8 +64,22 @@ def installed(distribution: str) -> bool:
         return False
 
 
+# A test run cut short (a GPU lent in calls of 10 minutes, a job's time limit) goes on in a second run: each test
+# that passes is added to the file this names, and the tests already in it are deselected, and count as passed
+# for the mutants that name them. Both runs on the same code; together they are the whole command.
+PASSED_FILE_ENV = "FSDP_MPI_TESTS_PASSED"
+
+
+def _passed_before() -> frozenset[str]:
+    named = os.environ.get(PASSED_FILE_ENV)
+    return frozenset(Path(named).read_text().splitlines()) - {""} if named and Path(named).is_file() else frozenset()
+
+
+PASSED_BEFORE = _passed_before()  # read as the run starts, before this run adds to the file
+
+
 def pytest_collection_modifyitems(config, items):
-    left_out = set()
+    left_out = {item for item in items if item.nodeid in PASSED_BEFORE}
     if os.environ.get(SECOND_MPI_ENV) == "1":
         left_out |= {item for item in items if item.get_closest_marker("one_mpi")}
     # Tests of Intel MPI's own files (trimming it for a GPU machine) run where the impi extra is installed: CI's
@@ -81,14 +95,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name == MUTANTS_MODULE)  # stable: the order is kept otherwise
 
 
-_OUTCOMES: dict[str, str] = {}  # node id -> "passed", "failed" or "skipped", for this session's tests so far
+# node id -> "passed", "failed" or "skipped", for this session's tests so far (and an earlier run's that passed)
+_OUTCOMES: dict[str, str] = dict.fromkeys(PASSED_BEFORE, "passed")
 
 
 def pytest_runtest_logreport(report):
-    """Records each test's outcome: "failed" if any phase failed, else its call's (or its skip's)."""
+    """Records each test's outcome: "failed" if any phase failed, else its call's (or its skip's); a test that
+    passed goes into $FSDP_MPI_TESTS_PASSED's file as well, written by one process (xdist's controller)."""
     if report.failed or report.when == "call" or (report.when == "setup" and report.skipped):
         if _OUTCOMES.get(report.nodeid) != "failed":
             _OUTCOMES[report.nodeid] = report.outcome
+    named = os.environ.get(PASSED_FILE_ENV)
+    if named and report.when == "teardown" and _OUTCOMES.get(report.nodeid) == "passed" \
+            and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(named, "a") as passed:  # line by line, so that a run killed at its limit keeps what passed
+            passed.write(report.nodeid + "\n")
 
 
 @pytest.fixture(scope="session")
