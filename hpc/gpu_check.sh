@@ -106,6 +106,10 @@ fi
 [ -e "$libmpi" ] && export MPI4PY_MPIABI=mpich MPI4PY_LIBMPI="$libmpi" LD_LIBRARY_PATH="$(dirname "$libmpi"):${LD_LIBRARY_PATH:-}"
 mpiexec="${FSDP_MPI_MPIEXEC:-mpiexec}"
 
+expand() {  # expand GROUP STEP...: naming a group names each of its steps, which can also be named alone
+    [[ "$only" != *" $1 "* ]] || only="$only ${*:2} "
+}
+
 run() {  # run NAME SECONDS COMMAND...: one logged command under a hard time limit; its exit code in the summary
     local name="$1" seconds="$2"; shift 2
     [ "$only" = "  " ] || [[ "$only" == *" $name "* ]] || return 0
@@ -207,13 +211,13 @@ if [ "$quick" = 1 ]; then
 fi
 # Intel MPI as a CUDA-aware MPI (issue 59), named only: its own launcher and library (hpc/impi_env.sh) with GPU
 # offload on, in a subshell, so that what follows runs under the MPI the check started with.
-if [[ "$only" == *" impi-direct "* ]]; then
+expand impi-direct impi-machine impi-gpu-lane impi-bench-comm impi-gpt2
+if [[ "$only" == *" impi-"* ]]; then
     impi="${FSDP_MPI_IMPI:-.gpu/impi}"
     [ -d "$impi" ] || [ ! -f "$impi.tar.xz" ] || [ "$dry" = 1 ] || tar -xJf "$impi.tar.xz" -C "$(dirname "$impi")"
     (
         [ "$dry" = 1 ] || source hpc/impi_env.sh "$impi"
         export I_MPI_OFFLOAD=1 mpiexec="$impi/bin/mpiexec"
-        only="$only impi-machine impi-gpu-lane impi-bench-comm impi-gpt2 "
         run impi-machine 30 $PY -c "$route"
         cat "$out/impi-machine.log" 2> /dev/null
         run impi-gpu-lane 100 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py \
@@ -227,8 +231,8 @@ if [[ "$only" == *" impi-direct "* ]]; then
 fi
 
 # Two levels on a GPU (issue 60), named only: 4 ranks on the GPU as 2 emulated nodes of 2.
-if [[ "$only" == *" two-level "* ]]; then
-    only="$only two-level-collectives two-level-gpt2 "
+expand two-level two-level-collectives two-level-gpt2
+if [[ "$only" == *" two-level-"* ]]; then
     run two-level-collectives 100 env FSDP_MPI_EMULATED_NODE_SIZE=2 "$mpiexec" -n 4 $PY tests/workers/collectives.py \
         "$out/two-level-collectives.json" --device cuda
     run two-level-gpt2 120 env FSDP_MPI_EMULATED_NODE_SIZE=2 $PY experiments/bench.py --device cuda --model gpt2 \
@@ -238,8 +242,8 @@ fi
 
 # torch.distributed on fsdp_mpi (issue 61), named only: the GPU lane's tests of the backend (left out of
 # pytest-gpu above), and FSDP2 over it against fsdp-mpi, 2 ranks sharing the GPU (which nccl refuses).
-if [[ "$only" == *" torch-distributed "* ]]; then
-    only="$only torch-distributed-tests torch-distributed-gpt2 "
+expand torch-distributed torch-distributed-tests torch-distributed-gpt2
+if [[ "$only" == *" torch-distributed-"* ]]; then
     run torch-distributed-tests 150 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py \
         -k fsdp_mpi_backend
     run torch-distributed-gpt2 120 env CUDA_VISIBLE_DEVICES=0 $PY experiments/bench.py --device cuda --model gpt2 \
@@ -257,8 +261,8 @@ fi
 # The whole model in one compiled graph (issue 62), named only: plain torch, fsdp-mpi (gathers and reductions
 # traced into the graph) and FSDP2, each compiled whole, bf16, fused AdamW; on one rank, and 2 ranks sharing the
 # GPU on the same global batch (FSDP2 on the "fsdp_mpi" backend there: nccl refuses to share a GPU).
-if [[ "$only" == *" compiled-whole "* ]]; then
-    only="$only compiled-whole-gpt2 compiled-whole-gpt2-medium compiled-whole-gpt2-2 compiled-whole-gpt2-medium-2 "
+expand compiled-whole compiled-whole-gpt2 compiled-whole-gpt2-medium compiled-whole-gpt2-2 compiled-whole-gpt2-medium-2
+if [[ "$only" == *" compiled-whole-"* ]]; then
     whole="plain+compile_whole:bf16-mixed,fsdp-mpi+compile_whole:bf16-mixed@1,torch-fsdp+compile_whole:bf16-mixed@1"
     shared="plain+compile_whole:bf16-mixed,fsdp-mpi+compile_whole:bf16-mixed"
     shared="$shared,torch-fsdp+compile_whole+backend=fsdp_mpi:bf16-mixed"

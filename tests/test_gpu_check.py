@@ -20,8 +20,10 @@ CALL_LIMIT_S = 600  # the longest command a lent machine runs (the device tool's
 
 
 def named_only_steps() -> list[str]:
-    """The steps the script runs only when named (its `[[ "$only" == *" NAME "* ]]` tests)."""
-    return sorted(set(re.findall(r'\*" ([a-z0-9-]+) "\*', GPU_CHECK.read_text())))
+    """The steps the script runs only when named (its `[[ "$only" == *" NAME "* ]]` tests), and the groups of
+    steps named at once (`expand GROUP STEP...`)."""
+    script = GPU_CHECK.read_text()
+    return sorted(set(re.findall(r'\*" ([a-z0-9-]+) "\*', script) + re.findall(r"^expand ([a-z0-9-]+)", script, re.M)))
 
 
 def dry_run(*steps: str, quick: bool) -> list[tuple[str, int, list[str]]]:
@@ -92,6 +94,10 @@ def test_the_dry_form_prints_every_named_step_and_runs_nothing():
     assert len(names) == len(set(names))
     assert {"pytest-all", "torch-test-base", "offload", "bench-mfu-blocks", "impi-gpu-lane"} <= set(names)
     assert sum(name.startswith("seed-run_") for name in names) == 2 * 9 * 3  # 2 scripts, 9 strategies, 3 rounds
+    # a group's step named alone runs alone
+    assert [name for name, _, _ in dry_run("compiled-whole-gpt2", "torch-distributed-gpt2", quick=True)] == [
+        "torch-distributed-gpt2", "compiled-whole-gpt2"]
+    assert {"impi-direct", "compiled-whole", "torch-distributed", "two-level"} <= set(named)
 
 
 @pytest.mark.parametrize("quick", [True, False], ids=["quick-and-every-named-step", "full-form"])

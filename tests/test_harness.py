@@ -56,10 +56,11 @@ def test_a_run_cut_short_goes_on_with_the_tests_that_had_not_passed(tmp_path):
     leaves out those already there, and counts them as passed (for the mutants that name them)."""
     (tmp_path / "test_mine.py").write_text(PASSES_THEN_FAILS)
     passed = tmp_path / "passed.txt"
-    passed.write_text("test_mine.py::test_passed_in_an_earlier_run\n")
+    passed.write_text("test_mine.py::test_passed_in_an_earlier_run\n")  # as a cut run of the same code left it
     first = run_pytest_with_conftest(tmp_path, "test_mine.py", FSDP_MPI_TESTS_PASSED=str(passed))
     assert "1 failed, 1 passed, 1 deselected" in first.stdout, first.stdout + first.stderr
-    assert passed.read_text().splitlines() == ["test_mine.py::test_passed_in_an_earlier_run", "test_mine.py::test_passes"]
+    earlier, passes = "test_mine.py::test_passed_in_an_earlier_run", "test_mine.py::test_passes"
+    assert passed.read_text().splitlines() == [earlier, passes]
     second = run_pytest_with_conftest(tmp_path, "test_mine.py", FSDP_MPI_TESTS_PASSED=str(passed), SECOND_RUN="fixed")
     assert "1 passed, 2 deselected" in second.stdout, second.stdout + second.stderr
     assert passed.read_text().splitlines()[2:] == ["test_mine.py::test_fails"]
