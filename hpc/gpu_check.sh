@@ -47,7 +47,7 @@
 #       # plain torch, fsdp-mpi and FSDP2 each compiled whole, on one rank and 2 ranks sharing the GPU; step s,
 #       # first step s (the compile is in it), issued_s, MFU. Named only, up to 17 minutes (each run compiles
 #       # first: on an H100 plain torch's compile took most of 110 s, and fsdp-mpi's did not finish in the rest):
-#       # two calls, or the gpt2 steps alone
+#       # two calls, or one step alone: compiled-whole-gpt2
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh offload
 #       # CPU offload (issue 76): gpt2-xl, bf16, one rank: plain torch, fsdp-mpi, fsdp-mpi+offload (shards,
 #       # gradients and optimizer state in host memory), the same with the optimizer stepped inside backward on a
