@@ -28,7 +28,8 @@ rank's): compute, gradient assembly, the hooks' own work, and MPI split into
 waiting for the slower rank and moving data; a second table prints it and
 ``--figure`` (default beside ``--out``) draws every strategy's step so.
 Writes the summary to ``--out`` and every run of every round beside it
-(``*-rounds.csv``). A strategy whose model state would not fit in this
+(``*-rounds.csv``, rewritten as each run ends, so that a bench cut short keeps
+the runs it finished). A strategy whose model state would not fit in this
 machine's memory is not started; its row gives the computed requirement.
 
 On a GPU (``--device cuda``, each rank on the GPU of its place on its node;
@@ -109,6 +110,7 @@ FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "s
           "scaling_efficiency_max", "first_step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu",
           "model_state_mb", "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s",
           "beyond_plain_s", "hidden_fraction", *PARTS, "note"]
+ROUND_FIELDS = ["round", "position", "strategy", "precision", "ranks", *MEASURED, "note"]  # -rounds.csv: a row a run
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 
@@ -305,6 +307,8 @@ def arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[t
 
 def main() -> int:
     args, plan = arguments()
+    out = Path(args.out)
+    rounds_out = out.with_name(out.stem + "-rounds.csv")
     rounds, log = [], []
     for index in range(args.rounds):
         print(f"== round {index + 1} of {args.rounds}", flush=True)
@@ -312,16 +316,14 @@ def main() -> int:
         for position, (name, ranks) in enumerate(rotated(plan, index)):
             runs[name, ranks] = run_one(name, ranks, args)
             log.append({"round": index + 1, "position": position + 1, **runs[name, ranks]})
+            # after every run: a bench cut short (a lent GPU's time limit) keeps each run it finished
+            bench_report.write_csv(rounds_out, log, ROUND_FIELDS, args)
         rounds.append({key: runs[key] for key in plan})  # the plan's order again, for the table
     rows = summarise(rounds)
     bench_report.print_settings(args)
     bench_report.print_table(rows)
     bench_report.print_breakdown(rows)
-    out = Path(args.out)
     bench_report.write_csv(out, rows, FIELDS, args)
-    rounds_out = out.with_name(out.stem + "-rounds.csv")
-    bench_report.write_csv(rounds_out, log, ["round", "position", "strategy", "precision", "ranks", *MEASURED, "note"],
-                           args)
     figure = args.figure or out.with_name(out.stem + "-breakdown.png")
     figure.parent.mkdir(parents=True, exist_ok=True)
     bench_report.plot_breakdown(rows, figure, f"{args.model}, {bench_report.batch_words(args)}, {args.rounds} rounds")

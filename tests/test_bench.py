@@ -325,6 +325,28 @@ def test_the_first_step_is_reported_apart_from_the_timed_ones(monkeypatch):
     assert first >= 0.2 and len(times) == 2 and times[0] >= 0.01 and times[1] >= 0.02
 
 
+def test_each_run_is_written_as_it_ends_so_that_a_bench_cut_short_keeps_it(tmp_path, monkeypatch):
+    """A lent GPU's steps end at a hard time limit: every run finished before it is in -rounds.csv already."""
+    import bench
+
+    out = tmp_path / "bench.csv"
+    written = []
+
+    def run_one(name, ranks, args):
+        rounds = tmp_path / "bench-rounds.csv"
+        rows = list(csv.DictReader(open(rounds))) if rounds.exists() else []
+        assert [(row["strategy"], row["step_s"]) for row in rows] == written  # every earlier run, as it ended
+        written.append((name, f"0.{len(written) + 1}"))
+        return {**dict.fromkeys(bench.MEASURED, 1.0), "strategy": name, "precision": "32", "ranks": ranks,
+                "step_s": float(written[-1][1])}
+
+    monkeypatch.setattr(bench, "run_one", run_one)
+    monkeypatch.setattr(bench.bench_report, "plot_breakdown", lambda *_: None)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--strategies", "plain,fsdp-mpi", "--rounds", "2", "--out", str(out)])
+    assert bench.main() == 0
+    assert len(written) == 4 and out.exists()
+
+
 def test_mfu_counts_each_gpu_in_use_once_at_the_compute_dtypes_published_peak(monkeypatch):
     """The experiments' CSVs and bench.py share one MFU denominator (training/results.py: job_peak_flops): two
     ranks sharing a GPU count it once, two GPUs twice, at the dense peak of the precision's compute dtype;

@@ -269,6 +269,15 @@ MUTANTS = {
     "the bench's first step, which holds a compile, is one of the timed steps": (
         "experiments/measuring/bench_worker.py", "parts)), times[0])", "parts)), times[args.warmup])",
         ["tests/test_bench.py::test_the_first_step_is_reported_apart_from_the_timed_ones"]),
+    "a bench cut short by a GPU's time limit loses every run it finished": (
+        "experiments/bench.py", "            bench_report.write_csv(rounds_out, log, ROUND_FIELDS, args)\n", "",
+        ["tests/test_bench.py::test_each_run_is_written_as_it_ends_so_that_a_bench_cut_short_keeps_it"]),
+    "naming a group of the GPU check runs none of its steps": (
+        "hpc/gpu_check.sh", '[[ "$only" != *" $1 "* ]] || only="$only ${*:2} "', "true",
+        ["tests/test_gpu_check.py::test_the_dry_form_prints_every_named_step_and_runs_nothing"]),
+    "a test run given the tests that passed before runs them again": (
+        "tests/conftest.py", "left_out = {item for item in items if item.nodeid in PASSED_BEFORE}", "left_out = set()",
+        ["tests/test_harness.py::test_a_run_cut_short_goes_on_with_the_tests_that_had_not_passed"]),
     "the cost model forgets the backward all-gather": (
         "experiments/measuring/costmodel.py", "if g > 1 and regathers and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
     "split communicators count their traffic nowhere": (
