@@ -78,6 +78,10 @@ summary="$out/summary.txt"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" FSDP_MPI_TIMEOUT="${FSDP_MPI_TIMEOUT:-120}" PYTHONUNBUFFERED=1
 quick="${FSDP_MPI_GPU_CHECK_QUICK:-0}"
 only=" $* "  # the steps to run; all of the form's when none is named
+if [ -n "${FSDP_MPI_PYTEST_ALL_PASSED:-}" ] && [ ! -f "$FSDP_MPI_PYTEST_ALL_PASSED" ]; then  # not a whole rerun
+    echo "FSDP_MPI_PYTEST_ALL_PASSED names no file: $FSDP_MPI_PYTEST_ALL_PASSED (an earlier pytest-all-passed.txt)" >&2
+    exit 2
+fi
 
 if [ "$dry" = 1 ]; then
     libmpi="" PY=python

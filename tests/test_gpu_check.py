@@ -100,6 +100,15 @@ def test_the_dry_form_prints_every_named_step_and_runs_nothing():
         "torch-distributed-gpt2", "compiled-whole-gpt2"]
 
 
+def test_an_earlier_calls_passed_tests_that_are_not_there_stop_the_check_before_anything_runs(tmp_path):
+    """A second call of pytest-all given a missing file would run the whole suite again, silently, in a lent
+    call too short for it: the check refuses, naming the variable."""
+    env = {**os.environ, "FSDP_MPI_GPU_CHECK_DRY": "1", "FSDP_MPI_PYTEST_ALL_PASSED": str(tmp_path / "missing.txt")}
+    done = subprocess.run(["bash", str(GPU_CHECK), "pytest-all"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "FSDP_MPI_PYTEST_ALL_PASSED names no file" in done.stderr
+
+
 @pytest.mark.parametrize("quick", [True, False], ids=["quick-and-every-named-step", "full-form"])
 def test_every_command_of_the_check_would_start(quick, monkeypatch):
     commands = dry_run(*(named_only_steps() if quick else ()), quick=quick)
