@@ -3,13 +3,14 @@
     model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     optimizer = torch.optim.AdamW(model.parameters())   # sees only this rank's shards
 
-The package has four layers, each a subpackage, and imports point only downwards:
+The package has five layers, each a subpackage, and imports point only downwards:
 
     communication/   talking to MPI: the Communicator, its log and watchdog, GPU paths, compression
     sharding/        flat shards and the unit lifecycle, state dicts, the FullyShardedDataParallel wrapper
     loop/            what a training loop calls beside the model: clipping, loss scaling, uneven data, dropout,
                      the optimizer's step inside backward
     files/           checkpoints and Hugging Face files on disk
+    elastic/         going on after a lost rank (ULFM): the state committed each step, the agreement, the recovery
 
 Read them in that order (each subpackage's docstring orders its files); last, two adapters on top, each
 imported only on its own: lightning (``FSDPMPIStrategy``: it needs PyTorch Lightning) and distributed (a
@@ -36,6 +37,10 @@ from fsdp_mpi.loop.sample_dropout import SampleDropout, SampleKeys, use_sample_d
 from fsdp_mpi.loop.step_in_backward import step_in_backward
 from fsdp_mpi.files.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_mpi.files.pretrained import PretrainedError, export_pretrained, load_pretrained
+from fsdp_mpi.elastic.agreement import StepAbandoned
+from fsdp_mpi.elastic.recovery import exit_without_finalize
+from fsdp_mpi.elastic.runner import Elastic, run_elastic
+from fsdp_mpi.elastic.state import ElasticState
 
 __all__ = [
     "FSDP",
@@ -44,6 +49,8 @@ __all__ = [
     "Communicator",
     "CPUOffload",
     "Compression",
+    "Elastic",
+    "ElasticState",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "PretrainedError",
@@ -53,6 +60,7 @@ __all__ = [
     "ModuleWrapPolicy",
     "ShardedGradScaler",
     "ShardingStrategy",
+    "StepAbandoned",
     "SizeBasedWrapPolicy",
     "TrainingState",
     "abort_job_on_uncaught_exception",
@@ -60,11 +68,13 @@ __all__ = [
     "consolidate_checkpoint",
     "continuation_unavailable",
     "even_batches",
+    "exit_without_finalize",
     "export_pretrained",
     "full_state_dict",
     "load_checkpoint",
     "load_full_state_dict",
     "load_pretrained",
+    "run_elastic",
     "save_checkpoint",
     "step_in_backward",
     "summon_full_params",

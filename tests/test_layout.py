@@ -132,8 +132,8 @@ def test_every_entry_script_says_what_it_is_for_and_is_listed():
 
 
 # fsdp_mpi's layers, lowest first; a layer imports only layers before it in this list (loop and files: not
-# each other). Within a layer, the order is the one its package docstring gives ("Read in this order: a -> b").
-CORE_LAYERS = ("communication", "sharding", ("loop", "files"))
+# each other; elastic stands on all four). Within a layer, the order is the one its package docstring gives ("Read in this order: a -> b").
+CORE_LAYERS = ("communication", "sharding", ("loop", "files"), "elastic")
 
 
 def reading_order(package: Path) -> list[str]:
@@ -188,7 +188,7 @@ def test_design_documents_every_module_of_each_layer_and_only_those():
     """docs/design.md's table of each layer (communication, sharding, loop, files) names every module in it, by
     its path in the layer, and no module that is not there: the map a newcomer reads matches the house."""
     design = (REPO_ROOT / "docs" / "design.md").read_text()
-    for layer in ("communication", "sharding", "loop", "files"):
+    for layer in ("communication", "sharding", "loop", "files", "elastic"):
         table = design.split(f"**`{layer}/`**", 1)[1].split("\n\n**`", 1)[0].split("\n\nTwo adapters", 1)[0]
         listed = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
         present = {str(path.relative_to(CORE / layer)) for path in (CORE / layer).rglob("*.py")

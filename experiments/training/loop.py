@@ -20,13 +20,15 @@ from training.options import RunConfig
 from training.recipe import optimizer_and_schedule
 from training.recorder import RunRecorder
 from training.results import model_state_bytes
-from training.resume import CheckpointDirectory, EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
+from training.resume import EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
 from training.sampling import Batching, MicroBatch, epoch_steps, seed_step, total_optimizer_steps
 from training.saved_run import save_trained
 from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
 from fsdp_mpi import (Communicator, CPUOffload, RankLostError, SampleKeys, ShardingStrategy,
                       continuation_unavailable, step_in_backward)
+from fsdp_mpi.elastic.agreement import end_step
+from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 
 
 def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tuple[float, torch.Tensor]:
@@ -37,7 +39,8 @@ def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tu
     Under 16-mixed the loss is scaled, and a step whose gradients overflowed is skipped
     on every rank. Dropout draws each sample's masks from (seed, the run's step, the sample): the same on any
     number of ranks. Returns the step's loss sum over all ranks and this rank's last micro-batch's per-sample
-    losses. Under --keep-going the survivors agree before the update, so that all of them take it or none.
+    losses. Under --keep-going the step ends in its one agreement before the update, so that every survivor takes
+    it or none does (fsdp_mpi.elastic.agreement).
     Under --step-in-backward the last micro-batch's backward takes the step itself, unit by unit.
     """
     task, prepared, optimizer, config = run.task, run.prepared, run.optimizer, run.config
@@ -61,8 +64,10 @@ def optimizer_step(run: "Run", step: list[MicroBatch], position: Position) -> tu
     if config.clip_norm:
         scaler.unscale_(optimizer)
         prepared.clip_grad_norm(config.clip_norm)
-    if config.keep_going:  # every survivor takes this step, or none does (keep_going.py)
-        run.comm.agree()
+    if config.keep_going:  # the step's one agreement: every survivor takes it, or none does (fsdp_mpi.elastic)
+        if not scaler.unscaled:  # fp16's found-inf reduction is a collective: inside the step, not after it
+            scaler.unscale_(optimizer)
+        end_step(run.comm)
     scaler.step(optimizer)
     scaler.update()
     run.schedule.step()
@@ -122,18 +127,23 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
     checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
     # Restored last: loading sets the random generators, which the set-up above draws from.
     position = checkpoints.restore() if config.resume else Position()
+    if config.keep_going and checkpoints and not config.resume:
+        checkpoints.save(position)  # step 0: a rank lost before the first periodic save has something to reload
     while True:
         try:
             stopped = train_to_the_end(run, position, stop, checkpoints)
+            if config.keep_going:  # the run's last agreement: no rank leaves while others recover
+                end_step(run.comm)
             return run.recorder.finish(), stopped
-        except RankLostError as lost:
+        except RankLostError as error:
             if not config.keep_going:
                 raise
-            survived = go_on_without_the_lost(run, position, lost, start_run)
-            if isinstance(survived, Left):
-                return None, survived
-            run, position = survived
-            checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
+            lost = error
+        survived = go_on_without_the_lost(run, position, lost, start_run)  # outside the except: its frames freed
+        if isinstance(survived, Left):
+            return None, survived
+        run, position = survived
+        checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
 
 
 def start_run(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str,

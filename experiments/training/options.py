@@ -205,10 +205,10 @@ def check_config(config: RunConfig) -> None:
     if config.keep_going and config.strategy != "fsdp-mpi":
         raise UsageError(f"--keep-going needs --strategy fsdp-mpi: {config.strategy} communicates through torch, "
                          "which cannot go on without a lost rank")
-    if config.keep_going and not config.checkpoint_dir and config.sharding_strategy not in REPLICATED:
+    if config.keep_going and not config.checkpoint_every and config.sharding_strategy not in REPLICATED:
         raise UsageError(f"--keep-going under {config.sharding_strategy} goes on from the latest checkpoint (no "
-                         f"rank left holds the lost rank's shards): give it a --checkpoint-dir, or shard with "
-                         f"{' or '.join(REPLICATED)}")
+                         f"rank left holds the lost rank's shards): give it a --checkpoint-dir and --checkpoint-every "
+                         f"N (the steps a loss may repeat), or shard with {' or '.join(REPLICATED)}")
     if config.checkpoint_dir and not config.resume and (Path(config.checkpoint_dir) / LATEST).exists():
         raise UsageError(f"{config.checkpoint_dir} already holds checkpoints: pass --resume to continue from the "
                          "latest, or choose another --checkpoint-dir")

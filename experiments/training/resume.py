@@ -1,14 +1,8 @@
 """Stopping a training run between optimizer steps, and continuing it later, on as many ranks bit for bit or on
 another number of them at the same sample (fsdp-mpi only).
 
-``--checkpoint-dir DIR`` holds::
-
-    DIR/step-00000123/   one fsdp_mpi.save_checkpoint directory per saved step; the newest KEEP are kept
-    DIR/latest           the name of the newest complete one ("step-00000123")
-    DIR/run.json         what stays fixed for the whole run: the ranks it started on (its global batch)
-
-A save writes ``step-....tmp`` and renames it into place (fsdp_mpi.files.checkpoint), and
-``latest`` is replaced only after that, so a job killed at any moment leaves
+``--checkpoint-dir DIR`` is a ``fsdp_mpi.files.checkpoint_directory.CheckpointDirectory``: one checkpoint
+per saved step, and ``latest`` naming the newest complete one, so that a job killed at any moment leaves
 ``latest`` naming a complete checkpoint.
 
 Besides the model's and AdamW's shards, a checkpoint holds everything else that the
@@ -31,24 +25,17 @@ flag. After every optimizer step the ranks take the maximum of their flags, so a
 signal that reached only some ranks stops all of them after the same step.
 """
 
-import json
-import os
-import re
-import shutil
 import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_mpi import Communicator, load_checkpoint, save_checkpoint
+from fsdp_mpi import load_checkpoint
+from fsdp_mpi.files.checkpoint_directory import LATEST, CheckpointDirectory
 
 STOPPED_WITH_CHECKPOINT = 3  # stopped by a signal and checkpointed: run again with --resume (hpc/ requeues)
 STOPPED_WITHOUT_CHECKPOINT = 4  # stopped by a signal without --checkpoint-dir: there is nothing to resume from
-KEEP = 2  # step checkpoints kept: the newest, and one more in case the newest turns out damaged
-LATEST = "latest"
-RUN_FILE = "run.json"
 FORMAT = 4  # of the run state below; 2: per-step losses; 3: global batches, per-step seeds; 4: each step's loss
 # summed over the ranks, on every rank. Others: refused
-STEP_NAME = re.compile(r"step-\d{8}")
 # Options a resumed run may change: where files go and how fast it runs, not what it computes.
 MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume", "out_dir", "save_dir",
                                   "no_progress", "threads", "device", "data_dir", "no_download", "keep_going",
@@ -146,59 +133,6 @@ class Stopped:
 def determining_options(config) -> dict:
     """The options (a RunConfig's fields) that a resumed run must share with the one that saved."""
     return {name: value for name, value in sorted(config.as_dict().items()) if name not in MAY_CHANGE_ON_RESUME}
-
-
-class CheckpointDirectory:
-    """--checkpoint-dir's layout: step checkpoints, `latest` naming the newest, only the newest KEEP kept."""
-
-    def __init__(self, root: str | os.PathLike, comm: Communicator):
-        self.root, self.comm = Path(root), comm
-
-    def latest(self) -> Path | None:
-        """The checkpoint that `latest` names, or None. Rank 0 reads it, so that every rank gets the same."""
-        name = None
-        if self.comm.rank == 0 and (self.root / LATEST).is_file():
-            name = (self.root / LATEST).read_text().strip()
-        name = self.comm.broadcast_object(name, root=0)
-        return self.root / name if name else None
-
-    def started_on(self) -> int | None:
-        """The ranks the run in this directory started on (run.json), or None before its first checkpoint."""
-        started = None
-        if self.comm.rank == 0 and (self.root / RUN_FILE).is_file():
-            started = json.loads((self.root / RUN_FILE).read_text())["started_on"]
-        return self.comm.broadcast_object(started, root=0)
-
-    def save(self, step: int, model, optimizer, extra: dict, started_on: int) -> Path:
-        """Every rank saves its shards; then rank 0 points `latest` at them and removes older checkpoints."""
-        directory = self.root / f"step-{step:08d}"
-        save_checkpoint(directory, model, optimizer, extra)
-        if self.comm.rank == 0:
-            if not (self.root / RUN_FILE).exists():
-                self._write_durably(RUN_FILE, json.dumps({"started_on": started_on}) + "\n")
-            self._write_durably(LATEST, directory.name + "\n")
-            self._remove_older_than_the_newest(directory)
-        return directory
-
-    def _write_durably(self, name: str, text: str) -> None:
-        """Replaces DIR/name with `text` at once: a crash leaves the old file or the new one."""
-        temporary = self.root / (name + ".tmp")
-        with open(temporary, "w") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.root / name)
-
-    def _remove_older_than_the_newest(self, current: Path) -> None:
-        """Removes the step checkpoints before `current` but the newest KEEP - 1.
-
-        Newer ones, left by an earlier attempt that was killed before it updated `latest`,
-        stay: this run saves over them as it gets there.
-        """
-        older = sorted(path for path in self.root.iterdir()
-                       if STEP_NAME.fullmatch(path.name) and path.is_dir() and path.name <= current.name)
-        for path in older[:-KEEP]:
-            shutil.rmtree(path)
 
 
 class RunCheckpoints:

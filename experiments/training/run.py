@@ -18,7 +18,7 @@ import torch
 
 from corpora.files import DataError
 from training.choices import TORCH_DISTRIBUTED
-from training.keep_going import Left, exit_without_finalize, lost_a_rank
+from training.keep_going import Left, survivors
 from training.loop import train
 from training.options import RunConfig, UsageError, check_checkpoint_options, check_config
 from training.resume import ResumeError, StopSignals
@@ -26,7 +26,7 @@ from training.startup import (allow_tf32, announce_devices, communicator_for_the
                               set_up_rank_0_first)
 from training.strategies import node_placement, torch_backend
 
-from fsdp_mpi import CheckpointError, Communicator, abort_job_on_uncaught_exception
+from fsdp_mpi import CheckpointError, Communicator, abort_job_on_uncaught_exception, exit_without_finalize
 from fsdp_mpi_models.checkpoint import PretrainedCheckpointError
 
 
@@ -66,17 +66,22 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
         try:
             path, stopped = train(task, config, comm, device, experiment, stop)
         except (CheckpointError, ResumeError) as failure:  # raised on every rank alike
-            if comm.rank == 0:
-                print(f"{parser.prog}: error: {failure}", file=sys.stderr)
-            return 2
+            if (survivors() or comm).rank == 0:  # after a loss: rank 0 of the ranks still training speaks
+                print(f"{parser.prog}: error: {failure}", file=sys.stderr, flush=True)
+            return _ended(2)
     if isinstance(stopped, Left):
         print(f"rank {comm.rank}: {stopped.message()}", flush=True)
     elif path is not None:  # the rank that wrote it: rank 0 of the ranks that finished
         print(f"wrote {path}" + (" (the epochs completed so far)" if stopped else ""))
         if stopped:
             print(stopped.message(), flush=True)
-    code = stopped.exit_code if stopped else 0
-    if lost_a_rank():
+    return _ended(stopped.exit_code if stopped else 0)
+
+
+def _ended(code: int) -> int:
+    """`code`, returned to end the process as usual, or, after a lost rank, the process ended with it at once,
+    without ``MPI_Finalize`` (fsdp_mpi.exit_without_finalize)."""
+    if survivors() is not None:
         exit_without_finalize(code)
     return code
 

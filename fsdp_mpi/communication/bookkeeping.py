@@ -114,7 +114,7 @@ class InMPI:
 
 def _raise_if_rank_lost(error: BaseException, comm, record: CollectiveRecord) -> None:
     """Raises ``RankLostError`` in place of MPI's report that a rank of `comm` was lost."""
-    if is_rank_lost(error):
+    if is_rank_lost(error, comm.mpi_comm):
         waited = time.monotonic() - record.started
         raise RankLostError(f"rank {comm.rank} of {comm.world_size} in {record.describe()}, after {waited:.3f} s "
                             f"in it: {error.Get_error_string()}", waited) from error

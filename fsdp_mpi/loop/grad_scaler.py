@@ -60,6 +60,16 @@ class ShardedGradScaler:
             found_here = not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         self._found_inf = self.comm.all_reduce_max_float(float(found_here)) > 0
 
+    @property
+    def unscaled(self) -> bool:
+        """Whether this step's gradients are unscaled, and the ranks agreed whether any overflowed (or scaling
+        is off): nothing collective is left before ``step()``."""
+        return not self.enabled or self._found_inf is not None
+
+    def abandon_step(self) -> None:
+        """Forgets this step's unscaling, for a step not taken (a lost rank abandoned it, its gradients dropped)."""
+        self._found_inf = None
+
     def step(self, optimizer: torch.optim.Optimizer):
         """Unscales if needed, then steps unless some rank's gradients held inf or NaN; returns the step's result."""
         if not self.enabled:

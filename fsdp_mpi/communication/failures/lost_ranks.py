@@ -43,10 +43,12 @@ class RankLostError(RuntimeError):
         self.waited = waited
 
 
-def is_rank_lost(error: BaseException) -> bool:
-    """Whether `error` is MPI's report that a rank was lost (its failure, or a survivor's revocation). Open MPI
-    5.0.11 reports some losses as ``MPI_ERR_OTHER`` (a barrier on the rank next to the dead one, measured):
-    in a job that can go on, an MPI error while the library knows of a failed rank is a loss too."""
+def is_rank_lost(error: BaseException, mpi_comm) -> bool:
+    """Whether `error`, raised by a call on `mpi_comm`, is MPI's report that a rank was lost (its failure, or a
+    survivor's revocation). Open MPI 5.0.11 reports some losses as ``MPI_ERR_OTHER`` (a barrier on the rank next
+    to the dead one, measured): in a job that can go on, an MPI error while the library knows of a failed rank
+    *of `mpi_comm`* is a loss too. Asked of `mpi_comm`, not of the job: after a shrink the job's world keeps its
+    dead ranks for good, and a real error on the survivors' communicator (a truncation) must reach the user."""
     if not isinstance(error, MPI.Exception):
         return False
     if error.Get_error_class() in LOST_RANK_ERRORS:
@@ -54,7 +56,7 @@ def is_rank_lost(error: BaseException) -> bool:
     if not _can_go_on():
         return False
     deadline = time.monotonic() + FAILURE_KNOWN_SECONDS
-    while MPI.COMM_WORLD.Get_failed().Get_size() == 0:  # the detector may hear of it a moment after the error
+    while mpi_comm.Get_failed().Get_size() == 0:  # the detector may hear of it a moment after the error
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)

@@ -1,0 +1,136 @@
+"""``fsdp_mpi.run_elastic``: a user's training function that goes on after a lost rank, in a few lines.
+
+    def build(comm):                          # every rank; again on the survivors after a loss
+        model = FSDP(Net(), comm=comm, auto_wrap_policy=...)
+        optimizer = torch.optim.AdamW(model.parameters())
+        return ElasticState(model, optimizer)
+
+    def train(state):                         # called again after a loss, at the last commit
+        while state.step < steps:
+            loss = loss_of(state.model, samples(state.step, state.started_on))
+            loss.backward()
+            state.commit()                    # the step's agreement, then the update
+
+    run_elastic(train, build)
+
+As Horovod Elastic's ``hvd.elastic.run`` does, the runner calls the training function and,
+when a rank is lost anywhere in it, runs the recovery and calls it again with the state
+rebuilt on the survivors. What the loop owes it: every step ends in ``commit()`` (nothing
+else changes the weights), and where it is in the data follows from ``state.step`` and
+``state.counters`` (a global batch fixed by ``state.started_on``, each rank's part of it cut
+anew on the ranks of the moment), so that the call after a loss continues where the last
+commit was.
+
+Under it, ULFM's protocol (``agreement.py``): a rank whose step was cut short revokes the
+communicators and agrees "not complete"; every other survivor meets it in the same
+agreement, inside ``commit()``; then all of them recover together (``recovery.py``). The
+run ends with one more agreement, so that no rank leaves while another is recovering.
+"""
+
+import sys
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
+from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
+from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, exit_without_finalize, forget_the_interrupted_step,
+                                      recover)
+from fsdp_mpi.elastic.state import ElasticState
+from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
+
+Result = TypeVar("Result")
+
+
+class Elastic:
+    """What a run that survives lost ranks has been through: how many recoveries, and whether this rank left."""
+
+    def __init__(self):
+        self.recoveries: list[str] = []  # each recovery's message, as printed
+        self.left: Left | None = None  # set on a rank whose shard group broke while others went on
+        self.lost_ranks: list[int] = []  # every rank lost, numbered as in the job
+
+
+def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Communicator], ElasticState],
+        comm: Communicator | None = None, *, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0,
+        elastic: Elastic | None = None) -> Result | None:
+    """Calls ``train(build(comm))`` and, after each lost rank, ``train`` again on the survivors' rebuilt state.
+
+    Args:
+        train: the training function; it ends every optimizer step with ``state.commit()``.
+        build: the state built on a communicator's ranks, as at the start (called again after each loss).
+        comm: the ranks to train on (all of them by default).
+        checkpoint_dir: where the state is saved every `checkpoint_every` steps, and at the start; after a
+            loss under FULL_SHARD or SHARD_GRAD_OP (whose lost shards exist nowhere else) the survivors load the
+            latest one. A directory that already holds checkpoints is resumed from.
+        elastic: filled with what the run went through (recoveries, lost ranks, whether this rank left).
+
+    Returns `train`'s result; None on a rank that left (its shard group broke while others went on from memory).
+    Where MPI cannot report a lost rank (``continuation_unavailable``), says so once and trains as usual: a
+    lost rank then ends the job. After a loss, a run that cannot go on (nothing holds the lost state) says why
+    and ends every survivor with exit code 2; the process of a survivor should end with
+    ``exit_without_finalize`` (MPI's finalize may wait forever after a loss).
+    """
+    if checkpoint_dir is not None and checkpoint_every < 1:
+        raise ValueError("checkpoint_every must be at least 1 with a checkpoint_dir: the survivors of a lost rank "
+                         "under FULL_SHARD reload the latest checkpoint")
+    comm = comm if comm is not None else Communicator()
+    elastic = elastic if elastic is not None else Elastic()
+    unavailable = continuation_unavailable()
+    if unavailable and comm.rank == 0:
+        print(f"fsdp_mpi.elastic: a lost rank will end the job: {unavailable}", file=sys.stderr, flush=True)
+    directory = (lambda on: CheckpointDirectory(checkpoint_dir, on)) if checkpoint_dir is not None else None
+    state = _started(build(comm), directory, checkpoint_every)
+    plan = Plan(build=lambda on: _checkpointed(build(on), directory, checkpoint_every),
+                shard_comm=lambda run: run.model.groups.shard,
+                replicated=lambda run: run.model.groups.replicas is not None,
+                from_memory=ElasticState.move_into,
+                from_checkpoint=(lambda run: run.load(directory(run.comm))) if directory else None,
+                position=lambda run: run.step)
+    while True:
+        try:
+            result = train(state)
+            end_step(state.comm)  # the run's last agreement: nobody leaves while others recover
+            return result
+        except RankLostError as error:
+            if unavailable:
+                raise
+            lost = error
+        forget_the_interrupted_step(lost)
+        if not isinstance(lost, StepAbandoned):
+            try:  # this rank's one agreement of the step: it says "not complete"
+                end_step(state.comm, lost)
+            except StepAbandoned:
+                pass
+        state.roll_back()
+        try:
+            outcome = recover(state, state.comm, plan)
+        except CannotGoOn as failure:
+            if failure.speaker:
+                print(f"fsdp_mpi.elastic: the run cannot go on: {failure}", file=sys.stderr, flush=True)
+            exit_without_finalize(2)
+        if isinstance(outcome, Left):
+            elastic.left, elastic.lost_ranks = outcome, outcome.lost
+            print(f"fsdp_mpi.elastic: rank {comm.rank}: {outcome.message(state.step)}", flush=True)
+            return None
+        message = outcome.message(outcome.run.step, lost.waited)
+        elastic.recoveries.append(message)
+        elastic.lost_ranks = sorted(set(elastic.lost_ranks) | set(outcome.lost))
+        if outcome.run.comm.rank == 0:
+            print(f"fsdp_mpi.elastic: {message}", flush=True)
+        state = outcome.run
+
+
+def _started(state: ElasticState, directory, every: int) -> ElasticState:
+    """`state` at the start: resumed from the directory's latest checkpoint, or saved there as step 0 (so that a
+    loss before the first periodic save has something to reload)."""
+    state = _checkpointed(state, directory, every)
+    if directory is not None and not state.load(directory(state.comm)):
+        state.save(directory(state.comm))
+    return state
+
+
+def _checkpointed(state: ElasticState, directory, every: int) -> ElasticState:
+    if directory is not None:
+        state.keep_checkpoints(directory(state.comm), every)
+    return state
