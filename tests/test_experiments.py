@@ -323,6 +323,8 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--step-in-backward", "--clip-norm", "0", "--keep-going", "--sharding-strategy", "NO_SHARD"],
      "--step-in-backward and --keep-going do not go together"),
     (["--backend", "gloo"], "--backend gloo is torch.distributed's, which fsdp-mpi does not use"),
+    (["--keep-going", "--checkpoint-dir", "unused"], "--keep-going under FULL_SHARD goes on from the latest "
+     "checkpoint (no rank left holds the lost rank's shards): give it a --checkpoint-dir and --checkpoint-every N"),
 ])
 def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):
     result = launch("run_gpt2.py", 2, *args, "--out-dir", tmp_path, timeout=120)

@@ -113,6 +113,19 @@ def test_hybrid_shard_groups_left_whole_go_on_from_memory_after_a_rank_and_then_
     assert_ends_where_one_process_ends(tmp_path, one_process[12])
 
 
+@pytest.mark.open_mpi
+@needs_data
+def test_an_error_after_a_loss_is_said_by_a_survivor_and_ends_every_survivor(tmp_path):
+    """3 ranks, FULL_SHARD: rank 0 (which speaks for the run) dies in a backward, and the checkpoint the survivors
+    are about to reload turns out damaged. Rank 0 of the survivors says why and they end with exit code 2 (before,
+    only the dead rank 0 would have said it, and the survivors could wait in MPI_Finalize)."""
+    result = run_killing(3, ["0:1:backward", "1:1:damage"], "--batch-size", 2, "--checkpoint-dir",
+                         tmp_path / "checkpoints", "--checkpoint-every", 1, "--out-dir", tmp_path / "out")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("keep_going.py: error:")]  # the worker's name
+    assert len(said) == 1 and "step-00000001" in said[0], result.stderr[-3000:]
+
+
 def test_where_a_job_cannot_go_on_it_says_why(monkeypatch):
     """MPICH and Intel MPI cannot report a lost rank; Open MPI can only when started with ULFM and without its
     shared-memory transport, and not under srun."""

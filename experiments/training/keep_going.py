@@ -60,6 +60,11 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
     _going_on = run.comm  # until the recovery names the survivors: an error meanwhile ends without finalize
     restored: list[Position] = []
 
+    def build(comm: Communicator):
+        global _going_on
+        _going_on = comm  # an error from here on (a damaged checkpoint) is said by this communicator's rank 0
+        return start_run(run.task, run.config, comm, run.device, run.experiment, run.batching)
+
     def from_checkpoint(rebuilt) -> bool:
         checkpoints = RunCheckpoints(rebuilt)
         if checkpoints.directory.latest() is None:
@@ -68,7 +73,7 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
         return True
 
     plan = recovery.Plan(
-        build=lambda comm: start_run(run.task, run.config, comm, run.device, run.experiment, run.batching),
+        build=build,
         shard_comm=lambda old: old.prepared.model.groups.shard,
         replicated=lambda old: old.config.sharding_strategy in REPLICATED,
         from_memory=_move_state,

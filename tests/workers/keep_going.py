@@ -5,7 +5,9 @@
 RANK is the rank in the world the job started with, STEP the optimizer step (counted from 0 over the whole run),
 MOMENT one of forward (the third unit hook of the step's forward), backward (the second of its backward),
 reduce_scatter (as the step's first gradient reduce-scatter starts: the other ranks are inside it) or rebuild
-(as the survivors of a loss in that step start building the model again). The rank
+(as the survivors of a loss in that step start building the model again). One more MOMENT does not kill:
+damage (as the survivors of a loss in that step start building the model again, the rank truncates every file of
+the latest checkpoint, which they are about to reload). The rank
 sends itself SIGKILL: no handler, no MPI call, nothing flushed, as when a node dies. Every rank prints when
 each optimizer step is done and when it is killed (wall clock), from which experiments/keep_going_bench.sh
 takes the time from a failure to the next completed step.
@@ -56,6 +58,13 @@ class Killer:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def damage_latest_checkpoint(directory: Path) -> None:
+    latest = directory / (directory / "latest").read_text().strip()
+    for path in latest.iterdir():
+        path.write_bytes(path.read_bytes()[:10])
+    print(f"rank {MPI.COMM_WORLD.Get_rank()}: damaged {latest}", flush=True)
+
+
 def install(kills: list[str]) -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     plan = set()
@@ -75,9 +84,11 @@ def install(kills: list[str]) -> None:
     loop.optimizer_step = optimizer_step
     build = loop.start_run
 
-    def start_run(*args):
+    def start_run(task, config, *args):
         killer.reached("rebuild", 1)  # the run's first build comes before step 0
-        return build(*args)
+        if (killer.step, "damage") in plan:
+            damage_latest_checkpoint(Path(config.checkpoint_dir))
+        return build(task, config, *args)
     loop.start_run = start_run
 
 

@@ -1,0 +1,178 @@
+"""A user's own training loop under ``fsdp_mpi.run_elastic``, a Hugging Face GPT-2 in it, with ranks killed at
+chosen moments, for tests/test_elastic.py.
+
+    python elastic_loop.py OUT [--strategy FULL_SHARD|HYBRID_SHARD] [--checkpoint-every N] [--kill RANK:STEP:MOMENT]...
+
+The loop is what docs/failures.md shows a user: every step's samples follow from ``state.step`` (a global batch
+of GLOBAL_BATCH, cut into equal parts on the ranks of the moment), and every step ends in ``state.commit()``.
+With --checkpoint-every, checkpoints go to OUT/checkpoints. RANK is the rank in the job, STEP the optimizer
+step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one of:
+
+    backward   the step's second unit hook in backward (the others are in its collectives)
+    agreement  as the rank enters the step's agreement (the others are inside it)
+    save       as the checkpoint save after the step starts (the others are in its collectives)
+    latest     rank 0, between the checkpoint's rename and ``latest`` naming it
+    recovery   right after the survivors of an earlier loss shrank (the others are in the recovery's all-gather)
+
+The rank sends itself SIGKILL, as a node that dies. At the end rank 0 of the ranks left writes OUT/result.json:
+each step's loss (the mean over the global batch), the loss of a fixed batch after the last step, the
+recoveries, and how many threads and communicators the process holds, after the first step and at the end.
+"""
+
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+import fsdp_mpi
+from fsdp_mpi import Elastic, ElasticState, FullyShardedDataParallel as FSDP, ModuleWrapPolicy, ShardingStrategy
+from fsdp_mpi.communication import timing_points
+from fsdp_mpi.elastic import recovery, state as elastic_state
+from fsdp_mpi.files import checkpoint_directory
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 6, 12, 16, 64
+
+
+def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy) -> ElasticState:
+    """The same model on every rank, wrapped on `comm`'s ranks: one unit per block."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = FSDP(GPT2LMHeadModel(config), comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+                 sharding_strategy=strategy, device=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return ElasticState(model, optimizer, losses=[])
+
+
+def tokens(first: int, count: int) -> torch.Tensor:
+    """Samples first .. first + count - 1, each drawn from its own index (the same on any number of ranks): a run
+    of tokens with a start and a stride of its own, which the model learns to continue, so that every update
+    shows in the losses that follow."""
+    samples = []
+    for index in range(first, first + count):
+        start, stride = torch.randint(VOCAB, (2,), generator=torch.Generator().manual_seed(index)).tolist()
+        samples.append((start + (1 + stride % 3) * torch.arange(SEQ)) % VOCAB)
+    return torch.stack(samples)
+
+
+def train(state: ElasticState, killer: "Killer", seen: dict) -> ElasticState:
+    comm = state.comm
+    per_rank = GLOBAL_BATCH // comm.world_size  # (B, SEQ) below, B = per_rank
+    while state.step < STEPS:
+        killer.step = state.step
+        batch = tokens(state.step * GLOBAL_BATCH + comm.rank * per_rank, per_rank)
+        loss = state.model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        state.counters["losses"].append(comm.all_reduce_sum_float(loss.item()) / comm.world_size)
+        state.commit()
+        if "after_first_step" not in seen:
+            seen["after_first_step"] = resources()
+    return state
+
+
+def resources() -> dict:
+    """What a run that lost ranks must not pile up: threads, open files (the node transport's shared memory is
+    a file each), mapped shared memory."""
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        shared = sum(1 for line in maps if "memfd:" in line or "/dev/shm" in line)
+    return {"threads": sorted(thread.name for thread in threading.enumerate()),
+            "files": len(os.listdir("/proc/self/fd")), "shared_mappings": shared}
+
+
+class Killer:
+    """Kills this rank at its planned (step, moment)."""
+
+    def __init__(self, plan: set[tuple[int, str]]):
+        self.plan, self.step, self.hooks = plan, -1, {}
+        self.saving = -1  # the step whose checkpoint is being saved
+
+    def reached(self, moment: str) -> None:
+        step = self.saving if moment in ("save", "latest") else self.step
+        if (step, moment) in self.plan:
+            print(f"rank {MPI.COMM_WORLD.Get_rank()}: killed in step {self.step}'s {moment}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # timing_points' listener
+    def enter(self, point: str) -> None:
+        if point == timing_points.HOOK and not torch.is_grad_enabled():  # autograd runs backward's hooks so
+            self.hooks[self.step] = self.hooks.get(self.step, 0) + 1
+            if self.hooks[self.step] == 2:
+                self.reached("backward")
+
+    def leave(self, point: str) -> None:
+        pass
+
+    def collective_started(self, record) -> None:
+        pass
+
+
+def install(killer: Killer) -> None:
+    """Puts the killer where each moment happens."""
+    timing_points.add_listener(killer)
+    end_step, save, save_checkpoint = elastic_state.end_step, checkpoint_directory.CheckpointDirectory.save, \
+        checkpoint_directory.save_checkpoint
+    shrink = recovery._shrink_until_it_holds
+
+    def agreeing(comm, interrupted=None):
+        killer.reached("agreement")
+        return end_step(comm, interrupted)
+
+    def saving(self, step, *args):
+        killer.saving = step
+        killer.reached("save")
+        return save(self, step, *args)
+
+    def renamed(*args, **kwargs):
+        done = save_checkpoint(*args, **kwargs)
+        killer.reached("latest")
+        return done
+
+    def shrunk(comm):
+        found = shrink(comm)
+        killer.reached("recovery")
+        return found
+
+    elastic_state.end_step, checkpoint_directory.CheckpointDirectory.save = agreeing, saving
+    checkpoint_directory.save_checkpoint, recovery._shrink_until_it_holds = renamed, shrunk
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    args = sys.argv[2:]
+    strategy = ShardingStrategy[args[args.index("--strategy") + 1]] if "--strategy" in args else \
+        ShardingStrategy.FULL_SHARD
+    every = int(args[args.index("--checkpoint-every") + 1]) if "--checkpoint-every" in args else 0
+    rank = MPI.COMM_WORLD.Get_rank()
+    plan = {(int(step), moment) for victim, step, moment in
+            (args[i + 1].split(":") for i, word in enumerate(args) if word == "--kill") if int(victim) == rank}
+    killer = Killer(plan)
+    install(killer)
+    elastic, seen = Elastic(), {}
+    state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen), lambda comm: build(comm, strategy),
+                                 checkpoint_dir=out / "checkpoints" if every else None, checkpoint_every=every,
+                                 elastic=elastic)
+    if state is not None:
+        with torch.no_grad():  # the weights after the last step, on a batch no step trained on
+            batch = tokens(10_000, GLOBAL_BATCH // state.comm.world_size)
+            held_out = state.comm.all_reduce_sum_float(state.model(input_ids=batch, labels=batch).loss.item())
+        del state.optimizer, state.model  # the last run's own communicator stays; the ones before must be gone
+        if state.comm.rank == 0:
+            result = {"losses": state.counters["losses"], "held_out": held_out / state.comm.world_size,
+                      "recoveries": elastic.recoveries, "ranks": state.comm.world_size,
+                      "after_first_step": seen.get("after_first_step"), "at_the_end": resources()}
+            (out / "result.json").write_text(json.dumps(result, indent=1))
+    if elastic.lost_ranks:
+        fsdp_mpi.exit_without_finalize(0)
+
+
+if __name__ == "__main__":
+    main()

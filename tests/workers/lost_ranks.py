@@ -1,0 +1,62 @@
+"""ULFM's step protocol at its edges, for tests/test_elastic.py: 3 ranks under ``mpirun --with-ft ulfm``, and
+rank 2 dies after the first exchange.
+
+1. Rank 0 meets the loss inside a collective; rank 1 meets none (its step was complete). Each ends the step in
+   its one agreement (``end_step``), and both are told the step was abandoned: nobody shrinks while another
+   survivor still waits in the agreement, and nobody takes the step.
+2. On the survivors' communicator, a real MPI error (a message longer than its receive buffer) is raised as the
+   error it is, not as a lost rank, although the job's world keeps counting its dead rank.
+
+Prints "protocol holds" on each survivor when both hold, then ends without MPI_Finalize (as after any loss).
+"""
+
+import os
+import signal
+
+import numpy
+from mpi4py import MPI
+
+from fsdp_mpi import Communicator, RankLostError, StepAbandoned, exit_without_finalize
+from fsdp_mpi.communication.bookkeeping import in_mpi
+from fsdp_mpi.elastic.agreement import end_step
+
+
+def abandoned(comm: Communicator, interrupted: RankLostError | None) -> StepAbandoned:
+    try:
+        end_step(comm, interrupted)
+    except StepAbandoned as step:
+        return step
+    raise AssertionError(f"rank {comm.rank}: the step was agreed complete although rank 2 was lost")
+
+
+comm = Communicator()
+comm.barrier()
+if comm.rank == 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+if comm.rank == 0:
+    try:
+        comm.all_reduce_sum_float(1.0)
+        raise AssertionError("a collective with a dead rank completed")
+    except RankLostError as lost:
+        abandoned(comm, lost)
+else:
+    abandoned(comm, None)
+survivors = comm.shrink()
+assert survivors.world_size == 2, survivors.world_size
+assert MPI.COMM_WORLD.Get_failed().Get_size() == 1  # what made every later error look like a loss before
+
+if survivors.rank == 0:
+    with in_mpi(survivors, "send 8 numbers", collective=False):
+        survivors.mpi_comm.Send(numpy.zeros(8), dest=1)
+else:
+    try:
+        with in_mpi(survivors, "receive 2 numbers", collective=False):
+            survivors.mpi_comm.Recv(numpy.zeros(2), source=0)
+        raise AssertionError("a message longer than its receive buffer was received")
+    except RankLostError as error:
+        raise AssertionError(f"a truncated message was taken for a lost rank: {error}") from None
+    except MPI.Exception as error:
+        assert error.Get_error_class() == MPI.ERR_TRUNCATE, error.Get_error_string()
+survivors.barrier()
+print(f"rank {MPI.COMM_WORLD.Get_rank()}: protocol holds", flush=True)
+exit_without_finalize(0)
