@@ -61,11 +61,13 @@ def assert_nothing_piled_up(result: dict) -> None:
 
 
 @pytest.mark.open_mpi
-def test_a_users_loop_reloads_checkpoints_after_losses_in_a_backward_a_save_and_a_recovery(one_process, tmp_path):
-    """FULL_SHARD on 4 ranks, a checkpoint every 2 steps: rank 3 dies in step 1's backward (the survivors reload
+def test_a_users_loop_reloads_checkpoints_after_losses_in_the_found_inf_reduction_a_save_and_a_recovery(
+        one_process, tmp_path):
+    """FULL_SHARD on 4 ranks, a checkpoint every 2 steps: rank 3 dies in step 1's found-inf reduction, the
+    collective before the agreement (the survivors reload
     the checkpoint the run saved as it started); rank 0 dies between renaming step 2's checkpoint and naming it
     ``latest``, and rank 2 while the survivors of that shrink: rank 1 alone reloads step 0 and trains to the end."""
-    run = run_loop(tmp_path, 4, "--checkpoint-every", 2, "--kill", "3:1:backward", "--kill", "0:2:latest",
+    run = run_loop(tmp_path, 4, "--checkpoint-every", 2, "--kill", "3:1:unscale", "--kill", "0:2:latest",
                    "--kill", "2:2:recovery")
     result = result_of(tmp_path, run)
     assert [line.split(";")[0] for line in result["recoveries"]] == [

@@ -16,6 +16,7 @@ aliases: MPI writes do not bump version counters, but staging's copy-back would.
 from collections import Counter
 from typing import Callable
 
+import numpy
 import torch
 from mpi4py import MPI
 
@@ -249,18 +250,27 @@ class Communicator:
 
     def all_reduce_sum_float(self, value: float) -> float:
         """Sum of a Python float over ranks (losses, counters)."""
-        return self._pickled("all_reduce_sum", lambda: self.mpi_comm.allreduce(float(value), op=MPI.SUM),
-                             alone=float(value), numel=1, dtype="float64")
+        return self._all_reduce_float("all_reduce_sum", value, MPI.SUM)
 
     def all_reduce_max_float(self, value: float) -> float:
         """Maximum of a Python float over ranks."""
-        return self._pickled("all_reduce_max", lambda: self.mpi_comm.allreduce(float(value), op=MPI.MAX),
-                             alone=float(value), numel=1, dtype="float64")
+        return self._all_reduce_float("all_reduce_max", value, MPI.MAX)
 
     def all_reduce_min_float(self, value: float) -> float:
         """Minimum of a Python float over ranks."""
-        return self._pickled("all_reduce_min", lambda: self.mpi_comm.allreduce(float(value), op=MPI.MIN),
-                             alone=float(value), numel=1, dtype="float64")
+        return self._all_reduce_float("all_reduce_min", value, MPI.MIN)
+
+    def _all_reduce_float(self, operation: str, value: float, op) -> float:
+        """One float reduced over the ranks, as a buffer through ``MPI_Allreduce`` on this communicator. Not
+        mpi4py's pickled ``allreduce``: it reduces through messages on a duplicate of the communicator, which
+        revoking this one leaves as it is, so a survivor waiting there for a lost rank waited for ever (seen
+        under ULFM with 4 ranks: the other survivors revoked and went on to agree)."""
+        number = numpy.array([float(value)])
+
+        def reduce() -> float:
+            self.mpi_comm.Allreduce(MPI.IN_PLACE, number, op=op)
+            return float(number[0])
+        return self._pickled(operation, reduce, alone=float(value), numel=1, dtype="float64")
 
     def barrier(self) -> None:
         self._pickled("barrier", self.mpi_comm.Barrier, alone=None)

@@ -9,6 +9,7 @@ With --checkpoint-every, checkpoints go to OUT/checkpoints. RANK is the rank in 
 step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one of:
 
     backward   the step's second unit hook in backward (the others are in its collectives)
+    unscale    as the loss scaler's found-inf reduction starts (the others are in it)
     agreement  as the rank enters the step's agreement (the others are inside it)
     save       as the checkpoint save after the step starts (the others are in its collectives)
     latest     rank 0, between the checkpoint's rename and ``latest`` naming it
@@ -33,7 +34,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import fsdp_mpi
-from fsdp_mpi import Elastic, ElasticState, FullyShardedDataParallel as FSDP, ModuleWrapPolicy, ShardingStrategy
+from fsdp_mpi import (Elastic, ElasticState, FullyShardedDataParallel as FSDP, ModuleWrapPolicy, ShardedGradScaler,
+                      ShardingStrategy)
 from fsdp_mpi.communication import timing_points
 from fsdp_mpi.elastic import recovery, state as elastic_state
 from fsdp_mpi.files import checkpoint_directory
@@ -49,7 +51,9 @@ def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy) -> ElasticSta
     model = FSDP(GPT2LMHeadModel(config), comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
                  sharding_strategy=strategy, device=torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return ElasticState(model, optimizer, losses=[])
+    # A loss scaler, as fp16 needs (its scale a power of 2: the same numbers in fp32): its found-inf reduction
+    # is a collective, which must come before the step's agreement.
+    return ElasticState(model, optimizer, scaler=ShardedGradScaler(comm), losses=[])
 
 
 def tokens(first: int, count: int) -> torch.Tensor:
@@ -70,7 +74,7 @@ def train(state: ElasticState, killer: "Killer", seen: dict) -> ElasticState:
         killer.step = state.step
         batch = tokens(state.step * GLOBAL_BATCH + comm.rank * per_rank, per_rank)
         loss = state.model(input_ids=batch, labels=batch).loss
-        loss.backward()
+        state.scaler.scale(loss).backward()
         state.counters["losses"].append(comm.all_reduce_sum_float(loss.item()) / comm.world_size)
         state.commit()
         if "after_first_step" not in seen:
@@ -120,7 +124,7 @@ def install(killer: Killer) -> None:
     timing_points.add_listener(killer)
     end_step, save, save_checkpoint = elastic_state.end_step, checkpoint_directory.CheckpointDirectory.save, \
         checkpoint_directory.save_checkpoint
-    shrink = recovery._shrink_until_it_holds
+    shrink, unscale = recovery._shrink_until_it_holds, ShardedGradScaler.unscale_
 
     def agreeing(comm, interrupted=None):
         killer.reached("agreement")
@@ -136,6 +140,10 @@ def install(killer: Killer) -> None:
         killer.reached("latest")
         return done
 
+    def unscaling(self, optimizer):
+        killer.reached("unscale")
+        return unscale(self, optimizer)
+
     def shrunk(comm):
         found = shrink(comm)
         killer.reached("recovery")
@@ -143,6 +151,7 @@ def install(killer: Killer) -> None:
 
     elastic_state.end_step, checkpoint_directory.CheckpointDirectory.save = agreeing, saving
     checkpoint_directory.save_checkpoint, recovery._shrink_until_it_holds = renamed, shrunk
+    ShardedGradScaler.unscale_ = unscaling
 
 
 def main() -> None:
