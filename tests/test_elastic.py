@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,15 +71,18 @@ def assert_nothing_piled_up(result: dict) -> None:
 
 
 @pytest.mark.open_mpi
-def test_a_users_loop_reloads_checkpoints_after_losses_in_the_found_inf_reduction_a_save_and_a_recovery(
+def test_a_users_loop_survives_losses_as_it_starts_in_the_found_inf_reduction_a_save_and_a_recovery(
         one_process, tmp_path):
-    """FULL_SHARD on 4 ranks, a checkpoint every 2 steps: rank 3 dies in step 1's found-inf reduction, the
-    collective before the agreement (the survivors reload
-    the checkpoint the run saved as it started); rank 0 dies between renaming step 2's checkpoint and naming it
-    ``latest``, and rank 2 while the survivors of that shrink: rank 1 alone reloads step 0 and trains to the end."""
-    run = run_loop(tmp_path, 4, "--checkpoint-every", 2, "--kill", "3:1:unscale", "--kill", "0:2:latest",
-                   "--kill", "2:2:recovery")
+    """FULL_SHARD on 5 ranks, a checkpoint every 2 steps: rank 4 dies as the run is first built (the others build
+    it again on 4); rank 3 dies in step 1's found-inf reduction, the collective before the agreement (the
+    survivors reload the checkpoint the run saved as it started); rank 0 dies between renaming step 2's
+    checkpoint and naming it ``latest``, and rank 2 while the survivors of that shrink: rank 1 alone reloads
+    step 0 and trains to the end."""
+    run = run_loop(tmp_path, 5, "--checkpoint-every", 2, "--kill", "4:-1:start", "--kill", "3:1:unscale",
+                   "--kill", "0:2:latest", "--kill", "2:2:recovery")
     result = result_of(tmp_path, run)
+    assert "fsdp_mpi.elastic: lost rank(s) 4 of the job as the run was first built; 4 rank(s) build it again" \
+        in run.stdout, run.stdout[-3000:]
     assert [line.split(";")[0] for line in result["recoveries"]] == [
         "lost rank(s) 3 of the job (4 training before)", "lost rank(s) 0, 2 of the job (3 training before)"]
     assert "3 rank(s) go on from the latest checkpoint at optimizer step 0" in result["recoveries"][0]
@@ -113,6 +117,16 @@ def test_every_survivor_ends_the_step_in_one_agreement_and_a_real_error_after_a_
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert sorted(line for line in run.stdout.splitlines() if "protocol holds" in line) == [
         "rank 0: protocol holds", "rank 1: protocol holds"]
+
+
+@pytest.mark.open_mpi
+def test_a_rank_lost_before_its_first_message_ends_the_job_at_once_naming_it():
+    command = [mpiexec(), *ULFM, "-n", "3", sys.executable, str(WORKERS / "lost_ranks.py"), "early"]
+    started = time.monotonic()
+    run = subprocess.run(command, env=child_env(FSDP_MPI_TIMEOUT="600"), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0 and time.monotonic() - started < 60  # not the watchdog's 600 s
+    assert "fsdp_mpi: rank(s) 2 of the job died as it started" in run.stderr, run.stderr[-3000:]
 
 
 # Imported first by every rank of the docs' program: rank KILL_RANK of the job kills itself at the

@@ -22,10 +22,11 @@ from mpi4py import MPI
 
 from fsdp_mpi.communication import point_to_point
 from fsdp_mpi.communication.bookkeeping import Collective, Traffic, in_mpi, waiting_in_mpi
+from fsdp_mpi.communication.failures.abort import abort_job
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
 from fsdp_mpi.communication.failures.liveness import Liveness
-from fsdp_mpi.communication.failures.lost_ranks import continuation_unavailable
+from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable, failed_ranks
 from fsdp_mpi.communication.machinery.in_flight import InFlight
 from fsdp_mpi.communication.machinery.mpi_library import CudaAwareness, cuda_awareness
 from fsdp_mpi.communication.machinery.placement import split_by_node
@@ -103,7 +104,11 @@ class Communicator:
         # Where the library lets two threads call MPI at once, collectives started early may run there.
         self.communication_thread = CommunicationThread() if threads_may_call_mpi_at_once() else None
         if self.mpi_comm == MPI.COMM_WORLD and PROCESS_LOG.liveness is None:  # every rank builds a first one
-            self.watch_liveness()
+            try:
+                self.watch_liveness()
+            except RankLostError as lost:  # nothing trained yet, nothing to go on from: the whole job ends
+                abort_job(f"fsdp_mpi: rank(s) {', '.join(map(str, failed_ranks(self.mpi_comm)))} of the job died "
+                          f"as it started ({lost}): ending the job, which has nothing to go on from yet")
 
     # ----------------------------------------------------------------- routes
 

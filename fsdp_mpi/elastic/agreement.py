@@ -17,7 +17,7 @@ checkpoint save or a validation as much as in a backward, ends it the same way.
 """
 
 from fsdp_mpi.communication.comm import Communicator
-from fsdp_mpi.communication.failures.lost_ranks import RankLostError
+from fsdp_mpi.communication.failures.lost_ranks import RankLostError, can_go_on
 
 
 class StepAbandoned(RankLostError):
@@ -31,7 +31,11 @@ class StepAbandoned(RankLostError):
 def end_step(comm: Communicator, interrupted: RankLostError | None = None) -> None:
     """This rank's one agreement for the step (collective over the survivors of `comm`): returns if every rank's
     step was complete, else raises ``StepAbandoned`` (on every survivor alike). `interrupted`: the loss that cut
-    this rank's step short (its communicators are revoked first, so that no survivor waits for this rank)."""
+    this rank's step short (its communicators are revoked first, so that no survivor waits for this rank). Where
+    the job cannot go on without a lost rank (MPICH, Intel MPI, Open MPI without ULFM), a loss ends it anyway:
+    there is nothing to agree on, and nothing is called."""
+    if interrupted is None and not can_go_on():
+        return
     if interrupted is not None:
         comm.revoke()
     try:

@@ -104,7 +104,7 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
     lost: set[int] = set()
     failing = comm  # the communicator a loss was last seen on: the next shrink's
     while True:
-        survivors, alive = _shrink_until_it_holds(failing)
+        survivors, alive = shrink_until_it_holds(failing)
         lost |= set(job_ranks(failing.mpi_comm)) - set(alive)
         shrunk = time.perf_counter()
         failing = survivors
@@ -163,7 +163,7 @@ def forget_the_interrupted_step(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
-def _shrink_until_it_holds(comm: Communicator) -> tuple[Communicator, list[int]]:
+def shrink_until_it_holds(comm: Communicator) -> tuple[Communicator, list[int]]:
     """`comm`'s survivors and their ranks in the job, shrunk again if a rank is lost meanwhile."""
     while True:
         survivors = comm.shrink()

@@ -35,7 +35,7 @@ from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
 from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, exit_without_finalize, forget_the_interrupted_step,
-                                      recover)
+                                      job_ranks, recover, shrink_until_it_holds)
 from fsdp_mpi.elastic.state import ElasticState
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 
@@ -80,7 +80,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
     if unavailable and comm.rank == 0:
         print(f"fsdp_mpi.elastic: a lost rank will end the job: {unavailable}", file=sys.stderr, flush=True)
     directory = (lambda on: CheckpointDirectory(checkpoint_dir, on)) if checkpoint_dir is not None else None
-    state = _started(build(comm), directory, checkpoint_every)
+    state = _first_state(lambda on: _started(build(on), directory, checkpoint_every), comm, unavailable, elastic)
     plan = Plan(build=lambda on: _checkpointed(build(on), directory, checkpoint_every),
                 shard_comm=lambda run: run.model.groups.shard,
                 replicated=lambda run: run.model.groups.replicas is not None,
@@ -119,6 +119,31 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
         if outcome.run.comm.rank == 0:
             print(f"fsdp_mpi.elastic: {message}", flush=True)
         state = outcome.run
+
+
+def _first_state(start: Callable[[Communicator], ElasticState], comm: Communicator, unavailable: str | None,
+                 elastic: Elastic) -> ElasticState:
+    """`start(comm)`, ended like a step in one agreement: a rank lost while the state is first built makes the
+    survivors build it again among themselves (nothing is trained yet, nothing moves)."""
+    while True:
+        try:
+            state, lost = start(comm), None
+        except RankLostError as error:
+            if unavailable:
+                raise
+            state, lost = None, error
+            forget_the_interrupted_step(lost)
+        try:
+            end_step(comm, lost)
+            return state
+        except StepAbandoned:
+            survivors, alive = shrink_until_it_holds(comm)
+            gone = sorted(set(job_ranks(comm.mpi_comm)) - set(alive))
+            elastic.lost_ranks = sorted(set(elastic.lost_ranks) | set(gone))
+            if survivors.rank == 0:
+                print(f"fsdp_mpi.elastic: lost rank(s) {', '.join(map(str, gone))} of the job as the run was first "
+                      f"built; {survivors.world_size} rank(s) build it again", flush=True)
+            comm = survivors
 
 
 def _started(state: ElasticState, directory, every: int) -> ElasticState:

@@ -8,6 +8,7 @@ of GLOBAL_BATCH, cut into equal parts on the ranks of the moment), and every ste
 With --checkpoint-every, checkpoints go to OUT/checkpoints. RANK is the rank in the job, STEP the optimizer
 step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one of:
 
+    start      (STEP -1) as the run is first built (the others are in the wrapper's collectives)
     backward   the step's second unit hook in backward (the others are in its collectives)
     unscale    as the loss scaler's found-inf reduction starts (the others are in it)
     agreement  as the rank enters the step's agreement (the others are inside it)
@@ -15,7 +16,7 @@ step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one o
     latest     rank 0, between the checkpoint's rename and ``latest`` naming it
     recovery   right after the survivors of an earlier loss shrank (the others are in the recovery's all-gather)
 
-The rank sends itself SIGKILL, as a node that dies. At the end rank 0 of the ranks left writes OUT/result.json:
+The rank sends itself SIGKILL, as a node that dies. GLOBAL_BATCH is cut into equal parts on 1, 2, 3, 4 or 6 ranks. At the end rank 0 of the ranks left writes OUT/result.json:
 each step's loss (the mean over the global batch), the loss of a fixed batch after the last step, the
 recoveries, and how many threads and communicators the process holds, after the first step and at the end.
 """
@@ -43,8 +44,9 @@ from fsdp_mpi.files import checkpoint_directory
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 6, 12, 16, 64
 
 
-def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy) -> ElasticState:
+def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy, killer: "Killer") -> ElasticState:
     """The same model on every rank, wrapped on `comm`'s ranks: one unit per block."""
+    killer.reached("start")  # the others are in the wrapper's collectives
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -124,7 +126,7 @@ def install(killer: Killer) -> None:
     timing_points.add_listener(killer)
     end_step, save, save_checkpoint = elastic_state.end_step, checkpoint_directory.CheckpointDirectory.save, \
         checkpoint_directory.save_checkpoint
-    shrink, unscale = recovery._shrink_until_it_holds, ShardedGradScaler.unscale_
+    shrink, unscale = recovery.shrink_until_it_holds, ShardedGradScaler.unscale_
 
     def agreeing(comm, interrupted=None):
         killer.reached("agreement")
@@ -150,7 +152,7 @@ def install(killer: Killer) -> None:
         return found
 
     elastic_state.end_step, checkpoint_directory.CheckpointDirectory.save = agreeing, saving
-    checkpoint_directory.save_checkpoint, recovery._shrink_until_it_holds = renamed, shrunk
+    checkpoint_directory.save_checkpoint, recovery.shrink_until_it_holds = renamed, shrunk
     ShardedGradScaler.unscale_ = unscaling
 
 
@@ -166,7 +168,7 @@ def main() -> None:
     killer = Killer(plan)
     install(killer)
     elastic, seen = Elastic(), {}
-    state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen), lambda comm: build(comm, strategy),
+    state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen), lambda comm: build(comm, strategy, killer),
                                  checkpoint_dir=out / "checkpoints" if every else None, checkpoint_every=every,
                                  elastic=elastic)
     if state is not None:

@@ -1,17 +1,24 @@
-"""ULFM's step protocol at its edges, for tests/test_elastic.py: 3 ranks under ``mpirun --with-ft ulfm``, and
-rank 2 dies after the first exchange.
+"""ULFM's step protocol at its edges, for tests/test_elastic.py, under ``mpirun --with-ft ulfm``.
 
-1. Rank 0 meets the loss inside a collective; rank 1 meets none (its step was complete). Each ends the step in
-   its one agreement (``end_step``), and both are told the step was abandoned: nobody shrinks while another
-   survivor still waits in the agreement, and nobody takes the step.
-2. On the survivors' communicator, a real MPI error (a message longer than its receive buffer) is raised as the
-   error it is, not as a lost rank, although the job's world keeps counting its dead rank.
+    python lost_ranks.py          3 ranks: 2. and 3. below
+    python lost_ranks.py early    1. below
 
-Prints "protocol holds" on each survivor when both hold, then ends without MPI_Finalize (as after any loss).
+1. The last rank dies before it ever exchanged a message: the others notice as they build their first
+   communicator (a hand test once saw such a loss go unreported for 30 s), and the job ends at once with a
+   message naming it: nothing has been trained to go on from.
+2. Rank 2 dies after an exchange. Rank 0 meets the loss inside a collective; rank 1 meets none
+   (its step was complete). Each ends the step in its one agreement (``end_step``), and both are told the step
+   was abandoned: nobody shrinks while another survivor still waits in the agreement, and nobody takes the step.
+3. On the survivors' communicator, a real MPI error (a message longer than its receive buffer) is raised as the
+   error it is, not as a lost rank, although the job's world keeps counting its dead ranks.
+
+Prints "protocol holds" on each survivor when 2. and 3. hold, then ends without MPI_Finalize (as after any
+loss).
 """
 
 import os
 import signal
+import sys
 
 import numpy
 from mpi4py import MPI
@@ -28,6 +35,12 @@ def abandoned(comm: Communicator, interrupted: RankLostError | None) -> StepAban
         return step
     raise AssertionError(f"rank {comm.rank}: the step was agreed complete although rank 2 was lost")
 
+
+if sys.argv[1:] == ["early"]:
+    if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    Communicator()
+    raise AssertionError("a communicator was built with a rank that died")
 
 comm = Communicator()
 comm.barrier()

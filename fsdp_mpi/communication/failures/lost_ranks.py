@@ -53,7 +53,7 @@ def is_rank_lost(error: BaseException, mpi_comm) -> bool:
         return False
     if error.Get_error_class() in LOST_RANK_ERRORS:
         return True
-    if not _can_go_on():
+    if not can_go_on():
         return False
     deadline = time.monotonic() + FAILURE_KNOWN_SECONDS
     while mpi_comm.Get_failed().Get_size() == 0:  # the detector may hear of it a moment after the error
@@ -63,8 +63,15 @@ def is_rank_lost(error: BaseException, mpi_comm) -> bool:
     return True
 
 
+def failed_ranks(mpi_comm) -> list[int]:
+    """The ranks of `mpi_comm` that MPI knows to have failed, numbered as in the job (local)."""
+    failed = mpi_comm.Get_failed()
+    return failed.Translate_ranks(list(range(failed.Get_size())), MPI.COMM_WORLD.Get_group())
+
+
 @functools.cache
-def _can_go_on() -> bool:
+def can_go_on() -> bool:
+    """Whether this job can go on without a rank it loses (``continuation_unavailable``), asked once."""
     return continuation_unavailable() is None
 
 
