@@ -1,11 +1,15 @@
 """A user's own training loop under ``fsdp_mpi.run_elastic``, a Hugging Face GPT-2 in it, with ranks killed at
 chosen moments, for tests/test_elastic.py.
 
-    python elastic_loop.py OUT [--strategy FULL_SHARD|HYBRID_SHARD] [--checkpoint-every N] [--kill RANK:STEP:MOMENT]...
+    python elastic_loop.py OUT [--strategy NAME] [--checkpoint-every N] [--accumulate] [--overlap] [--offload]
+                           [--kill RANK:STEP:MOMENT]...
 
 The loop is what docs/failures.md shows a user: every step's samples follow from ``state.step`` (a global batch
 of GLOBAL_BATCH, cut into equal parts on the ranks of the moment), and every step ends in ``state.commit()``.
-With --checkpoint-every, checkpoints go to OUT/checkpoints. RANK is the rank in the job, STEP the optimizer
+With --checkpoint-every, checkpoints go to OUT/checkpoints. --accumulate
+takes each step as two micro-batches, the first under ``no_sync()``; --overlap turns on the prefetches and the
+asynchronous reduce-scatter (so a collective is in flight when a rank dies); --offload keeps the shards in host
+memory (``CPUOffload``). RANK is the rank in the job, STEP the optimizer
 step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one of:
 
     start      (STEP -1) as the run is first built (the others are in the wrapper's collectives)
@@ -21,6 +25,7 @@ each step's loss (the mean over the global batch), the loss of a fixed batch aft
 recoveries, and how many threads and communicators the process holds, after the first step and at the end.
 """
 
+import contextlib
 import gc
 import json
 import os
@@ -35,8 +40,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import fsdp_mpi
-from fsdp_mpi import (Elastic, ElasticState, FullyShardedDataParallel as FSDP, ModuleWrapPolicy, ShardedGradScaler,
-                      ShardingStrategy)
+from fsdp_mpi import (CPUOffload, Elastic, ElasticState, FullyShardedDataParallel as FSDP, ModuleWrapPolicy,
+                      ShardedGradScaler, ShardingStrategy)
 from fsdp_mpi.communication import timing_points
 from fsdp_mpi.elastic import recovery, state as elastic_state
 from fsdp_mpi.files import checkpoint_directory
@@ -44,14 +49,17 @@ from fsdp_mpi.files import checkpoint_directory
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 6, 12, 16, 64
 
 
-def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy, killer: "Killer") -> ElasticState:
+def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy, options: list[str], killer: "Killer") -> ElasticState:
     """The same model on every rank, wrapped on `comm`'s ranks: one unit per block."""
     killer.reached("start")  # the others are in the wrapper's collectives
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    overlap = "--overlap" in options
     model = FSDP(GPT2LMHeadModel(config), comm=comm, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
-                 sharding_strategy=strategy, device=torch.device("cpu"))
+                 sharding_strategy=strategy, device=torch.device("cpu"), forward_prefetch=overlap,
+                 backward_prefetch=overlap, async_reduce_scatter=overlap,
+                 cpu_offload=CPUOffload(offload_params=True) if "--offload" in options else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # A loss scaler, as fp16 needs (its scale a power of 2: the same numbers in fp32): its found-inf reduction
     # is a collective, which must come before the step's agreement.
@@ -69,15 +77,19 @@ def tokens(first: int, count: int) -> torch.Tensor:
     return torch.stack(samples)
 
 
-def train(state: ElasticState, killer: "Killer", seen: dict) -> ElasticState:
+def train(state: ElasticState, killer: "Killer", seen: dict, micro_batches: int) -> ElasticState:
     comm = state.comm
     per_rank = GLOBAL_BATCH // comm.world_size  # (B, SEQ) below, B = per_rank
     while state.step < STEPS:
         killer.step = state.step
         batch = tokens(state.step * GLOBAL_BATCH + comm.rank * per_rank, per_rank)
-        loss = state.model(input_ids=batch, labels=batch).loss
-        state.scaler.scale(loss).backward()
-        state.counters["losses"].append(comm.all_reduce_sum_float(loss.item()) / comm.world_size)
+        loss_sum = 0.0
+        for index, micro in enumerate(batch.chunk(micro_batches)):
+            with state.model.no_sync() if index < micro_batches - 1 else contextlib.nullcontext():
+                loss = state.model(input_ids=micro, labels=micro).loss / micro_batches
+                state.scaler.scale(loss).backward()
+            loss_sum += loss.item()
+        state.counters["losses"].append(comm.all_reduce_sum_float(loss_sum) / comm.world_size)
         state.commit()
         if "after_first_step" not in seen:
             seen["after_first_step"] = resources()
@@ -168,12 +180,15 @@ def main() -> None:
     killer = Killer(plan)
     install(killer)
     elastic, seen = Elastic(), {}
-    state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen), lambda comm: build(comm, strategy, killer),
+    micro_batches = 2 if "--accumulate" in args else 1
+    state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen, micro_batches),
+                                 lambda comm: build(comm, strategy, args, killer),
                                  checkpoint_dir=out / "checkpoints" if every else None, checkpoint_every=every,
                                  elastic=elastic)
     if state is not None:
         with torch.no_grad():  # the weights after the last step, on a batch no step trained on
-            batch = tokens(10_000, GLOBAL_BATCH // state.comm.world_size)
+            per_rank = GLOBAL_BATCH // state.comm.world_size
+            batch = tokens(10_000 + state.comm.rank * per_rank, per_rank)
             held_out = state.comm.all_reduce_sum_float(state.model(input_ids=batch, labels=batch).loss.item())
         del state.optimizer, state.model  # the last run's own communicator stays; the ones before must be gone
         if state.comm.rank == 0:
