@@ -115,6 +115,21 @@ def test_hybrid_shard_groups_left_whole_go_on_from_memory_after_a_rank_and_then_
 
 @pytest.mark.open_mpi
 @needs_data
+def test_losses_during_validation_and_during_the_reload_that_follows(one_process, tmp_path):
+    """4 ranks, FULL_SHARD, a checkpoint every step: rank 3 dies in the validation at the first epoch's end; rank 2
+    while the survivors read the checkpoint to go on from. They shrink again inside the same recovery, reload it
+    on 2 ranks, validate the epoch again and end where one process ends."""
+    result = run_killing(4, ["3:3:validation", "2:3:reload"], "--batch-size", 2,
+                         "--checkpoint-dir", tmp_path / "checkpoints", "--checkpoint-every", 1,
+                         "--out-dir", tmp_path / "out")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert recoveries(result) == [("2, 3", 4, 2, "the latest checkpoint", 4)]
+    assert [row["world_size"] for row in read_rows(tmp_path / "out", per="step")] == list("44442222")
+    assert_ends_where_one_process_ends(tmp_path / "out", one_process[8])
+
+
+@pytest.mark.open_mpi
+@needs_data
 def test_an_error_after_a_loss_is_said_by_a_survivor_and_ends_every_survivor(tmp_path):
     """3 ranks, FULL_SHARD: rank 0 (which speaks for the run) dies in a backward, and the checkpoint the survivors
     are about to reload turns out damaged. Rank 0 of the survivors says why and they end with exit code 2 (before,

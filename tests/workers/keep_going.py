@@ -4,8 +4,10 @@
 
 RANK is the rank in the world the job started with, STEP the optimizer step (counted from 0 over the whole run),
 MOMENT one of forward (the third unit hook of the step's forward), backward (the second of its backward),
-reduce_scatter (as the step's first gradient reduce-scatter starts: the other ranks are inside it) or rebuild
-(as the survivors of a loss in that step start building the model again). One more MOMENT does not kill:
+reduce_scatter (as the step's first gradient reduce-scatter starts: the other ranks are inside it), rebuild
+(as the survivors of a loss in that step start building the model again), validation (as the validation after
+the epoch that ends with that step starts: the others are in its collectives) or reload (as the survivors of a
+loss in that step start reading the latest checkpoint: the others are in its collectives). One more MOMENT does not kill:
 damage (as the survivors of a loss in that step start building the model again, the rank truncates every file of
 the latest checkpoint, which they are about to reload). The rank
 sends itself SIGKILL: no handler, no MPI call, nothing flushed, as when a node dies. Every rank prints when
@@ -27,7 +29,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
 
 import run_gpt2  # noqa: E402
-from training import loop  # noqa: E402
+from training import loop, resume  # noqa: E402
 from training.run import main  # noqa: E402
 
 from fsdp_mpi.communication import timing_points  # noqa: E402
@@ -90,6 +92,16 @@ def install(kills: list[str]) -> None:
             damage_latest_checkpoint(Path(config.checkpoint_dir))
         return build(task, config, *args)
     loop.start_run = start_run
+    evaluate, load_checkpoint = loop.evaluate, resume.load_checkpoint
+
+    def validating(*args, **kwargs):
+        killer.reached("validation", 1)
+        return evaluate(*args, **kwargs)
+
+    def reloading(*args, **kwargs):
+        killer.reached("reload", 1)
+        return load_checkpoint(*args, **kwargs)
+    loop.evaluate, resume.load_checkpoint = validating, reloading
 
 
 if __name__ == "__main__":
