@@ -27,10 +27,15 @@ What each Lightning feature becomes:
                          schedulers, callbacks) in ``lightning_state.pt``; resumable with
                          ``ckpt_path=`` on any number of ranks. The state file loads with
                          ``weights_only=True`` unless ``fit(..., weights_only=False)`` says otherwise
+    a lost rank          ends the job, saying why (``CANNOT_GO_ON``), even under Open MPI's ULFM:
+                         the Trainer has no way to be rebuilt on fewer ranks in the middle of
+                         ``fit``; resume with ``ckpt_path=``, or train in a loop of your own
+                         under ``fsdp_mpi.run_elastic``
 """
 
 import pickle
 import re
+import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +50,7 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from fsdp_mpi.files.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp_mpi.loop.clip import clip_grad_norm_
 from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.failures.lost_ranks import RankLostError, can_go_on
 from fsdp_mpi.sharding.fully_sharded import FullyShardedDataParallel
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
 from fsdp_mpi.sharding.strategy import ShardingStrategy
@@ -52,6 +58,13 @@ from fsdp_mpi.sharding.torch_options import read_sharding_strategy
 from fsdp_mpi.sharding.wrap import ModuleWrapPolicy, as_wrap_policy
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"  # beside the shards in a checkpoint directory
+# Why a Trainer ends at a lost rank where fsdp_mpi.run_elastic goes on: what a run on the survivors would need
+# rebuilt lives in Lightning's objects (the fit loop's progress, callbacks, loggers, the samplers cut for N
+# ranks, the module's references to the wrapped model and its optimizer), and fit() has no place to do it.
+CANNOT_GO_ON = ("Lightning's Trainer cannot go on without a lost rank (its loops, callbacks, loggers and "
+                "samplers would have to be rebuilt on the survivors in the middle of fit()): the job ends. Resume "
+                "from the last checkpoint with fit(ckpt_path=...) on the ranks you have, or train in a loop of "
+                "your own under fsdp_mpi.run_elastic, which goes on")
 _PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}
 
 
@@ -186,7 +199,16 @@ class FSDPMPIStrategy(ParallelStrategy):
         if self.comm.world_size != self.world_size:
             raise RuntimeError(f"MPI has {self.comm.world_size} ranks but Lightning was set up for "
                                f"{self.world_size}: pass Trainer(devices=ranks per node, num_nodes=nodes)")
+        if can_go_on() and self.comm.rank == 0:  # started to go on without a lost rank: say that this cannot
+            print(f"fsdp_mpi.lightning: {CANNOT_GO_ON}", file=sys.stderr, flush=True)
         super().setup_environment()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning calls this with what ended fit(): a lost rank is said plainly (then the exception ends the
+        job, as any other)."""
+        if isinstance(exception, RankLostError):
+            print(f"fsdp_mpi.lightning: rank {self.comm.rank}: {exception}. {CANNOT_GO_ON}", file=sys.stderr,
+                  flush=True)
 
     # ------------------------------------------------------------- the model
 

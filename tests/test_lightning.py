@@ -124,3 +124,24 @@ def test_the_strategy_takes_lightning_fsdp_options_and_refuses_bad_ones_when_mad
         FSDPMPIStrategy(sharding_strategy="ZERO3")
     with pytest.raises(TypeError, match="auto_wrap_policy must be"):
         FSDPMPIStrategy(auto_wrap_policy="Linear")
+
+
+@pytest.mark.one_rank
+def test_a_lost_rank_is_said_plainly_to_end_a_trainer(capfd, monkeypatch):
+    """Lightning's Trainer cannot be rebuilt on the survivors in the middle of fit(): the strategy says so when it
+    meets a lost rank, and as it starts a job launched to go on without one."""
+    from fsdp_mpi import RankLostError
+    from fsdp_mpi.lightning import FSDPMPIStrategy
+
+    strategy = FSDPMPIStrategy()
+    strategy.on_exception(ValueError("not a lost rank"))
+    assert capfd.readouterr().err == ""
+    strategy.on_exception(RankLostError("rank 0 of 2 in #7 all_gather", 0.04))
+    said = capfd.readouterr().err
+    assert said.startswith("fsdp_mpi.lightning: rank 0: rank 0 of 2 in #7 all_gather. Lightning's Trainer cannot "
+                           "go on without a lost rank")
+    assert "fit(ckpt_path=...)" in said and "fsdp_mpi.run_elastic" in said
+    monkeypatch.setattr("fsdp_mpi.lightning.can_go_on", lambda: True)
+    monkeypatch.setattr("lightning.pytorch.strategies.ParallelStrategy.setup_environment", lambda self: None)
+    strategy.setup_environment()  # the part before Lightning's own (which needs a Trainer's accelerator)
+    assert "Lightning's Trainer cannot go on without a lost rank" in capfd.readouterr().err
