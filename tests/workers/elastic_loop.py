@@ -98,12 +98,13 @@ def train(state: ElasticState, killer: "Killer", seen: dict, micro_batches: int)
 
 def resources() -> dict:
     """What a run that lost ranks must not pile up: threads, open files (the node transport's shared memory is
-    a file each), mapped shared memory."""
+    a file each), mapped shared memory, communicators still alive."""
     gc.collect()
     with open("/proc/self/maps") as maps:
         shared = sum(1 for line in maps if "memfd:" in line or "/dev/shm" in line)
     return {"threads": sorted(thread.name for thread in threading.enumerate()),
-            "files": len(os.listdir("/proc/self/fd")), "shared_mappings": shared}
+            "files": len(os.listdir("/proc/self/fd")), "shared_mappings": shared,
+            "communicators": sum(isinstance(thing, fsdp_mpi.Communicator) for thing in gc.get_objects())}
 
 
 class Killer:

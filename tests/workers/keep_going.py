@@ -1,6 +1,6 @@
 """experiments/run_gpt2.py with ranks killed at chosen moments, for tests/test_keep_going.py.
 
-    python keep_going.py --kill RANK:STEP:MOMENT [--kill ...] -- <run_gpt2.py's options>
+    python keep_going.py [--memory] --kill RANK:STEP:MOMENT [--kill ...] -- <run_gpt2.py's options>
 
 RANK is the rank in the world the job started with, STEP the optimizer step (counted from 0 over the whole run),
 MOMENT one of forward (the third unit hook of the step's forward), backward (the second of its backward),
@@ -12,13 +12,17 @@ damage (as the survivors of a loss in that step start building the model again, 
 the latest checkpoint, which they are about to reload). The rank
 sends itself SIGKILL: no handler, no MPI call, nothing flushed, as when a node dies. Every rank prints when
 each optimizer step is done and when it is killed (wall clock), from which experiments/keep_going_bench.sh
-takes the time from a failure to the next completed step.
+takes the time from a failure to the next completed step. With --memory each survivor also prints the peak
+resident size of its process in the training steps before the loss and during the recovery (from the loss to
+the next completed step), beside the training state it held (parameters, gradients, optimizer state), for
+experiments/bench_keep_going.py --memory.
 """
 
 import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
 
 import run_gpt2  # noqa: E402
 from training import loop, resume  # noqa: E402
+from training.results import model_state_bytes  # noqa: E402
 from training.run import main  # noqa: E402
 
 from fsdp_mpi.communication import timing_points  # noqa: E402
@@ -60,6 +65,29 @@ class Killer:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ResidentPeaks:
+    """The peak resident size of this process in each phase (before the loss, during its recovery), sampled by a
+    thread every millisecond."""
+
+    def __init__(self):
+        self.phase, self.peaks, self.state_bytes = "steps", {"steps": 0, "recovery": 0}, 0
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            with open("/proc/self/statm") as statm:
+                resident = int(statm.read().split()[1]) * self.page
+            if self.phase in self.peaks:
+                self.peaks[self.phase] = max(self.peaks[self.phase], resident)
+            time.sleep(0.001)
+
+    def report(self) -> None:
+        mib = {phase: peak / 2**20 for phase, peak in self.peaks.items()}
+        print(f"rank {MPI.COMM_WORLD.Get_rank()}: peak resident MiB in steps {mib['steps']:.1f}, in recovery "
+              f"{mib['recovery']:.1f}, training state {self.state_bytes / 2**20:.1f}", flush=True)
+
+
 def damage_latest_checkpoint(directory: Path) -> None:
     latest = directory / (directory / "latest").read_text().strip()
     for path in latest.iterdir():
@@ -67,7 +95,7 @@ def damage_latest_checkpoint(directory: Path) -> None:
     print(f"rank {MPI.COMM_WORLD.Get_rank()}: damaged {latest}", flush=True)
 
 
-def install(kills: list[str]) -> None:
+def install(kills: list[str], memory: bool) -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     plan = set()
     for kill in kills:
@@ -78,12 +106,26 @@ def install(kills: list[str]) -> None:
     timing_points.add_listener(killer)
     counted = loop.optimizer_step
 
+    peaks = ResidentPeaks() if memory else None
+
     def optimizer_step(run, step, position):
         killer.step = position.step
         done = counted(run, step, position)
         print(f"rank {rank}: step {position.step} done at {time.time():.3f}", flush=True)  # for the benchmark
+        if peaks and peaks.phase == "steps":
+            peaks.state_bytes = model_state_bytes(run.prepared.model, run.optimizer)
+        elif peaks and peaks.phase == "recovery":
+            peaks.phase = "after"
+            peaks.report()
         return done
     loop.optimizer_step = optimizer_step
+    go_on = loop.go_on_without_the_lost
+
+    def going_on(*args):
+        if peaks:
+            peaks.phase = "recovery"
+        return go_on(*args)
+    loop.go_on_without_the_lost = going_on
     build = loop.start_run
 
     def start_run(task, config, *args):
@@ -108,5 +150,5 @@ if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # a hung test dumps every rank's threads on SIGUSR2
     separator = sys.argv.index("--")
     ours, sys.argv = sys.argv[1:separator], [sys.argv[0], *sys.argv[separator + 1:]]
-    install([ours[index + 1] for index, word in enumerate(ours) if word == "--kill"])
+    install([ours[index + 1] for index, word in enumerate(ours) if word == "--kill"], "--memory" in ours)
     sys.exit(main(run_gpt2.GPT2Task, run_gpt2.GPT2RunConfig, run_gpt2.parser(), "gpt2"))
