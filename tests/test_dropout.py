@@ -119,3 +119,16 @@ def test_an_impossible_dropout_option_is_a_usage_error():
     for value in ("1", "-0.1"):
         with pytest.raises(UsageError, match="--dropout must be at least 0 and below 1"):
             check_config(RunConfig.from_namespace(parser.parse_args(["--dropout", value])))
+
+
+def test_a_layer_key_never_meets_a_tensor_as_an_integer_past_int64():
+    """A layer's key (its name's crc32, up to 2^32) spread by the golden ratio passes 2^63 as a Python int for about
+    one name in five; older torch refuses to add such an int to an int64 tensor, as numpy does. Hashed into a numpy
+    int64 array (as strict as older torch), every key gives what Python's unbounded ints give."""
+    import numpy
+
+    from fsdp_mpi.loop.sample_dropout import _LOW32, _combine
+
+    for layer in (0, 1, 0x7FFFFFFF, 0xDEADBEEF, 0xFFFFFFFF):
+        expected = [_combine(key, layer) for key in (0, 12345, _LOW32)]
+        assert _combine(numpy.array([0, 12345, _LOW32], dtype=numpy.int64), layer).tolist() == expected

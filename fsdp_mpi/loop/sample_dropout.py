@@ -40,8 +40,10 @@ def _mix(h):
 
 
 def _combine(key, value):
-    """A key for (key, value): the hash of key plus value spread over 32 bits."""
-    return _mix((key + (value + 1) * _GOLDEN) & _LOW32)
+    """A key for (key, value): the hash of key plus value spread over 32 bits. The spread value is cut to 32 bits
+    before it meets `key`: as a Python int its product passes 2^63 for about one value in five (a layer's name's
+    crc32), which older torch refuses to add to an int64 tensor ("Overflow when unpacking long")."""
+    return _mix((key + ((value + 1) * _GOLDEN & _LOW32)) & _LOW32)
 
 
 class SampleKeys:
