@@ -9,6 +9,7 @@ limit on each of a group's calls is its ``timeout=`` (``process_group.MpiProcess
 from datetime import timedelta
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from mpi4py import MPI
 
 from fsdp_mpi.distributed.process_group import BACKEND, MpiProcessGroup
@@ -44,3 +45,23 @@ def init_process_group(timeout: timedelta | None = None, **kwargs) -> None:
     store = dist.HashStore()  # torch's default group needs a store; the collectives never use it
     dist.init_process_group(BACKEND, store=store, rank=world.Get_rank(), world_size=world.Get_size(),
                             **({"timeout": timeout} if timeout is not None else {}), **kwargs)
+
+
+def never_split_from_ours() -> None:
+    """Makes torch look for a communicator to split a new group from only among backends of its own.
+
+    torch 2.14 hands a new group's creator the default group's backend on its bound device (``device_id=``, as
+    Lightning binds it on a GPU) as the communicator to split from (``split_from``, typed as a C++ backend, for
+    NCCL's ``ncclCommSplit``). Ours is a Python group, which those options refuse with a TypeError before our
+    creator is even called, so ``new_group`` and every device mesh failed. A group of ours is made by its own
+    ranks (``create_group``): it splits from nothing. Earlier torch asks the same function and takes None alike.
+    Idempotent."""
+    torch_split_source = c10d._get_split_source
+    if getattr(torch_split_source, "never_ours", False):
+        return
+
+    def split_source(pg):
+        source = torch_split_source(pg)
+        return None if isinstance(source, MpiProcessGroup) else source
+    split_source.never_ours = True
+    c10d._get_split_source = split_source
