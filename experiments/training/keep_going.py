@@ -78,7 +78,8 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
         replicated=lambda old: old.config.sharding_strategy in REPLICATED,
         from_memory=_move_state,
         from_checkpoint=from_checkpoint if run.config.checkpoint_dir else None,
-        position=lambda _: (position.step, position.epoch, position.tally.steps))
+        position=lambda _: (position.step, position.epoch, position.tally.steps),
+        release=lambda old: old.optimizer.state.clear())
     try:
         outcome = recovery.recover(run, run.comm, plan)
     except recovery.CannotGoOn as failure:

@@ -85,6 +85,9 @@ class Plan(Generic[Run]):
     from_memory: puts the old run's committed state into the new one (shard groups laid out alike).
     from_checkpoint: loads the latest checkpoint into the new run; False if there is none. None: the run keeps
         no checkpoints.
+    release: frees what of the old run's state a reload replaces (its optimizer state), before the new run is
+        built beside it: the recovery then holds one copy of the state more than a run started on the survivors
+        would, not two.
     position: where a run is (its committed step, and anything else that says where it is in the data), checked
         to be the same on every rank that goes on from memory.
     """
@@ -95,6 +98,7 @@ class Plan(Generic[Run]):
     from_memory: Callable[[Run, Run], None]
     from_checkpoint: Callable[[Run], bool] | None
     position: Callable[[Run], object]
+    release: Callable[[Run], None]
 
 
 def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | Left:
@@ -130,6 +134,8 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
 
 def _rebuild(run: Run, going_on: Communicator, from_memory: bool, plan: Plan[Run]) -> Run:
     """`run`'s committed state in a run built on `going_on`'s ranks, from memory or the latest checkpoint."""
+    if not from_memory:  # nothing of the old state is read again: a second loss only ever leaves fewer groups whole
+        plan.release(run)
     rebuilt = plan.build(going_on)
     if from_memory:
         positions = going_on.all_gather_object(plan.position(run))

@@ -86,7 +86,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
                 replicated=lambda run: run.model.groups.replicas is not None,
                 from_memory=ElasticState.move_into,
                 from_checkpoint=(lambda run: run.load(directory(run.comm))) if directory else None,
-                position=lambda run: run.step)
+                position=lambda run: run.step, release=lambda run: run.optimizer.state.clear())
     while True:
         try:
             result = train(state)
