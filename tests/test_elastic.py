@@ -116,15 +116,17 @@ def test_hybrid_shard_goes_on_from_memory_then_from_a_checkpoint_when_no_group_i
 @pytest.mark.open_mpi
 @pytest.mark.parametrize("strategy,source", [("NO_SHARD", "memory (the shard groups left whole) at optimizer step 3"),
                                              ("SHARD_GRAD_OP", "the latest checkpoint at optimizer step 2")])
-def test_a_loss_with_a_reduce_scatter_in_flight_accumulation_and_offload(one_process, tmp_path, strategy, source):
+def test_losses_with_a_reduce_scatter_in_flight_and_inside_the_shrink_with_accumulation_and_offload(
+        one_process, tmp_path, strategy, source):
     """3 ranks, every step two micro-batches (the first under no_sync), prefetching, the reduce-scatter started
-    asynchronously, the shards in host memory: rank 2 dies in step 3's backward. Under NO_SHARD the two left are
-    whole replicas and go on from memory; under SHARD_GRAD_OP they reload step 2's checkpoint."""
+    asynchronously, the shards in host memory: rank 2 dies in step 3's backward, and rank 1 as the survivors
+    start to shrink (rank 0 is inside MPI's shrink). Under NO_SHARD rank 0 is a whole replica and goes on from
+    memory; under SHARD_GRAD_OP it reloads step 2's checkpoint."""
     run = run_loop(tmp_path, 3, "--strategy", strategy, "--checkpoint-every", 2, "--accumulate", "--overlap",
-                   "--offload", "--kill", "2:3:backward")
+                   "--offload", "--kill", "2:3:backward", "--kill", "1:3:shrink")
     result = result_of(tmp_path, run)
     assert [line.split(". Noticed")[0] for line in result["recoveries"]] == [
-        f"lost rank(s) 2 of the job (3 training before); 2 rank(s) go on from {source}"]
+        f"lost rank(s) 1, 2 of the job (3 training before); 1 rank(s) go on from {source}"]
     assert_trains_as_one_process(result, one_process)
     assert_nothing_piled_up(result)
 

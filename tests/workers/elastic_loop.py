@@ -18,6 +18,7 @@ step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one o
     agreement  as the rank enters the step's agreement (the others are inside it)
     save       as the checkpoint save after the step starts (the others are in its collectives)
     latest     rank 0, between the checkpoint's rename and ``latest`` naming it
+    shrink     as the survivors of an earlier loss start to shrink (the others are inside MPI's shrink)
     recovery   right after the survivors of an earlier loss shrank (the others are in the recovery's all-gather)
 
 The rank sends itself SIGKILL, as a node that dies. GLOBAL_BATCH is cut into equal parts on 1, 2, 3, 4 or 6 ranks. At the end rank 0 of the ranks left writes OUT/result.json:
@@ -160,6 +161,7 @@ def install(killer: Killer) -> None:
         return unscale(self, optimizer)
 
     def shrunk(comm):
+        killer.reached("shrink")
         found = shrink(comm)
         killer.reached("recovery")
         return found
