@@ -116,10 +116,12 @@ def test_hybrid_shard_groups_left_whole_go_on_from_memory_after_a_rank_and_then_
 @pytest.mark.open_mpi
 @needs_data
 def test_losses_during_validation_and_during_the_reload_that_follows(one_process, tmp_path):
-    """4 ranks, FULL_SHARD, a checkpoint every step: rank 3 dies in the validation at the first epoch's end; rank 2
-    while the survivors read the checkpoint to go on from. They shrink again inside the same recovery, reload it
-    on 2 ranks, validate the epoch again and end where one process ends."""
-    result = run_killing(4, ["3:3:validation", "2:3:reload"], "--batch-size", 2,
+    """4 ranks, FULL_SHARD, a checkpoint every step, each step two micro-batches of 1 sample a rank accumulated
+    without a reduction (--accum-no-sync): rank 3 dies in the validation at the first epoch's end; rank 2 while
+    the survivors read the checkpoint to go on from. They shrink again inside the same recovery, reload it on 2
+    ranks, validate the epoch again and end where one process ends."""
+    result = run_killing(4, ["3:3:validation", "2:3:reload"], "--batch-size", 1, "--grad-accum", 2,
+                         "--accum-no-sync", "--val-steps", 4,  # the reference's validation samples, 1 a batch
                          "--checkpoint-dir", tmp_path / "checkpoints", "--checkpoint-every", 1,
                          "--out-dir", tmp_path / "out")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
