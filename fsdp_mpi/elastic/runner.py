@@ -52,8 +52,8 @@ class Elastic:
 
 
 def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Communicator], ElasticState],
-        comm: Communicator | None = None, *, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0,
-        elastic: Elastic | None = None) -> Result | None:
+                comm: Communicator | None = None, *, checkpoint_dir: str | Path | None = None,
+                checkpoint_every: int = 0, elastic: Elastic | None = None) -> Result | None:
     """Calls ``train(build(comm))`` and, after each lost rank, ``train`` again on the survivors' rebuilt state.
 
     Args:
@@ -110,7 +110,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
                 print(f"fsdp_mpi.elastic: the run cannot go on: {failure}", file=sys.stderr, flush=True)
             exit_without_finalize(2)
         if isinstance(outcome, Left):
-            elastic.left, elastic.lost_ranks = outcome, outcome.lost
+            elastic.left, elastic.lost_ranks = outcome, sorted(set(elastic.lost_ranks) | set(outcome.lost))
             print(f"fsdp_mpi.elastic: rank {comm.rank}: {outcome.message(state.step)}", flush=True)
             return None
         message = outcome.message(outcome.run.step, lost.waited)
