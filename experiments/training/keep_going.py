@@ -12,15 +12,13 @@ micro-batches as its samples need), and dropout follows the sample, so the steps
 compute what a run without it computes.
 """
 
-import sys
 from dataclasses import dataclass
 
 from training.choices import REPLICATED
 from training.resume import Position, RunCheckpoints
 
-from fsdp_mpi import Communicator, RankLostError, StepAbandoned
+from fsdp_mpi import Communicator, RankLostError
 from fsdp_mpi.elastic import recovery
-from fsdp_mpi.elastic.agreement import end_step
 
 _going_on: Communicator | None = None  # after a loss: the ranks this process trains with now (set below)
 
@@ -49,12 +47,7 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
     Collective over the survivors. `start_run` builds a run on a communicator (``loop.start_run``). Ends the
     process (exit code 2) where nothing holds the lost state."""
     global _going_on
-    recovery.forget_the_interrupted_step(lost)
-    if not isinstance(lost, StepAbandoned):
-        try:  # this rank's one agreement of the step: it says "not complete"
-            end_step(run.comm, lost)
-        except StepAbandoned:
-            pass
+    recovery.abandon_the_step(run.comm, lost)
     run.optimizer.zero_grad(set_to_none=True)  # the abandoned step's gradients
     run.prepared.scaler.abandon_step()
     _going_on = run.comm  # until the recovery names the survivors: an error meanwhile ends without finalize
@@ -83,9 +76,7 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
     try:
         outcome = recovery.recover(run, run.comm, plan)
     except recovery.CannotGoOn as failure:
-        if failure.speaker:
-            print(f"--keep-going: {failure}: the run ends here", file=sys.stderr, flush=True)
-        recovery.exit_without_finalize(2)
+        recovery.end_for_lack_of_state(failure, f"--keep-going: {failure}: the run ends here")
     if isinstance(outcome, recovery.Left):
         return Left(outcome, position.step)
     _going_on = outcome.run.comm

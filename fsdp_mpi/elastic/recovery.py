@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, NoReturn, TypeVar
 
 import torch
 from mpi4py import MPI
@@ -31,6 +31,7 @@ from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError
+from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
 
 Run = TypeVar("Run")  # whatever the loop keeps its state in: an ElasticState, the experiments' Run
 
@@ -159,6 +160,25 @@ def move_shards(old: nn.Module, new: nn.Module) -> None:
                                    f"{tuple(new_parameters[name].shape)} on the ranks left: the shard groups "
                                    "changed, so the state cannot move from memory")
             new_parameters[name].copy_(parameter)
+
+
+def abandon_the_step(comm: Communicator, lost: RankLostError) -> None:
+    """This rank's part of a step that `lost` cut short, before ``recover``: the step's frames dropped, and its
+    one agreement made, saying "not complete" (unless `lost` is that agreement's own answer)."""
+    forget_the_interrupted_step(lost)
+    if not isinstance(lost, StepAbandoned):
+        try:
+            end_step(comm, lost)
+        except StepAbandoned:
+            pass
+
+
+def end_for_lack_of_state(failure: CannotGoOn, message: str) -> NoReturn:
+    """Ends every survivor with exit code 2 where nothing holds the lost state, `message` said once (by the
+    survivors' rank 0)."""
+    if failure.speaker:
+        print(message, file=sys.stderr, flush=True)
+    exit_without_finalize(2)
 
 
 def forget_the_interrupted_step(error: BaseException) -> None:

@@ -34,8 +34,8 @@ from typing import Callable, TypeVar
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
-from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, exit_without_finalize, forget_the_interrupted_step,
-                                      job_ranks, recover, shrink_until_it_holds)
+from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, abandon_the_step, end_for_lack_of_state,
+                                      forget_the_interrupted_step, job_ranks, recover, shrink_until_it_holds)
 from fsdp_mpi.elastic.state import ElasticState
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 
@@ -96,19 +96,12 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
             if unavailable:
                 raise
             lost = error
-        forget_the_interrupted_step(lost)
-        if not isinstance(lost, StepAbandoned):
-            try:  # this rank's one agreement of the step: it says "not complete"
-                end_step(state.comm, lost)
-            except StepAbandoned:
-                pass
+        abandon_the_step(state.comm, lost)
         state.roll_back()
         try:
             outcome = recover(state, state.comm, plan)
         except CannotGoOn as failure:
-            if failure.speaker:
-                print(f"fsdp_mpi.elastic: the run cannot go on: {failure}", file=sys.stderr, flush=True)
-            exit_without_finalize(2)
+            end_for_lack_of_state(failure, f"fsdp_mpi.elastic: the run cannot go on: {failure}")
         if isinstance(outcome, Left):
             elastic.left, elastic.lost_ranks = outcome, sorted(set(elastic.lost_ranks) | set(outcome.lost))
             print(f"fsdp_mpi.elastic: rank {comm.rank}: {outcome.message(state.step)}", flush=True)
