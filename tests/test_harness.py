@@ -1,11 +1,13 @@
 """The test harness's own rules (conftest.py), which every other test relies on."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from mpi_launch import child_env
+import pytest
+from mpi_launch import child_env, run_mpi
 
 STARTS_CUDA = '''
 import torch
@@ -64,3 +66,42 @@ def test_a_run_cut_short_goes_on_with_the_tests_that_had_not_passed(tmp_path):
     second = run_pytest_with_conftest(tmp_path, "test_mine.py", FSDP_MPI_TESTS_PASSED=str(passed), SECOND_RUN="fixed")
     assert "1 passed, 2 deselected" in second.stdout, second.stdout + second.stderr
     assert passed.read_text().splitlines()[2:] == ["test_mine.py::test_fails"]
+
+
+RANK_REPORT = '''
+import json, os, sys
+from pathlib import Path
+
+warm = "torch" in sys.modules  # a cold rank has imported nothing yet
+from mpi4py import MPI
+
+rank = MPI.COMM_WORLD.Get_rank()
+report = {"warm": warm, "hash": hash("fsdp_mpi"), "folder": os.getcwd(), "argv": sys.argv[1:],
+          "first_on_path": sys.path[0]}
+Path(sys.argv[1], f"{rank}.json").write_text(json.dumps(report))
+MPI.COMM_WORLD.Barrier()
+sys.exit(int(sys.argv[2]) if rank == 1 else 0)
+'''
+
+
+@pytest.mark.one_mpi  # warm ranks are MPICH's Hydra's (harness/warm_ranks.py); elsewhere every rank starts cold
+def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_path):
+    """Under MPICH, a launched rank is forked from a server that imported torch: torch is loaded before its first
+    line, it runs in the launch's folder with the script's folder first on sys.path and its arguments, two ranks
+    hash strings apart (as cold ranks do), and the job ends with the exit status the script gave; a rank whose
+    GLIBC_TUNABLES differ from the servers' starts cold."""
+    script = tmp_path / "scripts" / "report.py"
+    script.parent.mkdir()
+    script.write_text(RANK_REPORT)
+    for tunables, exit_status in (("", 3), ("glibc.malloc.mmap_threshold=65536", 0)):
+        out = tmp_path / f"out{exit_status}"
+        out.mkdir()
+        result = run_mpi(script, 2, out, exit_status, env={"GLIBC_TUNABLES": tunables} if tunables else None,
+                         cwd=tmp_path)
+        assert result.returncode == exit_status, result.stderr[-2000:]
+        reports = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+        assert [report["warm"] for report in reports] == [not tunables] * 2
+        assert {report["folder"] for report in reports} == {str(tmp_path)}
+        assert {report["first_on_path"] for report in reports} == {str(script.parent)}
+        assert reports[0]["argv"] == [str(out), str(exit_status)]
+        assert reports[0]["hash"] != reports[1]["hash"]

@@ -4,11 +4,10 @@ launch under mpiexec, and the rows a run wrote."""
 import csv
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from mpi_launch import REPO_ROOT, child_env, mpiexec
+from mpi_launch import REPO_ROOT, child_env, mpiexec, python_command
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 SHARED_DATA = Path(os.environ.get("FSDP_MPI_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
@@ -21,8 +20,8 @@ QUICK = ["--device", "cpu", "--epochs", "2", "--steps-per-epoch", "3", "--batch-
 def launch(script: str, nprocs: int, *args, timeout: float = 300,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs experiments/<script> on `nprocs` ranks (with `env` added to the environment)."""
-    env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA), **(env or {}))
-    command = [mpiexec(), "-n", str(nprocs), sys.executable, str(EXPERIMENTS / script), *map(str, args)]
+    command = [mpiexec(), "-n", str(nprocs), *python_command(EXPERIMENTS / script), *map(str, args)]
+    env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA), **(env or {}))  # after python_command (see run_mpi)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 

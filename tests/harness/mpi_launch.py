@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm_ranks
+
 WORKERS = Path(__file__).parents[1] / "workers"
 REPO_ROOT = Path(__file__).parents[2]
 
@@ -32,12 +34,32 @@ def child_env(**variables: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **variables}
 
 
+_warm_ranks: list[warm_ranks.WarmRanks | None] = []
+
+
+def python_command(script: str | Path) -> list[str]:
+    """How a launched rank runs `script`: through harness/warm_ranks.py, which forks it warm from a server that
+    has imported torch where the launcher allows, on the servers of this session (started at the first launch,
+    and inherited by the pytest runs it starts: the mutants'). FSDP_MPI_WARM_RANKS=0: every rank cold."""
+    if os.environ.get(warm_ranks.SOCKETS_ENV) is None:
+        # MPICH's Hydra only: the launcher whose protocol warm ranks are tested under (Open MPI's ranks would
+        # start cold anyway; Intel MPI's Hydra is not tried).
+        version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=60).stdout
+        mpichs_hydra = version.startswith("HYDRA build details") and "Intel" not in version
+        servers = warm_ranks.WarmRanks(child_env()) if mpichs_hydra else None
+        _warm_ranks.append(servers)  # kept for the session: they end when it does (their stdin closes)
+        os.environ[warm_ranks.SOCKETS_ENV] = os.pathsep.join(servers.sockets) if servers and servers.ready else "0"
+    if os.environ[warm_ranks.SOCKETS_ENV] == "0":
+        return [sys.executable, str(script)]
+    return [sys.executable, warm_ranks.__file__, str(script)]
+
+
 def run_mpi(worker: str | Path, nprocs: int, *args: str, timeout: float = 240,
             env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Runs tests/workers/<worker> (or the script at the absolute path `worker`) on `nprocs` ranks in `cwd`
     (with `env` added to the environment); returns the finished process (never raises on failure)."""
-    env = child_env(**(env or {}))
-    command = [mpiexec(), "-n", str(nprocs), sys.executable, str(WORKERS / worker), *map(str, args)]
+    command = [mpiexec(), "-n", str(nprocs), *python_command(WORKERS / worker), *map(str, args)]
+    env = child_env(**(env or {}))  # after python_command, which names this session's servers in the environment
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 

@@ -1,0 +1,251 @@
+"""Ranks started warm: forked from a process that has imported torch, where each would import it afresh.
+
+A rank of a test job spends 3-5 s of this machine's time importing torch before its first line of work (a job
+of 3 ranks on 2 cores, 6 s), and the suite starts several hundred jobs. Here a server imports torch once, and
+mpiexec starts this file, as a client, in place of the rank's script (``mpi_launch.python_command``). The
+client hands the server its standard streams, the descriptor through which Hydra (MPICH's launcher) talks
+to the rank (``PMI_FD``), its environment, folder and arguments; the server forks the rank,
+which runs the script as ``python script args`` would. The client stays the launcher's process: it passes
+signals on to the rank and ends as the rank ends, with its exit status or killed by the same signal; killed
+itself, its rank is killed.
+
+Where a warm rank could differ from a cold one, the client execs ``python script`` itself: no server, a
+launcher other than MPICH's Hydra (Open MPI's ranks, whose ULFM tests watch their processes, start cold, and
+Intel MPI's, not tried: ``mpi_launch.python_command`` decides), or an
+environment variable that is read while Python and torch load (``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``, ...)
+set otherwise than the server's. Ranks alternate between two servers whose strings hash differently
+(``PYTHONHASHSEED``), so that code iterating a set in hash order still differs across ranks, as it does cold.
+
+Nothing of the repository is imported by the servers (the mutants run copies of it): each rank imports the
+code of the script's own checkout.
+"""
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOCKETS_ENV = "FSDP_MPI_WARM_RANKS"  # the servers' sockets, os.pathsep-separated; "0": every rank starts cold
+PRELOADED = ("torch",)
+# Read by the loader, the C libraries or torch while they load: a rank whose value differs starts cold.
+# (PYTHONHASHSEED: the servers' own; a rank that sets it starts cold.)
+READ_AT_LOAD = ("GLIBC_TUNABLES", "LD_", "MALLOC_", "OMP_", "MKL_", "KMP_", "PYTHONMALLOC", "PYTHONOPTIMIZE",
+                "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "TORCH_")
+_HEADER = struct.Struct("!Q")
+
+
+def _read_at_load(environment: dict) -> dict:
+    return {name: value for name, value in environment.items() if name.startswith(READ_AT_LOAD)}
+
+
+class WarmRanks:
+    """The servers of one test session: started at once and waited for; they end with it, as their stdin closes
+    (keep the object for the session: collected, it closes their stdin)."""
+
+    def __init__(self, environment: dict):
+        directory = tempfile.mkdtemp(prefix="fsdp_mpi-warm-ranks-")
+        self.sockets = [str(Path(directory) / f"server{i}.sock") for i in range(2)]
+        first_seed = int.from_bytes(os.urandom(4), "big") % 4_000_000_000
+        seeds = [first_seed, first_seed + 1]  # two, and distinct
+        self.servers = [subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, cwd=directory,
+                                         env={**environment, "PYTHONHASHSEED": str(seed)})
+                        for path, seed in zip(self.sockets, seeds)]
+        self.ready = all(server.stdout.readline().strip() == "ready" for server in self.servers)
+
+
+# --- the client: what mpiexec starts, in place of `python script args` -----------------------------------------
+
+
+def start_rank(script_and_args: list[str]) -> None:
+    """Never returns: the rank runs warm, in a server's child, and this process ends as it does; or cold, in
+    this process (exec)."""
+    sockets = os.environ.get(SOCKETS_ENV, "").split(os.pathsep)
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    connection = _connect(sockets[rank % len(sockets)]) if "PMI_FD" in os.environ and sockets[0] else None
+    if connection is None:
+        os.execv(sys.executable, [sys.executable, *script_and_args])
+    pmi = int(os.environ["PMI_FD"])
+    request = json.dumps({"argv": script_and_args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    socket.send_fds(connection, [_HEADER.pack(len(request)) + request], [0, 1, 2, pmi])
+    # The client keeps its copy of the launcher's descriptor until it ends: the launcher takes its closing, with
+    # no MPI_Finalize before, for a rank that died.
+    replies = connection.makefile("r")
+    answer = json.loads(replies.readline() or "{}")
+    if "cold" in answer:  # the server found this environment differs from its own where it matters
+        connection.close()
+        os.execv(sys.executable, [sys.executable, *script_and_args])
+    child = answer["pid"]
+    for forwarded in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+        signal.signal(forwarded, lambda number, _frame: os.kill(child, number))
+    ended = json.loads(replies.readline() or '{"signal": 9}')  # the server gone: as if killed
+    if "signal" in ended:
+        signal.signal(ended["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), ended["signal"])
+    os._exit(ended.get("exit", 1))
+
+
+def _connect(path: str) -> socket.socket | None:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+    except OSError:
+        return None
+    return connection
+
+
+# --- the server ------------------------------------------------------------------------------------------------
+
+
+def serve(path: str) -> None:
+    for name in PRELOADED:
+        __import__(name)
+    repository = Path(__file__).resolve().parents[2]
+    own = tuple(str(repository / folder) + os.sep for folder in ("fsdp_mpi", "models", "experiments", "tests"))
+    early = sorted(name for name, module in sys.modules.items() if name not in ("__main__", "__mp_main__")
+                   and str(getattr(module, "__file__", None) or "").startswith(own))
+    if early or sys.modules["torch"].cuda.is_initialized():
+        sys.exit(f"warm_ranks: {early or 'CUDA'} loaded before the fork")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the handlers it forks are reaped as they end
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [])
+        if sys.stdin in readable:  # the session ended
+            return
+        connection, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            try:
+                handle(connection)
+            finally:  # whatever happened, a handler never goes back to serving
+                os._exit(70)
+        connection.close()
+
+
+def handle(connection: socket.socket) -> None:
+    """Never returns (a handler, forked per rank): forks the rank, tells the client its process id, waits for it
+    or for the client's end (then kills it), and tells the client how it ended."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 4)
+    (length,) = _HEADER.unpack_from(message)
+    payload = message[_HEADER.size:]
+    while len(payload) < length:
+        payload += connection.recv(length - len(payload))
+    request = json.loads(payload)
+    if "PYTHONHASHSEED" in request["env"] or _read_at_load(request["env"]) != _read_at_load(dict(os.environ)):
+        connection.sendall(b'{"cold": true}\n')
+        os._exit(0)
+    child = os.fork()
+    if child == 0:
+        connection.close()
+        run_rank(request, fds)
+    try:
+        os.setpgid(child, child)  # as the rank does first: whichever runs first, the group exists for killpg
+    except OSError:
+        pass
+    for fd in fds:
+        os.close(fd)
+    connection.sendall(json.dumps({"pid": child}).encode() + b"\n")
+    rank_ended = os.pidfd_open(child)
+    readable, _, _ = select.select([connection, rank_ended], [], [])
+    if rank_ended not in readable:  # the client is gone (the launcher killed it): so goes its rank
+        os.killpg(child, signal.SIGKILL)
+    _, status = os.waitpid(child, 0)
+    ended = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
+    try:
+        connection.sendall(json.dumps(ended).encode() + b"\n")
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def run_rank(request: dict, fds: list[int]) -> None:
+    """Never returns: runs the script as `python script args` in the client's folder and environment would,
+    on the client's streams, and exits as that Python would."""
+    os.setpgid(0, 0)  # a group of its own, killed whole where the client is killed
+    # `python script` puts the script's folder first on sys.path, then $PYTHONPATH's entries, then the
+    # interpreter's own (this server's, less its own folder and $PYTHONPATH's).
+    server_extra = {os.path.abspath(p) for p in [os.path.dirname(__file__), *_python_path(os.environ)]}
+    interpreters = [p for p in sys.path if os.path.abspath(p) not in server_extra]
+    stdin, stdout, stderr, pmi = fds
+    for fd, standard in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, standard)
+        os.close(fd)
+    environment = dict(request["env"], PMI_FD=str(pmi))  # Hydra's descriptor, under the number it has here
+    os.set_inheritable(pmi, True)
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(request["cwd"])
+    script, *arguments = request["argv"]
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *_python_path(environment), *interpreters]
+    sys.argv = [script, *arguments]
+    if "numpy.random" in sys.modules:  # seeded once, in the server: each rank draws its own, as cold
+        sys.modules["numpy.random"].seed()
+    status = 0
+    try:
+        import runpy
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        status = _exit_status(stop.code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    # As the interpreter's own end: wait for non-daemon threads, run the atexit functions, end MPI (what mpi4py
+    # leaves to the interpreter's end, Py_AtExit), then the C library's exit, whose handlers tell the launcher
+    # the rank finalized (MPICH's): without them it takes the rank for dead, and kills the job.
+    for last in (_join_threads, __import__("atexit")._run_exitfuncs, _finalize_mpi):
+        try:
+            last()
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            status = status or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    import ctypes
+    ctypes.CDLL(None).exit(status)
+
+
+def _join_threads() -> None:
+    import threading
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+
+
+def _finalize_mpi() -> None:
+    """MPI_Finalize where mpi4py would call it at the interpreter's end: MPI started and not ended, and
+    mpi4py.rc.finalize not turned off."""
+    if "mpi4py.MPI" not in sys.modules:
+        return
+    mpi, rc = sys.modules["mpi4py.MPI"], sys.modules["mpi4py"].rc
+    if rc.finalize is not False and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+
+
+def _python_path(environment) -> list[str]:
+    return [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _exit_status(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".sock"):
+        serve(sys.argv[1])
+    else:
+        start_rank(sys.argv[1:])
