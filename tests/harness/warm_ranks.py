@@ -124,27 +124,28 @@ def serve(path: str) -> None:
         connection, _ = listener.accept()
         if os.fork() == 0:
             listener.close()
-            try:
-                handle(connection)
-            finally:  # whatever happened, a handler never goes back to serving
-                os._exit(70)
+            handle(connection)  # never returns: the handler exits, the rank it forks ends as python does
         connection.close()
 
 
 def handle(connection: socket.socket) -> None:
     """Never returns (a handler, forked per rank): forks the rank, tells the client its process id, waits for it
-    or for the client's end (then kills it), and tells the client how it ended."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 4)
-    (length,) = _HEADER.unpack_from(message)
-    payload = message[_HEADER.size:]
-    while len(payload) < length:
-        payload += connection.recv(length - len(payload))
-    request = json.loads(payload)
-    if "PYTHONHASHSEED" in request["env"] or _read_at_load(request["env"]) != _read_at_load(dict(os.environ)):
-        connection.sendall(b'{"cold": true}\n')
-        os._exit(0)
-    child = os.fork()
+    or for the client's end (then kills it), and tells the client how it ended. The rank leaves by SystemExit,
+    through this frame and the server's, so that its interpreter ends as a cold one does."""
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 4)
+        (length,) = _HEADER.unpack_from(message)
+        payload = message[_HEADER.size:]
+        while len(payload) < length:
+            payload += connection.recv(length - len(payload))
+        request = json.loads(payload)
+        if not _same_start(request["env"]):
+            connection.sendall(b'{"cold": true}\n')
+            os._exit(0)
+        child = os.fork()
+    except BaseException:
+        os._exit(70)  # a handler never goes back to serving
     if child == 0:
         connection.close()
         run_rank(request, fds)
@@ -163,14 +164,24 @@ def handle(connection: socket.socket) -> None:
     ended = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
     try:
         connection.sendall(json.dumps(ended).encode() + b"\n")
-    except OSError:
-        pass
-    os._exit(0)
+    finally:
+        os._exit(0)
+
+
+def _same_start(environment: dict) -> bool:
+    """Whether a rank in `environment` would start as this server did: the same variables read while Python and
+    torch load, no PYTHONHASHSEED of its own, and no sitecustomize or usercustomize in a folder its PYTHONPATH
+    adds (site imports them as the interpreter starts, which a forked rank never does)."""
+    added = [folder for folder in _python_path(environment) if folder not in _python_path(os.environ)]
+    customized = any(os.path.exists(os.path.join(folder, f"{name}.py"))
+                     for folder in added for name in ("sitecustomize", "usercustomize"))
+    return (not customized and "PYTHONHASHSEED" not in environment
+            and _read_at_load(environment) == _read_at_load(dict(os.environ)))
 
 
 def run_rank(request: dict, fds: list[int]) -> None:
     """Never returns: runs the script as `python script args` in the client's folder and environment would,
-    on the client's streams, and exits as that Python would."""
+    on the client's streams, and leaves by SystemExit, which ends its interpreter as that Python's would end."""
     os.setpgid(0, 0)  # a group of its own, killed whole where the client is killed
     # `python script` puts the script's folder first on sys.path, then $PYTHONPATH's entries, then the
     # interpreter's own (this server's, less its own folder and $PYTHONPATH's).
@@ -190,58 +201,22 @@ def run_rank(request: dict, fds: list[int]) -> None:
     sys.argv = [script, *arguments]
     if "numpy.random" in sys.modules:  # seeded once, in the server: each rank draws its own, as cold
         sys.modules["numpy.random"].seed()
-    status = 0
     try:
         import runpy
         runpy.run_path(script, run_name="__main__")
-    except SystemExit as stop:
-        status = _exit_status(stop.code)
+    except SystemExit:
+        raise
     except BaseException:
         sys.excepthook(*sys.exc_info())
-        status = 1
-    # As the interpreter's own end: wait for non-daemon threads, run the atexit functions, end MPI (what mpi4py
-    # leaves to the interpreter's end, Py_AtExit), then the C library's exit, whose handlers tell the launcher
-    # the rank finalized (MPICH's): without them it takes the rank for dead, and kills the job.
-    for last in (_join_threads, __import__("atexit")._run_exitfuncs, _finalize_mpi):
-        try:
-            last()
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            status = status or 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    import ctypes
-    ctypes.CDLL(None).exit(status)
-
-
-def _join_threads() -> None:
-    import threading
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-
-
-def _finalize_mpi() -> None:
-    """MPI_Finalize where mpi4py would call it at the interpreter's end: MPI started and not ended, and
-    mpi4py.rc.finalize not turned off."""
-    if "mpi4py.MPI" not in sys.modules:
-        return
-    mpi, rc = sys.modules["mpi4py.MPI"], sys.modules["mpi4py"].rc
-    if rc.finalize is not False and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
+        raise SystemExit(1)
+    # Up through the handler's and the server's frames to the interpreter's own end, as a cold rank's: threads
+    # joined, atexit functions, MPI_Finalize (mpi4py's, at Py_AtExit), the modules torn down, then the C
+    # library's exit, whose handlers tell Hydra the rank finalized (without them it takes the rank for dead).
+    raise SystemExit(0)
 
 
 def _python_path(environment) -> list[str]:
     return [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def _exit_status(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":
