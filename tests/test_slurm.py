@@ -94,6 +94,7 @@ def test_srun_that_does_not_match_the_mpi_is_refused_and_writes_nothing(tmp_path
     assert not results.exists() or not list(results.iterdir())
 
 
+@pytest.mark.one_mpi  # the sweep's bookkeeping is ours; a launch under each MPI is the one-job test's
 def test_sweep_under_salloc_reports_every_run(tmp_path):
     out = tmp_path / "sweep"
     env = job_environment("mpiexec", STRATEGIES="fsdp-mpi ddp", RANKS="1 2", SWEEP_OUT=str(out))
