@@ -70,7 +70,7 @@ def start_rank(script_and_args: list[str]) -> None:
     rank = int(os.environ.get("PMI_RANK", "0"))
     connection = _connect(sockets[rank % len(sockets)]) if "PMI_FD" in os.environ and sockets[0] else None
     if connection is None:
-        os.execv(sys.executable, [sys.executable, *script_and_args])
+        _start_cold(script_and_args)
     pmi = int(os.environ["PMI_FD"])
     request = json.dumps({"argv": script_and_args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     socket.send_fds(connection, [_HEADER.pack(len(request)) + request], [0, 1, 2, pmi])
@@ -80,7 +80,7 @@ def start_rank(script_and_args: list[str]) -> None:
     answer = json.loads(replies.readline() or "{}")
     if "cold" in answer:  # the server found this environment differs from its own where it matters
         connection.close()
-        os.execv(sys.executable, [sys.executable, *script_and_args])
+        _start_cold(script_and_args)
     child = answer["pid"]
     for forwarded in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
         signal.signal(forwarded, lambda number, _frame: os.kill(child, number))
@@ -89,6 +89,11 @@ def start_rank(script_and_args: list[str]) -> None:
         signal.signal(ended["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), ended["signal"])
     os._exit(ended.get("exit", 1))
+
+
+def _start_cold(script_and_args: list[str]) -> None:
+    """Never returns: this process becomes `python script args`."""
+    os.execv(sys.executable, [sys.executable, *script_and_args])
 
 
 def _connect(path: str) -> socket.socket | None:
@@ -119,7 +124,12 @@ def serve(path: str) -> None:
     print("ready", flush=True)
     while True:
         readable, _, _ = select.select([listener, sys.stdin], [], [])
-        if sys.stdin in readable:  # the session ended
+        if sys.stdin in readable:  # the session ended: its socket goes, and their folder with the last
+            os.unlink(path)
+            try:
+                os.rmdir(os.path.dirname(path))
+            except OSError:
+                pass  # the other server's socket is still there
             return
         connection, _ = listener.accept()
         if os.fork() == 0:
