@@ -1,4 +1,5 @@
-"""Training on N ranks must match one process on the same global batch (see workers/equivalence.py)."""
+"""Training on N ranks must match one process on the same global batch (see workers/equivalence.py, which
+checks each run as it ends: here, which runs there were)."""
 
 import json
 
@@ -6,22 +7,6 @@ import pytest
 from mpi_launch import check_ok, run_mpi
 
 MODELS = ("mlp", "gpt2", "bert", "torch_encoder", "hf_gpt2", "hf_bert")
-
-
-def check_equivalence(results: dict) -> None:
-    for run, result in results.items():
-        for step, check in enumerate(result["steps"]):
-            where = f"{run} step {step}: {check}"
-            assert check["grad_error"] <= check["grad_bound"], where
-            assert check["worst_tensor_ratio"] <= 1.0, where
-            assert check["loss_error"] <= check["loss_bound"], where
-            assert check["param_ratio"] <= 1.0, where
-            assert check["same_parameters_without_gradient"], where
-            assert check.get("state_in_host_memory", True), where
-            if "clip_norm_error" in check:
-                assert check["clip_norm_error"] <= check["clip_norm_bound"], where
-                assert check["clip_scale_error"] <= check["clip_scale_bound"], where
-                assert check["clip_inf_norm_equal"], where
 
 
 # 3 ranks (uneven shards, padding) under both MPIs; 2 under the first only
@@ -37,7 +22,6 @@ def test_every_model_trains_as_on_one_process(nprocs, tmp_path):
                  "hf_gpt2/adamw/none/bf16"}
     expected |= {"gpt2/adamw/no_sync/offload", "bert/adamw/none/bf16/offload"}  # CPUOffload
     assert set(results) == expected
-    check_equivalence(results)
 
 
 @pytest.mark.one_mpi  # the sharding layer's logic; under a second MPI, the collectives worker checks every path it takes
@@ -49,7 +33,6 @@ def test_four_ranks_as_two_nodes_with_empty_parts(tmp_path):
     check_ok(run_mpi("equivalence.py", 4, out, "nodes", env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"}))
     results = json.loads(out.read_text())
     assert "gpt2/adamw/none/SHARD_GRAD_OP" in results and "gpt2/adamw/sharded/bf16" in results
-    check_equivalence(results)
 
 
 @pytest.mark.one_mpi  # the sharding layer's handling of these models; their collectives are the matrix's
@@ -61,7 +44,6 @@ def test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process(tmp_
     results = json.loads(out.read_text())
     assert set(results) == {"hf_albert/adamw/none", "hf_albert/sgd/no_sync", "hf_bert_frozen/adamw/none",
                             "hf_bert_frozen/sgd/none/bf16"}
-    check_equivalence(results)
 
 
 WHOLE_RUNS = {"gpt2/sgd/no_sync/whole", "bert/sgd/none/whole", "gpt2/adamw/sharded/bf16/whole/overlap"}
@@ -82,19 +64,10 @@ def test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwra
     if runs == "compiled":  # a graph break inside a unit (dynamo's defaults, nested frames, HF's): none added
         inside = results.pop("breaks_inside_a_unit")
         assert set(inside) == {"printing", "printing/nested", "printing/function", "hf_gpt2"}
-        for case, found in inside.items():
-            assert found["wrapped"]["breaks"] == found["unwrapped"]["breaks"] > 0, (case, found)
     expected = WHOLE_RUNS | ({"gpt2/adamw/none/units", "hf_gpt2/sgd/none/whole", "gpt2/adamw/none/whole_inductor",
                               "gpt2/adamw/none/one_rank_whole"} if runs == "compiled" else set())
     assert set(results) == expected
-    check_equivalence(results)
-    for run, result in results.items():
-        if "whole" in run:
-            wrapped, unwrapped = result["graphs"], result["graphs_unwrapped"]
-            assert (wrapped["breaks"], wrapped["break_reasons"]) == (unwrapped["breaks"],
-                                                                     unwrapped["break_reasons"]), run
-            # One graph per step, or two with no_sync (whether to reduce is a constant of the graph).
-            assert wrapped["graphs"] == unwrapped["graphs"] + ("no_sync" in run), run
+    assert all("graphs" in results[run] for run in expected if "whole" in run)  # the worker compared them
 
 
 @pytest.mark.one_mpi  # the sharding layer's logic; under a second MPI, the collectives worker checks every path it takes
@@ -122,12 +95,7 @@ def test_parameters_that_no_rank_used_get_no_gradient(tmp_path):
     assert part["no_gradient_names"] == [never[2:], [n for n in odd_steps if not n.startswith("experts.linears.0")]] * 2
     assert report["compiled_no_sync"]["no_gradient_names"][2] == sorted([*never, "branch.0.bias", "branch.0.weight",
                                                                          "side.bias", "side.weight"])
-    accumulation = report.pop("compiled_accumulation")
-    assert accumulation["same_none_pattern"] and accumulation["worst_gradient_ratio"] <= 1.0, accumulation
-    for mode, result in report.items():
-        assert result["none_pattern_matches"] == [True] * 4, mode
-        assert result["untouched_when_no_gradient"] == [True] * 4, mode
-        assert result["worst_gradient_ratio"] <= 1.0, mode
+    assert report["compiled_accumulation"]["same_none_pattern"]  # and the rest of each mode's checks: the worker's
 
 
 @pytest.mark.one_mpi  # the lifecycle's logic; its collectives are the ones every other test takes
@@ -139,25 +107,8 @@ def test_the_optimizer_stepped_inside_backward_makes_the_same_step_as_after_it(t
     out = tmp_path / "step_in_backward.json"
     check_ok(run_mpi("step_in_backward.py", 3, out))
     report = json.loads(out.read_text())
-    refusals = report.pop("refusals")
-    for name, result in report.items():
-        assert result["same_parameters"] and result["same_optimizer_state"] and result["gradients_cleared"], name
-    # The branch's unit (used on even steps, by every rank) steps during backward; experts (one never chosen) and
-    # the root (it takes its gradient last) wait for the end of backward.
-    assert report["inline"]["steps_before_first_layers_backward"] == [1, 0, 1, 0]
-    assert report["inline"]["branch_gradient_freed_by_then"] == [True] * 4  # stepped and freed, or unused
-    assert report["bf16_offloaded"]["steps_before_first_layers_backward"] == [1, 0, 1, 0]
-    assert report["no_sync_fused"]["steps_before_first_layers_backward"][1::2] == [1, 0, 0, 0]  # the synced ones
-    expected = {"clip": ("RuntimeError", "already stepped inside this backward"),
-                "clip_after_plain_backward": ("nothing", ""),
-                "lbfgs": ("TypeError", "LBFGS needs every gradient"),
-                "foreign": ("ValueError", "1 tensors that are not this model's sharded parameters"),
-                "nested_unit": ("ValueError", "outermost FullyShardedDataParallel unit"),
-                "fp16": ("ValueError", "cannot train in fp16"),
-                "no_backward": ("RuntimeError", "no synchronised backward ran inside step_in_backward"),
-                "entered_twice": ("RuntimeError", "already entered")}
-    for name, (kind, words) in expected.items():
-        assert refusals[name][0] == kind and words in refusals[name][1], (name, refusals[name])
+    assert set(report) == {"refusals", "inline", "thread_offloaded", "no_sync_fused", "async_sgd", "no_shard",
+                           "bf16_offloaded", "frozen_part", "compiled_no_sync"}  # each checked by the worker
 
 
 @pytest.mark.one_mpi  # the sharding layer's logic; under a second MPI, the collectives worker checks every path it takes

@@ -3,7 +3,6 @@
 import json
 
 from mpi_launch import check_ok, run_mpi
-from test_equivalence import check_equivalence
 
 
 def test_hybrid_and_no_shard_train_as_one_process_keep_the_expected_bytes_and_checkpoint(tmp_path):
@@ -12,7 +11,6 @@ def test_hybrid_and_no_shard_train_as_one_process_keep_the_expected_bytes_and_ch
     result = json.loads(out.read_text())
     assert set(result["equivalence"]) == {f"{strategy}/{run}" for strategy in ("hybrid", "no_shard") for run in (
         "gpt2/adamw/none", "mlp/sgd/no_sync", "gpt2/adamw/sharded/bf16", "gpt2/adamw/none/overlapped")}
-    check_equivalence(result["equivalence"])
 
     # Bytes of parameter shards and reduced gradient shards on every rank: the padded flat buffers over the
     # shard group's size (4 ranks: FULL_SHARD 1/4, HYBRID_SHARD in groups of 2 1/2, NO_SHARD everything),

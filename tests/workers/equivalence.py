@@ -31,6 +31,10 @@ so every model above draws the same masks, and the same bounds hold.
 Each run is a model x optimizer x accumulation mode (x precision). Optimizers use parameter
 groups chosen by name (nanoGPT's recipe: no weight decay on biases and norms,
 and here a different learning rate per group).
+
+Each run is checked here, on rank 0, as it ends (``check_run``): a run that fails ends the job at once
+rather than after every later run (the mutants' runs of these tests stop at their first failed check); the
+cheapest parts of a selection run first. The tests read the written report for which runs there were.
 """
 
 import copy
@@ -315,6 +319,31 @@ def run(model_kind: str, optimizer_kind: str, accumulation: str, comm: Communica
 WHOLE = ("whole", "whole_inductor", "one_rank_whole")  # the compiled forms of the whole model
 
 
+def check_run(name: str, result: dict, comm: Communicator) -> dict:
+    """Fails (on rank 0, which writes the report) where a step of run `name` is outside the bounds above, or,
+    compiled whole, where dynamo breaks the wrapped model's graph otherwise than the same model's unwrapped: one
+    graph per step, or two with no_sync (whether to reduce is a constant of the graph). Returns `result`."""
+    if comm.rank != 0:
+        return result
+    for step, check in enumerate(result["steps"]):
+        where = f"{name} step {step}: {check}"
+        assert check["grad_error"] <= check["grad_bound"], where
+        assert check["worst_tensor_ratio"] <= 1.0, where
+        assert check["loss_error"] <= check["loss_bound"], where
+        assert check["param_ratio"] <= 1.0, where
+        assert check["same_parameters_without_gradient"], where
+        assert check.get("state_in_host_memory", True), where
+        if "clip_norm_error" in check:
+            assert check["clip_norm_error"] <= check["clip_norm_bound"], where
+            assert check["clip_scale_error"] <= check["clip_scale_bound"], where
+            assert check["clip_inf_norm_equal"], where
+    if "graphs" in result:
+        wrapped, unwrapped = result["graphs"], result["graphs_unwrapped"]
+        assert (wrapped["breaks"], wrapped["break_reasons"]) == (unwrapped["breaks"], unwrapped["break_reasons"]), name
+        assert wrapped["graphs"] == unwrapped["graphs"] + ("no_sync" in name), (name, wrapped, unwrapped)
+    return result
+
+
 def dynamo_graphs() -> dict:
     """Dynamo's graph breaks (how many, and their reasons) and the graphs it compiled since its counters were last
     cleared."""
@@ -375,6 +404,15 @@ def breaks_inside_a_unit(comm: Communicator) -> dict:
                     step(candidate).backward()
                 found.setdefault(case + ("/nested" if nested else "") + ("/function" if in_function else ""),
                                  {})[form] = dynamo_graphs()
+    return found
+
+
+def check_breaks_inside_a_unit(found: dict, comm: Communicator) -> dict:
+    """Fails (on rank 0) where wrapping adds a break to the model's own, or where a case broke nowhere (then it
+    tests nothing). Returns `found`."""
+    if comm.rank == 0:
+        for case, graphs in found.items():
+            assert graphs["wrapped"]["breaks"] == graphs["unwrapped"]["breaks"] > 0, (case, graphs)
     return found
 
 
@@ -446,9 +484,9 @@ FAMILY_RUNS = [("hf_albert", "adamw", "none", None), ("hf_albert", "sgd", "no_sy
 # each rank holds the whole model alone.
 WHOLE_RUNS = [("gpt2", "sgd", "no_sync", None, "whole"), ("bert", "sgd", "none", None, "whole"),
               ("gpt2", "adamw", "sharded", "bf16", "whole", "overlap")]
-COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("hf_gpt2", "sgd", "none", None, "whole"),
-                 *WHOLE_RUNS, ("gpt2", "adamw", "none", None, "whole_inductor"),
-                 ("gpt2", "adamw", "none", None, "one_rank_whole")]
+COMPILED_RUNS = [("gpt2", "adamw", "none", None, "one_rank_whole"), ("gpt2", "adamw", "none", None, "units"),
+                 ("hf_gpt2", "sgd", "none", None, "whole"), *WHOLE_RUNS,
+                 ("gpt2", "adamw", "none", None, "whole_inductor")]
 # On a GPU (``--device cuda``): one model in fp32 (TF32 off) and in bf16, against one process on the same GPU.
 GPU_RUNS = [("gpt2", "adamw", "none", None), ("gpt2", "adamw", "sharded", "bf16"),
             ("gpt2", "adamw", "no_sync", "bf16", None, "offload")]
@@ -476,11 +514,12 @@ if __name__ == "__main__":
     else:
         runs = [run_ for run_ in MAIN_RUNS if run_[0] in selected]
     results = {}
+    if selected == ["compiled"]:  # a quarter of the selection's time, and what it alone checks: first
+        results["breaks_inside_a_unit"] = check_breaks_inside_a_unit(breaks_inside_a_unit(comm), comm)
     for m, o, a, p, *more in runs:  # more: compiled, then WRAP_OPTIONS' name
         compiled, options = (more + [None, None])[:2]
         wrap = WRAP_OPTIONS[options] if options else {}
-        results["/".join(filter(None, (m, o, a, p, compiled, options)))] = run(
-            m, o, a, comm, p and torch.bfloat16, compiled, device=device, **wrap)
-    if selected == ["compiled"]:
-        results["breaks_inside_a_unit"] = breaks_inside_a_unit(comm)
+        name = "/".join(filter(None, (m, o, a, p, compiled, options)))
+        results[name] = check_run(name, run(m, o, a, comm, p and torch.bfloat16, compiled, device=device, **wrap),
+                                  comm)
     write_json(output_path(), results)

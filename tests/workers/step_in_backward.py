@@ -12,7 +12,8 @@ cleared. Variants: inline and on a thread of its own, offloaded, accumulated und
 replica), in bf16, with a frozen layer, compiled whole (the graph's handles then
 step at the end of backward), with a scheduler, and with the for-loop, foreach and
 fused AdamW and SGD with momentum. Inline, some handles must have stepped, and freed their
-gradients, before backward reached the first layer. Then the refusals. With
+gradients, before backward reached the first layer. And, first, the refusals. Each part is checked here as
+it ends (a broken one ends the job at once); the tests check which parts there were. With
 ``--device cuda`` (the GPU lane) the GPU variants instead: offloaded (its steps on
 the host thread), offloaded with no_sync and bf16, and not offloaded.
 """
@@ -165,12 +166,47 @@ def refusals(comm: Communicator) -> dict:
             "entered_twice": raised(entered_twice)}
 
 
+# What each misuse must raise: the exception's type and words of its message.
+REFUSED = {"clip": ("RuntimeError", "already stepped inside this backward"),
+           "clip_after_plain_backward": ("nothing", ""),
+           "lbfgs": ("TypeError", "LBFGS needs every gradient"),
+           "foreign": ("ValueError", "1 tensors that are not this model's sharded parameters"),
+           "nested_unit": ("ValueError", "outermost FullyShardedDataParallel unit"),
+           "fp16": ("ValueError", "cannot train in fp16"),
+           "no_backward": ("RuntimeError", "no synchronised backward ran inside step_in_backward"),
+           "entered_twice": ("RuntimeError", "already entered")}
+
+
+def check_refusals(refused: dict) -> dict:
+    assert set(refused) == set(REFUSED), refused
+    for name, (kind, words) in REFUSED.items():
+        assert refused[name][0] == kind and words in refused[name][1], (name, refused[name])
+    return refused
+
+
+def check_variant(name: str, result: dict, comm: Communicator) -> dict:
+    """Fails where a variant's step differs from the step after backward, or (rank 0's counts, which the report
+    keeps) where no handle stepped early: checked as each variant ends, so that a broken one ends the job at
+    once. Returns `result`."""
+    assert result["same_parameters"] and result["same_optimizer_state"] and result["gradients_cleared"], (name, result)
+    early = result["steps_before_first_layers_backward"]
+    if comm.rank == 0:
+        # The branch's unit (used on even steps, by every rank) steps during backward; experts (one never chosen)
+        # and the root (it takes its gradient last) wait for the end of backward.
+        if name in ("inline", "bf16_offloaded"):
+            assert early == [1, 0, 1, 0], (name, early)
+        if name == "no_sync_fused":
+            assert early[1::2] == [1, 0, 0, 0], (name, early)  # the synced micro-batches
+        if name == "inline":  # stepped and freed, or unused
+            assert result["branch_gradient_freed_by_then"] == [True] * STEPS, (name, result)
+    return result
+
+
 if __name__ == "__main__":
     chosen = take_device_argument()
     communicator = Communicator()
     on_gpu = chosen.type == "cuda"
-    results = {name: variant(communicator, arguments, chosen)
-               for name, arguments in (GPU_VARIANTS if on_gpu else VARIANTS).items()}
-    if not on_gpu:
-        results["refusals"] = refusals(communicator)
+    results = {} if on_gpu else {"refusals": check_refusals(refusals(communicator))}  # the cheapest part first
+    for name, arguments in (GPU_VARIANTS if on_gpu else VARIANTS).items():
+        results[name] = check_variant(name, variant(communicator, arguments, chosen), communicator)
     write_json(output_path(), results)

@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 from common import gpt_batch, local_part, output_path, write_json
-from equivalence import run
+from equivalence import check_run, run
 
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy,
                       full_state_dict, load_checkpoint, save_checkpoint)
@@ -131,9 +131,10 @@ if __name__ == "__main__":
                                                                 ("mlp", "sgd", "no_sync", None),
                                                                 ("gpt2", "adamw", "sharded", torch.bfloat16)):
             key = f"{name}/{model_kind}/{optimizer_kind}/{accumulation}" + ("/bf16" if dtype else "")
-            results[key] = run(model_kind, optimizer_kind, accumulation, comm, dtype, **wrap)
+            results[key] = check_run(key, run(model_kind, optimizer_kind, accumulation, comm, dtype, **wrap), comm)
         overlapped = dict(wrap, forward_prefetch=True, backward_prefetch=True, async_reduce_scatter=True)
-        results[f"{name}/gpt2/adamw/none/overlapped"] = run("gpt2", "adamw", "none", comm, None, **overlapped)
+        results[f"{name}/gpt2/adamw/none/overlapped"] = check_run(
+            f"{name}/gpt2/adamw/none/overlapped", run("gpt2", "adamw", "none", comm, None, **overlapped), comm)
     memory = {name: comm.all_gather_object(kept_bytes(comm, **wrap)) for name, wrap in
               {**STRATEGIES, "full_shard": {}}.items()}
     checkpoint = comm.all_gather_object(checkpoint_loads_under_full_shard(comm, sys.argv[2]))

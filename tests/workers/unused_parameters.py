@@ -264,9 +264,21 @@ def _part_held(model, name: str) -> tuple[int, int]:
     raise KeyError(name)
 
 
+def check_mode(mode: str, report: dict) -> dict:
+    """Fails where a mode's None pattern differs from one process's, a parameter with no gradient moved, or a
+    gradient is outside its bound: as the mode ends, so that a broken mode ends the job at once (the test
+    checks which names had no gradient). Returns `report`."""
+    assert report["none_pattern_matches"] == [True] * STEPS, (mode, report)
+    assert report["untouched_when_no_gradient"] == [True] * STEPS, (mode, report)
+    assert report["worst_gradient_ratio"] <= 1.0, (mode, report["worst_gradient_ratio"])
+    return report
+
+
 if __name__ == "__main__":
     communicator = Communicator()
-    report = {mode: run(communicator, mode)
+    report = {mode: check_mode(mode, run(communicator, mode))
               for mode in ("sync", "no_sync", "bf16", "compiled", "compiled_part", "compiled_no_sync")}
-    report["compiled_accumulation"] = compiled_accumulation_across_steps(communicator)
+    accumulation = compiled_accumulation_across_steps(communicator)
+    assert accumulation["same_none_pattern"] and accumulation["worst_gradient_ratio"] <= 1.0, accumulation
+    report["compiled_accumulation"] = accumulation
     write_json(output_path(), report)
