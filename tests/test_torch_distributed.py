@@ -30,6 +30,21 @@ def test_torch_fsdp2_hsdp_ddp_and_dtensor_train_as_one_process_on_the_fsdp_mpi_b
     check_torch_distributed(json.loads(out.read_text()))
 
 
+def test_torchs_checkpoint_layer_moves_fsdp2_state_to_the_bit_on_3_and_on_2_ranks_and_between_them(tmp_path):
+    """torch.distributed.checkpoint over the backend, as FSDP2's users call it (workers/torch_checkpoint.py): the
+    group's default device, full state dicts of model and optimizer set from rank 0 alone (``broadcast_from_rank0``:
+    it raised an IndexError, the group listing no device), sharded and asynchronous saves (``async_save`` refused,
+    finding no CPU backend) loaded back, on 3 ranks and on a group of 2, and resharded 2 -> 3 -> 2: every value
+    the bits it had."""
+    out = tmp_path / "torch_checkpoint.json"
+    check_ok(run_mpi("torch_checkpoint.py", 3, out, tmp_path / "checkpoints", timeout=300))
+    on_each = ["the group's default device is the CPU", "sharded save and load", "asynchronous save, then load"]
+    assert json.loads(out.read_text()) == {
+        **{f"{check} ({ranks} ranks)": True for ranks in (3, 2) for check in on_each},
+        "full state dicts set from rank 0 alone (3 ranks)": True, "saved on 2, loaded on 3": True,
+        "saved on 3, loaded on 2": True}
+
+
 def check_torch_distributed(report: dict) -> None:
     """torch_distributed.py's report (also on the GPU, test_gpu.py): every step of every kind within its bounds,
     every other call right."""
@@ -105,7 +120,8 @@ def test_a_group_bound_to_a_device_answers_for_its_backend_there_and_splits():
     its backend on that device, and a device mesh splits it (``split_group``, every rank naming its own part; a
     rank in none gets None) where NCCL would split its communicator: the group is its own backend on every
     device, and its splits are MPI's (torch_distributed.py splits a world of several ranks). torch never takes it
-    for a communicator to split a new group from (torch 2.14 hands that to C++ as a backend, and failed)."""
+    for a communicator to split a new group from (torch 2.14 hands that to C++ as a backend, and failed). It
+    lists the device types it is a backend for, which torch's checkpoint layer asks."""
     import torch.distributed.distributed_c10d as c10d
 
     from fsdp_mpi import Communicator
@@ -118,6 +134,8 @@ def test_a_group_bound_to_a_device_answers_for_its_backend_there_and_splits():
     except RuntimeError as error:  # torch's own answer: "No backend type associated with device type cuda"
         backend = str(error)
     assert backend is group and c10d._get_split_source(group) is None
+    # The device types it has a backend for, as torch's checkpoint helpers ask (a Python group lists none itself).
+    assert group._device_types == [torch.device("cpu"), torch.device("cuda")]
     assert group.name() == "fsdp_mpi" and group.options is None  # torch calls name() and copies the options
     group.perform_nocolor_split(group.bound_device_id)  # what a rank outside a new group calls
     part = group.split_group([0], group_name="mine", group_desc="a part")

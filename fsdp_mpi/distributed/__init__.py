@@ -18,10 +18,10 @@ What the backend supports and refuses, as torch's own tests of a backend found i
 import torch.distributed as dist
 
 from fsdp_mpi.distributed.groups import create_group, init_process_group, never_split_from_ours
-from fsdp_mpi.distributed.process_group import BACKEND, MpiProcessGroup
+from fsdp_mpi.distributed.process_group import BACKEND, DEVICE_TYPES, MpiProcessGroup
 from fsdp_mpi.distributed.reductions import Reduction
 
-dist.Backend.register_backend(BACKEND, create_group, extended_api=True, devices=["cpu", "cuda"])
+dist.Backend.register_backend(BACKEND, create_group, extended_api=True, devices=list(DEVICE_TYPES))
 never_split_from_ours()
 
 __all__ = ["BACKEND", "MpiProcessGroup", "Reduction", "init_process_group"]

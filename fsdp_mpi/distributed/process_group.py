@@ -31,11 +31,12 @@ from mpi4py import MPI
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.settings import TIMEOUT, read_seconds, read_text
 from fsdp_mpi.communication.machinery.worker import threads_may_call_mpi_at_once
-from fsdp_mpi.distributed import composed
+import fsdp_mpi.distributed.composed as composed  # the module, not the package (whose __init__ imports this one)
 from fsdp_mpi.distributed.reductions import Reduction
 from fsdp_mpi.distributed.work import GroupFailed, MpiWork
 
 BACKEND = "fsdp_mpi"
+DEVICE_TYPES = ("cpu", "cuda")  # where the backend's calls run: the tensors' own memory, or staged through the host
 
 
 class MpiProcessGroup(dist.ProcessGroup):
@@ -90,6 +91,14 @@ class MpiProcessGroup(dist.ProcessGroup):
 
     def _get_backend(self, device: torch.device) -> "MpiProcessGroup":
         return self
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The device types this group has a backend for (itself, on each), as torch's helpers ask a group: the
+        device of object collectives and broadcasts (``_get_pg_default_device``, a full state dict set with
+        ``broadcast_from_rank0``), the CPU backend that ``dcp.async_save`` requires. A C++ group lists those
+        registered with it; a Python one has none registered, and was taken for a group with no backend."""
+        return [torch.device(kind) for kind in DEVICE_TYPES]
 
     def get_group_store(self):
         return self._store
