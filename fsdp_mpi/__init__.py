@@ -21,7 +21,7 @@ names below are the public API.
 from fsdp_mpi.communication.bookkeeping import CollectiveMismatchError
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
-from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception
+from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception, exit_without_finalize
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.sharding.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.sharding.lifecycle import TrainingState
@@ -38,7 +38,6 @@ from fsdp_mpi.loop.step_in_backward import step_in_backward
 from fsdp_mpi.files.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_mpi.files.pretrained import PretrainedError, export_pretrained, load_pretrained
 from fsdp_mpi.elastic.agreement import StepAbandoned
-from fsdp_mpi.elastic.recovery import exit_without_finalize
 from fsdp_mpi.elastic.runner import Elastic, run_elastic
 from fsdp_mpi.elastic.state import ElasticState
 

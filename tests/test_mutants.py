@@ -16,7 +16,6 @@ import pytest
 from mutation_verdict import VERDICT_ENV
 from warm_pytest import WarmPytest
 
-pytestmark = pytest.mark.one_mpi  # the mutants test the suite, not the MPI library
 
 REPO = Path(__file__).parent.parent
 
@@ -481,6 +480,9 @@ MUTANTS = {
         "fsdp_mpi/distributed/process_group.py",
         "    def _get_backend(self, device: torch.device) -> \"MpiProcessGroup\":\n        return self\n",
         "", [BOUND_GROUP]),
+    "a torch group lists no device it has a backend for": (
+        "fsdp_mpi/distributed/process_group.py", "        return [torch.device(kind) for kind in DEVICE_TYPES]",
+        "        return []", [BOUND_GROUP]),
     "an error on a torch group's communication thread never completes its work": (
         "fsdp_mpi/distributed/work.py", "            self._future.set_exception(error)", "            raise",
         [TORCH_DISTRIBUTED]),
@@ -501,6 +503,21 @@ MUTANTS = {
     "dropout keyed by the row of the batch, not the sample": (
         "fsdp_mpi/loop/sample_dropout.py", "_combine(run, torch.as_tensor(samples, dtype=torch.int64).flatten())",
         "_combine(run, torch.arange(len(samples)))", [SPLIT_DROPOUT]),
+}
+
+# Mutants of going on after a lost rank: killed by tests that need Open MPI's ULFM (marked open_mpi), so run in
+# the pass that has it (CI's Open MPI pass), where the other mutants are not run again.
+PROTOCOL = ("tests/test_elastic.py::"
+            "test_every_survivor_ends_the_step_in_one_agreement_and_a_real_error_after_a_loss_stays_an_error")
+HYBRID_ELASTIC = ("tests/test_elastic.py::"
+                  "test_hybrid_shard_goes_on_from_memory_then_from_a_checkpoint_when_no_group_is_left_whole")
+ULFM_MUTANTS = {
+    "a survivor whose step completed goes on without the step's agreement": (
+        "fsdp_mpi/elastic/agreement.py", "    if interrupted is None and not can_go_on():",
+        "    if interrupted is None:", [PROTOCOL]),
+    "a shard group that lost a rank goes on from memory beside the whole ones": (
+        "fsdp_mpi/elastic/recovery.py", "            if from_memory and not whole[survivors.rank]:",
+        "            if False:", [HYBRID_ELASTIC]),
 }
 
 
@@ -556,9 +573,11 @@ def unmutated_outcomes(runs: WarmPytest, tests: list[str], outcomes_so_far: dict
     return found
 
 
-@pytest.mark.parametrize("name", MUTANTS)
+# The mutants test the suite, not the MPI library (one_mpi), but for ULFM's, which need Open MPI (open_mpi).
+@pytest.mark.parametrize("name", [*(pytest.param(name, marks=pytest.mark.one_mpi) for name in MUTANTS),
+                                  *(pytest.param(name, marks=pytest.mark.open_mpi) for name in ULFM_MUTANTS)])
 def test_mutant_is_killed(name, tmp_path, outcomes_so_far, run_elsewhere_in_this_session, pytest_runs):
-    path, original, mutated, tests = MUTANTS[name]
+    path, original, mutated, tests = {**MUTANTS, **ULFM_MUTANTS}[name]
     unmutated = unmutated_outcomes(pytest_runs, tests, outcomes_so_far, run_elsewhere_in_this_session)
     if "skipped" in unmutated.values() and "failed" not in unmutated.values():
         pytest.skip(f"the tests that would kill it skip on this machine: {unmutated}")

@@ -13,6 +13,7 @@ Callers that hand in tensors autograd saved for backward pass ``tensor.data``
 aliases: MPI writes do not bump version counters, but staging's copy-back would.
 """
 
+import sys
 from collections import Counter
 from typing import Callable
 
@@ -22,7 +23,7 @@ from mpi4py import MPI
 
 from fsdp_mpi.communication import point_to_point
 from fsdp_mpi.communication.bookkeeping import Collective, Traffic, in_mpi, waiting_in_mpi
-from fsdp_mpi.communication.failures.abort import abort_job
+from fsdp_mpi.communication.failures.abort import exit_without_finalize
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
 from fsdp_mpi.communication.failures.liveness import Liveness
@@ -107,8 +108,12 @@ class Communicator:
             try:
                 self.watch_liveness()
             except RankLostError as lost:  # nothing trained yet, nothing to go on from: the whole job ends
-                abort_job(f"fsdp_mpi: rank(s) {', '.join(map(str, failed_ranks(self.mpi_comm)))} of the job died "
-                          f"as it started ({lost}): ending the job, which has nothing to go on from yet")
+                # Every survivor meets the loss in this first collective, and ends itself: after a loss, Open
+                # MPI's launcher now and then outlived an MPI_Abort (abort.exit_without_finalize).
+                sys.stderr.write(f"fsdp_mpi: rank(s) {', '.join(map(str, failed_ranks(self.mpi_comm)))} of the "
+                                 f"job died as it started ({lost}): ending the job, which has nothing to go on "
+                                 "from yet\n")
+                exit_without_finalize(1)
 
     # ----------------------------------------------------------------- routes
 

@@ -19,7 +19,6 @@ collective of the recovery is inside that retry. MPI makes a communicator's crea
 from the same communicator.
 """
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from mpi4py import MPI
 from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.failures.abort import exit_without_finalize
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
 
@@ -202,12 +202,3 @@ def shrink_until_it_holds(comm: Communicator) -> tuple[Communicator, list[int]]:
 def job_ranks(mpi_comm) -> list[int]:
     """The ranks of `mpi_comm`, numbered as in the job (``MPI.COMM_WORLD``), as launchers and logs number them."""
     return mpi_comm.Get_group().Translate_ranks(list(range(mpi_comm.Get_size())), MPI.COMM_WORLD.Get_group())
-
-
-def exit_without_finalize(code: int):
-    """Ends this process with `code` at once, its output flushed, without ``MPI_Finalize``: after a lost rank,
-    Open MPI 5.0.11's finalize now and then waits forever (a survivor hung there once in about twelve 6-rank
-    runs), and a ULFM job is content with a process that ends without it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
