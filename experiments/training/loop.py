@@ -149,9 +149,11 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
 def start_run(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str,
               batching: Batching) -> "Run":
     """The model built and wrapped on `comm`'s ranks, its optimizer, schedule and CSV recorder."""
-    model, dropout_keys = build_model(task, config.seed, comm)
+    deferred = config.strategy == "fsdp-mpi"  # never the whole model on a rank, as the run starts or rebuilds
+    model, dropout_keys = build_model(task, config.seed, comm, deferred)
     recorder = RunRecorder(task, config, comm, device, experiment, model, batching)
     prepared = prepare(config.strategy, model, task.block_class, device, comm, config.precision, config.backend,
+                       init_seed=config.seed if deferred else None,
                        compression=compression_from_option(config.comm_compression),
                        sharding_strategy=ShardingStrategy[config.sharding_strategy],
                        cpu_offload=CPUOffload(offload_params=True) if config.cpu_offload else None)

@@ -91,11 +91,17 @@ def init_torch_distributed(comm: Communicator, device: torch.device, backend: st
     dist.init_process_group(torch_backend(backend, device), rank=comm.rank, world_size=comm.world_size)
 
 
-def build_model(task, seed: int, comm: Communicator) -> tuple[nn.Module, SampleKeys]:
+def build_model(task, seed: int, comm: Communicator, deferred: bool = False) -> tuple[nn.Module, SampleKeys]:
     """The same initial weights on every rank, and its dropout drawn per sample (fsdp_mpi.use_sample_dropout):
-    (the model, the keys to set before each micro-batch). Then a random stream per rank, for anything else."""
+    (the model, the keys to set before each micro-batch). Then a random stream per rank, for anything else.
+
+    `deferred` (fsdp-mpi): the model is built on the meta device, shapes only, and ``prepare`` draws its weights
+    from `seed` as it wraps it, straight into each rank's shards: the weights of the eager build, without ever
+    holding the whole model (as a run starts, and as the survivors of a lost rank build it again beside the
+    state they go on from)."""
     torch.manual_seed(seed)
-    model = task.build_model()
+    with torch.device("meta") if deferred else nullcontext():
+        model = task.build_model()
     keys = use_sample_dropout(model, seed)
     torch.manual_seed(seed * 1000 + 1 + comm.rank)
     return model, keys
@@ -109,7 +115,7 @@ def compression_from_option(text: str) -> Compression | None:
 
 
 def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.device, comm: Communicator,
-            precision: str = "32", backend: str = "auto", **fsdp_options) -> Prepared:
+            precision: str = "32", backend: str = "auto", init_seed: int | None = None, **fsdp_options) -> Prepared:
     """Places `model` on `device` and wraps it for `strategy` (not the Lightning ones) at `precision`, torch's
     strategies on torch.distributed's `backend` (``choices.BACKENDS``).
 
@@ -117,14 +123,19 @@ def prepare(strategy: str, model: nn.Module, block_class: type, device: torch.de
     have no use for them (``options.check_config`` refuses compression for them), but for torch-fsdp's
     ``cpu_offload``, which becomes FSDP2's ``CPUOffloadPolicy``. fsdp-mpi shards
     over `comm` itself, so its communication time and bytes (``comm_seconds``, ``comm_bytes``) also count
-    the caller's own collectives on `comm`: compare them around training steps only.
+    the caller's own collectives on `comm`: compare them around training steps only. `init_seed`: for fsdp-mpi,
+    the seed of a model that ``build_model`` built on the meta device, whose weights are drawn as it is wrapped.
     """
     dtype = half_dtype(precision)
     scaling = precision == "16-mixed"
     if strategy == "fsdp-mpi":  # it places the model itself: under cpu_offload only the buffers go to `device`
-        sharded = FullyShardedDataParallel(model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({block_class}),
-                                           mixed_precision=MixedPrecision(param_dtype=dtype), device=device,
-                                           **fsdp_options)
+        deferred = init_seed is not None  # built on meta (build_model): initialised as it is sharded
+        with torch.random.fork_rng(devices=[]) if deferred else nullcontext():
+            if deferred:
+                torch.manual_seed(init_seed)  # the draws of the eager build, in its order (models/initialization.py)
+            sharded = FullyShardedDataParallel(model, comm=comm, auto_wrap_policy=ModuleWrapPolicy({block_class}),
+                                               mixed_precision=MixedPrecision(param_dtype=dtype), device=device,
+                                               param_init_fn=model.init_module if deferred else None, **fsdp_options)
         return Prepared(sharded, lambda: comm.seconds_in_mpi,
                         lambda max_norm: clip_grad_norm_(sharded, max_norm), sharded.no_sync, shards_gradients=True,
                         scaler=ShardedGradScaler(comm, enabled=scaling), all_reduce_max=comm.all_reduce_max_float,
