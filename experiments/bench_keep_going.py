@@ -10,9 +10,12 @@ under HYBRID_SHARD in groups of ranks/2 with none, and, for the restart, under F
 which the same run is launched again with --resume on one rank fewer. The figure is the wall time from the kill
 to the first optimizer step any rank completes after it; medians over the rounds, min-max.
 
-With --memory, each keep-going run instead reports, per survivor, the peak resident size of its process in the
-steps before the loss and during the recovery (the loss to the next completed step), beside the training state
-it held (parameters, gradients, optimizer state): what going on costs in memory.
+With --memory, each keep-going run instead reports, per survivor, the peak memory of its process during the
+recovery (from the loss to the run rebuilt on the survivors) over the larger of its peak in the steps before and
+the peak of the same run ended by the loss and started again on the ranks that went on (--resume), in training
+states (parameters, gradients, optimizer state): what going on costs in memory. Two sizes: what the process holds
+itself (anonymous and shared memory), and its resident size, which adds the pages of files it maps (its
+libraries, the checkpoint it reads: page cache the kernel can drop).
 """
 
 import argparse
@@ -56,7 +59,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="gpt2-seed")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--memory", action="store_true", help="peak resident size in the steps and the recovery")
+    parser.add_argument("--memory", action="store_true", help="peak memory in the recovery against a run restarted")
     args = parser.parse_args()
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
@@ -89,20 +92,43 @@ def main() -> None:
 
 
 def report_memory(mpirun: str, args, run: list[str], env: dict) -> None:
-    """Each keep-going run once, with its survivors' peak resident sizes before and during the recovery."""
+    """Each keep-going run once, and the same run ended by the loss and started again on the ranks that went on
+    (--resume): the survivors' peak memory in the recovery against the peak of a run started on their ranks."""
+    pattern = re.compile(r"rank (\d+): peak MiB before ([\d.]+) held, ([\d.]+) resident; recovery ([\d.]+) held, "
+                         r"([\d.]+) resident; after ([\d.]+) held, ([\d.]+) resident; training state before "
+                         r"([\d.]+), after ([\d.]+)")
+
+    def peaks(text: str) -> dict[int, list[float]]:  # each rank's last line (it holds every step before it)
+        return {int(found[0]): list(map(float, found[1:])) for found in pattern.findall(text)}
+
     with tempfile.TemporaryDirectory() as work:
         out = ["--out-dir", f"{work}/out"]
-        for name, options, extra_env in (
-                ("FULL_SHARD (checkpoint)", ["--checkpoint-dir", f"{work}/full", "--checkpoint-every", "1"], {}),
-                ("HYBRID_SHARD (memory)", ["--sharding-strategy", "HYBRID_SHARD"],
+        for name, options, survivors, extra_env in (
+                ("FULL_SHARD (checkpoint)", [], args.ranks - 1, {}),
+                ("HYBRID_SHARD (memory)", ["--sharding-strategy", "HYBRID_SHARD"], args.ranks // 2,
                  {"FSDP_MPI_HYBRID_GROUP_SIZE": str(args.ranks // 2)})):
-            text = launch(mpirun, args.ranks, [*run, *out, *options, "--keep-going"], ulfm=True, kill=True,
-                          env={**env, **extra_env}, memory=True)
-            print(f"{args.model}, {args.ranks} ranks, {name}, rank 1 killed in step 3's backward:")
-            for line in sorted(re.findall(r"rank \d+: peak resident MiB.*", text)):
-                steps, recovery, state = map(float, re.findall(r"([\d.]+)(?:,|$)", line))
-                print(f"  {line}: the recovery's peak is the steps' + {recovery - steps:.1f} MiB "
-                      f"({(recovery - steps) / state:.2f} of the state)")
+            every = ["--checkpoint-every", "1"]
+            keep_going = [*run, *out, *options, "--keep-going"]
+            if name.startswith("FULL_SHARD"):
+                keep_going += ["--checkpoint-dir", f"{work}/full", *every]
+            going_on = peaks(launch(mpirun, args.ranks, keep_going, ulfm=True, kill=True, env={**env, **extra_env},
+                                    memory=True))
+            restart = [*run, *out, *options, "--checkpoint-dir", f"{work}/restart-{survivors}", *every]
+            launch(mpirun, args.ranks, restart, ulfm=False, kill=True, env={**env, **extra_env})
+            started = peaks(launch(mpirun, survivors, [*restart, "--resume"], ulfm=False, kill=False,
+                                   env={**env, **extra_env}, memory=True))
+            fresh = max(sizes[0] for sizes in started.values())  # held, in the steps of a run started there
+            print(f"{args.model}, {args.ranks} ranks, {name}, rank 1 killed in step 3's backward; the run started "
+                  f"again on the {survivors} ranks left peaks at {fresh:.1f} MiB held (anonymous and shared memory; "
+                  "resident adds mapped files) a rank. Each survivor, in MiB:")
+            for rank, (before, _, held, resident, after, _, state_before, state) in sorted(going_on.items()):
+                if not state:  # a rank that left (its shard group broke): nothing after
+                    continue
+                over = held - max(before, fresh)
+                print(f"  rank {rank}: recovery {held:.1f} held ({resident:.1f} resident): {over:+.1f} over the larger "
+                      f"of its steps before ({before:.1f}) and the run started on the survivors, "
+                      f"{over / state:+.2f} of the state it holds after ({state:.1f}; before {state_before:.1f}); "
+                      f"its steps after {after:.1f}")
 
 
 if __name__ == "__main__":

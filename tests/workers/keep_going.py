@@ -13,8 +13,8 @@ the latest checkpoint, which they are about to reload). The rank
 sends itself SIGKILL: no handler, no MPI call, nothing flushed, as when a node dies. Every rank prints when
 each optimizer step is done and when it is killed (wall clock), from which experiments/keep_going_bench.sh
 takes the time from a failure to the next completed step. With --memory each survivor also prints the peak
-resident size of its process in the training steps before the loss and during the recovery (from the loss to
-the next completed step), beside the training state it held (parameters, gradients, optimizer state), for
+memory of its process (held, and resident: ``ResidentPeaks``) in the training steps before the loss and during
+the recovery (from the loss to the next completed step), beside the training state it held (parameters, gradients, optimizer state), for
 experiments/bench_keep_going.py --memory.
 """
 
@@ -66,26 +66,35 @@ class Killer:
 
 
 class ResidentPeaks:
-    """The peak resident size of this process in each phase (before the loss, during its recovery), sampled by a
-    thread every millisecond."""
+    """The peak memory of this process in each phase (the steps before the loss, its recovery: from the loss to
+    the run rebuilt, the steps after), sampled by a thread every millisecond: its resident size, and the part of
+    it the process holds itself (anonymous and shared memory, RssAnon + RssShmem), without the pages of files it
+    maps (torch's libraries, the checkpoint it reads), which the kernel can drop and read again."""
+
+    PHASES = ("before", "recovery", "after")
 
     def __init__(self):
-        self.phase, self.peaks, self.state_bytes = "steps", {"steps": 0, "recovery": 0}, 0
-        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.phase, self.state_bytes = "before", {}
+        self.peaks = {kind: dict.fromkeys(self.PHASES, 0) for kind in ("held", "resident")}
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
         while True:
-            with open("/proc/self/statm") as statm:
-                resident = int(statm.read().split()[1]) * self.page
-            if self.phase in self.peaks:
-                self.peaks[self.phase] = max(self.peaks[self.phase], resident)
+            with open("/proc/self/status") as status:
+                kib = {name: int(value.split()[0]) for name, value in
+                       (line.split(":", 1) for line in status if line.startswith("Rss"))}
+            sizes = {"resident": (kib["RssAnon"] + kib["RssFile"] + kib["RssShmem"]) * 1024,
+                     "held": (kib["RssAnon"] + kib["RssShmem"]) * 1024}
+            for kind, size in sizes.items():
+                self.peaks[kind][self.phase] = max(self.peaks[kind][self.phase], size)
             time.sleep(0.001)
 
     def report(self) -> None:
-        mib = {phase: peak / 2**20 for phase, peak in self.peaks.items()}
-        print(f"rank {MPI.COMM_WORLD.Get_rank()}: peak resident MiB in steps {mib['steps']:.1f}, in recovery "
-              f"{mib['recovery']:.1f}, training state {self.state_bytes / 2**20:.1f}", flush=True)
+        """One line: each phase's peaks (held, resident) and the training state before and after, in MiB."""
+        phases = "; ".join(f"{phase} {self.peaks['held'][phase] / 2**20:.1f} held, "
+                           f"{self.peaks['resident'][phase] / 2**20:.1f} resident" for phase in self.PHASES)
+        print(f"rank {MPI.COMM_WORLD.Get_rank()}: peak MiB {phases}; training state before "
+              f"{self.state_bytes.get('before', 0) / 2**20:.1f}, after {self.state_bytes.get('after', 0) / 2**20:.1f}", flush=True)
 
 
 def damage_latest_checkpoint(directory: Path) -> None:
@@ -112,11 +121,10 @@ def install(kills: list[str], memory: bool) -> None:
         killer.step = position.step
         done = counted(run, step, position)
         print(f"rank {rank}: step {position.step} done at {time.time():.3f}", flush=True)  # for the benchmark
-        if peaks and peaks.phase == "steps":
-            peaks.state_bytes = model_state_bytes(run.prepared.model, run.optimizer)
-        elif peaks and peaks.phase == "recovery":
-            peaks.phase = "after"
-            peaks.report()
+        if peaks and peaks.phase in ("before", "after"):
+            peaks.state_bytes[peaks.phase] = model_state_bytes(run.prepared.model, run.optimizer)
+        if peaks:
+            peaks.report()  # a rank's last line holds every step
         return done
     loop.optimizer_step = optimizer_step
     go_on = loop.go_on_without_the_lost
@@ -124,7 +132,10 @@ def install(kills: list[str], memory: bool) -> None:
     def going_on(*args):
         if peaks:
             peaks.phase = "recovery"
-        return go_on(*args)
+        survived = go_on(*args)
+        if peaks:
+            peaks.phase = "after"
+        return survived
     loop.go_on_without_the_lost = going_on
     build = loop.start_run
 
