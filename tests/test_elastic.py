@@ -47,6 +47,8 @@ def run_loop(out, nprocs: int, *options, env: dict | None = None) -> subprocess.
 
 def result_of(out, run: subprocess.CompletedProcess) -> dict:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # Not a given: under ULFM, Open MPI's mpirun exits 0 when a survivor calls MPI_Abort after rank 0 was lost.
+    assert (out / "result.json").exists(), "no rank wrote the result\n" + run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
 
 
@@ -135,9 +137,11 @@ def test_losses_with_a_reduce_scatter_in_flight_and_inside_the_shrink_with_accum
 def test_every_survivor_ends_the_step_in_one_agreement_and_a_real_error_after_a_loss_stays_an_error():
     command = [mpiexec(), *ULFM, "-n", "3", sys.executable, str(WORKERS / "lost_ranks.py")]
     run = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert sorted(line for line in run.stdout.splitlines() if "protocol holds" in line) == [
-        "rank 0: protocol holds", "rank 1: protocol holds"]
+        "rank 0: protocol holds", "rank 1: protocol holds"], run.stdout[-3000:] + run.stderr[-3000:]
+    # Then rank 0 died and rank 1 raised: the job fails, saying why, although rank 0 is gone.
+    assert "RuntimeError: a survivor's own error after the job's rank 0 was lost" in run.stderr, run.stderr[-3000:]
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 @pytest.mark.open_mpi

@@ -509,6 +509,8 @@ MUTANTS = {
 # the pass that has it (CI's Open MPI pass), where the other mutants are not run again.
 PROTOCOL = ("tests/test_elastic.py::"
             "test_every_survivor_ends_the_step_in_one_agreement_and_a_real_error_after_a_loss_stays_an_error")
+USERS_LOOP = ("tests/test_elastic.py::"
+              "test_a_users_loop_survives_losses_as_it_starts_in_the_found_inf_reduction_a_save_and_a_recovery")
 HYBRID_ELASTIC = ("tests/test_elastic.py::"
                   "test_hybrid_shard_goes_on_from_memory_then_from_a_checkpoint_when_no_group_is_left_whole")
 ULFM_MUTANTS = {
@@ -518,6 +520,11 @@ ULFM_MUTANTS = {
     "a shard group that lost a rank goes on from memory beside the whole ones": (
         "fsdp_mpi/elastic/recovery.py", "            if from_memory and not whole[survivors.rank]:",
         "            if False:", [HYBRID_ELASTIC]),
+    "an error after the job's rank 0 was lost is left to MPI_Abort, which Open MPI reports as success": (
+        "fsdp_mpi/communication/failures/abort.py", "    if _jobs_rank_0_lost():", "    if False:", [PROTOCOL]),
+    "a rank lost during a recovery ends it instead of starting it again on fewer ranks": (
+        "fsdp_mpi/elastic/recovery.py", "            continue  # shrink `failing` again, from the same committed state",
+        "            raise", [USERS_LOOP]),
 }
 
 

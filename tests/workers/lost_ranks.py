@@ -11,9 +11,10 @@
    was abandoned: nobody shrinks while another survivor still waits in the agreement, and nobody takes the step.
 3. On the survivors' communicator, a real MPI error (a message longer than its receive buffer) is raised as the
    error it is, not as a lost rank, although the job's world keeps counting its dead ranks.
+4. Then the job's rank 0 dies too, and the last survivor raises an error of its own: the job must end with a
+   non-zero status (under ULFM, Open MPI's mpirun exits 0 after an MPI_Abort once rank 0 is gone).
 
-Prints "protocol holds" on each survivor when 2. and 3. hold, then ends without MPI_Finalize (as after any
-loss).
+Prints "protocol holds" on each survivor when 2. and 3. hold.
 """
 
 import os
@@ -23,7 +24,7 @@ import sys
 import numpy
 from mpi4py import MPI
 
-from fsdp_mpi import Communicator, RankLostError, StepAbandoned, exit_without_finalize
+from fsdp_mpi import Communicator, RankLostError, StepAbandoned, abort_job_on_uncaught_exception
 from fsdp_mpi.communication.bookkeeping import in_mpi
 from fsdp_mpi.elastic.agreement import end_step
 
@@ -42,6 +43,7 @@ if sys.argv[1:] == ["early"]:
     Communicator()
     raise AssertionError("a communicator was built with a rank that died")
 
+abort_job_on_uncaught_exception()  # as a wrapped model makes it: an uncaught error ends the job (4.)
 comm = Communicator()
 comm.barrier()
 if comm.rank == 2:
@@ -72,4 +74,11 @@ else:
         assert error.Get_error_class() == MPI.ERR_TRUNCATE, error.Get_error_string()
 survivors.barrier()
 print(f"rank {MPI.COMM_WORLD.Get_rank()}: protocol holds", flush=True)
-exit_without_finalize(0)
+
+if survivors.rank == 0:  # the job's rank 0
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    survivors.barrier()
+except RankLostError:
+    pass
+raise RuntimeError("a survivor's own error after the job's rank 0 was lost")

@@ -15,6 +15,8 @@ import time
 
 from mpi4py import MPI
 
+from fsdp_mpi.communication.failures.lost_ranks import can_go_on, failed_ranks
+
 # MPI_Abort kills every rank at once and launchers drop output still in flight, so a
 # rank waits this long after printing its traceback; ranks failing together all get heard.
 SECONDS_TO_FLUSH_BEFORE_ABORT = 1.0
@@ -36,7 +38,17 @@ def abort_job(message: str, mpi_comm=None) -> None:
     for cleanup in _before_abort:
         cleanup()
     time.sleep(SECONDS_TO_FLUSH_BEFORE_ABORT)
+    if _jobs_rank_0_lost():
+        # Open MPI 5.0.11 under ULFM: after the job's rank 0 died, an MPI_Abort ends every rank but mpirun exits
+        # with status 0, a failed run reported as a success. A process that ends with a non-zero status ends the
+        # job there too, with that status (measured: 3 ranks, rank 0 killed, the job ended within 1.3 s).
+        exit_without_finalize(1)
     comm.Abort(1)
+
+
+def _jobs_rank_0_lost() -> bool:
+    """Whether MPI knows that rank 0 of the job has failed (only a job that can go on without a rank knows)."""
+    return can_go_on() and 0 in failed_ranks(MPI.COMM_WORLD)
 
 
 def exit_without_finalize(code: int):
