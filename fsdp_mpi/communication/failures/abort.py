@@ -47,8 +47,12 @@ def abort_job(message: str, mpi_comm=None) -> None:
 
 
 def _jobs_rank_0_lost() -> bool:
-    """Whether MPI knows that rank 0 of the job has failed (only a job that can go on without a rank knows)."""
-    return can_go_on() and 0 in failed_ranks(MPI.COMM_WORLD)
+    """Whether MPI knows that rank 0 of the job has failed (only a job that can go on without a rank knows). False
+    where it cannot be asked: the abort must not fail on the way."""
+    try:
+        return can_go_on() and 0 in failed_ranks(MPI.COMM_WORLD)
+    except MPI.Exception:
+        return False
 
 
 def exit_without_finalize(code: int):
