@@ -40,14 +40,16 @@ def one_process(tmp_path_factory):
     return runs
 
 
-def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None) -> subprocess.CompletedProcess:
-    """run_gpt2.py on `nprocs` ranks under ULFM, with --keep-going, killing ranks as `kills` (RANK:STEP:MOMENT)."""
+def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None,
+                keep_going: bool = True) -> subprocess.CompletedProcess:
+    """run_gpt2.py on `nprocs` ranks under ULFM, with --keep-going unless told, killing ranks as `kills`
+    (RANK:STEP:MOMENT)."""
     env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA), FSDP_MPI_TIMEOUT=WATCHDOG_SECONDS, **(env or {}))
     exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE", "FSDP_MPI_DATA_DIR")
                 if name in env for word in ("-x", name)]
     killing = [word for kill in kills for word in ("--kill", kill)]
     command = [mpiexec(), *ULFM, *exported, "-n", str(nprocs), sys.executable, str(WORKERS / "keep_going.py"),
-               *killing, "--", *RUN, "--keep-going", *map(str, options)]
+               *killing, "--", *RUN, *(["--keep-going"] if keep_going else []), *map(str, options)]
     try:
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=EXPERIMENTS)
     except subprocess.TimeoutExpired as hung:  # say where it hung: the survivors' last lines
@@ -94,6 +96,39 @@ def test_full_shard_survivors_reload_the_checkpoint_and_end_where_one_process_en
     assert [row["world_size"] for row in read_rows(tmp_path / "out", per="step")] == list("43311111")
     assert_ends_where_one_process_ends(tmp_path / "out", one_process[8])
     assert shared_memory_files() <= before  # the node transport's segments went with the processes
+
+
+@pytest.mark.open_mpi
+@needs_data
+@pytest.mark.parametrize("precision, compression", [("16-mixed", "int8/bf16"), ("bf16-mixed", "none")])
+def test_a_16_bit_run_goes_on_after_each_loss_to_the_digit_as_its_survivors_resumed_from_the_same_checkpoint(
+        precision, compression, tmp_path):
+    """3 ranks, FULL_SHARD, a checkpoint every step, 16-bit compute: fp16 with its loss scaler's found-inf
+    reduction and int8 weights and bf16 gradients on the wire; bf16. Rank 2 dies in step 3's backward, rank 1
+    in step 6's. No bound is needed: the same run ended by the first loss, then started again on its 2
+    survivors with --resume from the checkpoint they reloaded (and itself going on after the second loss),
+    must write the same rows to the CSV's last digit: a reload in the same processes is a resume."""
+    options = ["--batch-size", 2, "--precision", precision, "--comm-compression", compression,
+               "--checkpoint-every", 1]
+    going_on = run_killing(3, ["2:3:backward", "1:6:backward"], *options, "--checkpoint-dir",
+                           tmp_path / "checkpoints", "--out-dir", tmp_path / "out")
+    assert going_on.returncode == 0, going_on.stdout[-3000:] + going_on.stderr[-3000:]
+    assert recoveries(going_on) == [("2", 3, 2, "the latest checkpoint", 3), ("1", 2, 1, "the latest checkpoint", 6)]
+    ended = run_killing(3, ["2:3:backward"], *options, "--checkpoint-dir", tmp_path / "resumed_checkpoints",
+                        "--out-dir", tmp_path / "resumed", keep_going=False)
+    # Each survivor ends itself with status 1 (failures/abort.py): an MPI_Abort here left mpirun waiting minutes.
+    assert ended.returncode == 1 and "killed in step 3's backward" in ended.stdout, ended.stdout[-3000:]
+    resumed = run_killing(2, ["1:6:backward"], *options, "--checkpoint-dir", tmp_path / "resumed_checkpoints",
+                          "--out-dir", tmp_path / "resumed", "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and recoveries(resumed) == [("1", 2, 1, "the latest checkpoint", 6)]
+    kept = {"step": ("step", "world_size", "samples", "train_loss"),
+            "epoch": ("epoch", "world_size", "train_loss", "val_loss", "val_perplexity")}
+    for per, columns in kept.items():
+        rows = [[{column: row[column] for column in columns} for row in read_rows(tmp_path / out, per=per)]
+                for out in ("out", "resumed")]
+        assert rows[0] == rows[1], per
+    assert [row["world_size"] for row in read_rows(tmp_path / "out", per="step")] == list("33322211")
 
 
 @pytest.mark.open_mpi

@@ -520,8 +520,8 @@ ULFM_MUTANTS = {
     "a shard group that lost a rank goes on from memory beside the whole ones": (
         "fsdp_mpi/elastic/recovery.py", "            if from_memory and not whole[survivors.rank]:",
         "            if False:", [HYBRID_ELASTIC]),
-    "an error after the job's rank 0 was lost is left to MPI_Abort, which Open MPI reports as success": (
-        "fsdp_mpi/communication/failures/abort.py", "    if _jobs_rank_0_lost():", "    if False:", [PROTOCOL]),
+    "an error after a lost rank is left to MPI_Abort, whose launcher may then hang or report success": (
+        "fsdp_mpi/communication/failures/abort.py", "    if _the_job_lost_a_rank():", "    if False:", [PROTOCOL]),
     "a rank lost during a recovery ends it instead of starting it again on fewer ranks": (
         "fsdp_mpi/elastic/recovery.py", "            continue  # shrink `failing` again, from the same committed state",
         "            raise", [USERS_LOOP]),
