@@ -2,9 +2,10 @@
 after the loss computes what a run that lost nothing computes.
 
 Ranks are SIGKILLed (tests/workers/keep_going.py) in a step's forward, in its backward, inside a gradient
-reduce-scatter, while the survivors of an earlier loss rebuild, and a whole emulated node's ranks at once. The reference is one process on the same global batch:
-N ranks equal one process (test_equivalence), the global batch stays the one the run started with, and dropout
-follows the sample, so a run that loses ranks must end where an unbroken one ends.
+reduce-scatter, while the survivors of an earlier loss rebuild, and on two emulated nodes at once (one of them
+whole). The reference is one process on the same global batch: N ranks equal one process (test_equivalence), the
+global batch stays the one the run started with, and dropout follows the sample, so a run that loses ranks must
+end where an unbroken one ends; for 16-bit runs, with no bound, the same run resumed on its survivors.
 """
 
 import os
@@ -133,18 +134,18 @@ def test_a_16_bit_run_goes_on_after_each_loss_to_the_digit_as_its_survivors_resu
 
 @pytest.mark.open_mpi
 @needs_data
-def test_hybrid_shard_groups_left_whole_go_on_from_memory_after_a_rank_and_then_a_node_die(one_process, tmp_path):
-    """6 ranks as 3 emulated nodes of 2, HYBRID_SHARD by node, no checkpoints at all: a rank dies in a forward
-    (its node's other rank leaves), then both ranks of another node die together in a backward; the node left
-    whole goes on from its own memory each time, with the global batch kept."""
-    result = run_killing(6, ["1:2:forward", "4:5:backward", "5:5:backward"], "--batch-size", 2,
+def test_hybrid_shard_goes_on_from_memory_on_the_node_left_whole_when_two_nodes_are_hit_at_once(one_process, tmp_path):
+    """6 ranks as 3 emulated nodes of 2, HYBRID_SHARD by node, no checkpoints at all: in the same forward, one
+    rank of the first node dies and both ranks of the second. The node left whole goes on from its own memory,
+    the first node's other rank leaves, and the global batch is kept."""
+    result = run_killing(6, ["1:2:forward", "2:2:forward", "3:2:forward"], "--batch-size", 2,
                          "--sharding-strategy", "HYBRID_SHARD", "--out-dir", tmp_path,
                          env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert recoveries(result) == [("1", 6, 4, "memory", 2), ("4, 5", 4, 2, "memory", 5)]
+    assert recoveries(result) == [("1, 2, 3", 6, 2, "memory", 2)]
     assert "rank 0: left the run at optimizer step 2" in result.stdout
     assert "resuming from" not in result.stdout
-    assert [row["world_size"] for row in read_rows(tmp_path, per="step")] == list("66444222")
+    assert [row["world_size"] for row in read_rows(tmp_path, per="step")] == list("66222222")
     assert_ends_where_one_process_ends(tmp_path, one_process[12])
 
 
