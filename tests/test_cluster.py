@@ -189,7 +189,7 @@ def test_a_node_that_loses_its_link_is_named_by_the_watchdog_within_its_timeout(
 
 # ----------------------------------------------------------------- SLURM on the nodes
 
-TINY = ["--epochs", "2", "--steps-per-epoch", "300", "--val-steps", "2"]  # epochs of about 10 s here
+TINY = ["--epochs", "2", "--steps-per-epoch", "300", "--batch-size", "4", "--seq-len", "32", "--val-steps", "2"]
 
 
 def slurm(*command, **env):

@@ -117,7 +117,8 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(tm
     results, checkpoints, output = tmp_path / "results", tmp_path / "checkpoints", tmp_path / "job.out"
     job = job_id(subprocess.run(
         ["sbatch", "--parsable", "--ntasks=2", "--cpus-per-task=1", "--time=10", f"--output={output}",
-         "hpc/run_gpt2_cpu.sbatch", "--epochs", "2", "--steps-per-epoch", "300", "--val-steps", "2",
+         "hpc/run_gpt2_cpu.sbatch", "--epochs", "2", "--steps-per-epoch", "300", "--batch-size", "4", "--seq-len", "32",
+         "--val-steps", "2",
          "--out-dir", str(results)],
         cwd=REPO_ROOT, env=job_environment("mpiexec", CHECKPOINT_DIR=str(checkpoints)),
         capture_output=True, text=True, timeout=60))
