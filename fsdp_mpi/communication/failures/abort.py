@@ -39,12 +39,13 @@ def abort_job(message: str, mpi_comm=None) -> None:
         cleanup()
     time.sleep(SECONDS_TO_FLUSH_BEFORE_ABORT)
     if _the_job_lost_a_rank():
-        # Open MPI 5.0.11 under ULFM, once a rank of the job has died: an MPI_Abort may leave mpirun waiting long
-        # after every rank has ended (measured: 3 ranks, one killed, both survivors aborting: once in three runs,
-        # over 3 minutes, then status 0), and after the job's rank 0 died it ends every rank but mpirun exits 0,
-        # a failed run reported as a success. A process that ends with a non-zero status is a failed process to
-        # ULFM: the survivors waiting for it in a collective are told, end the same way, and the job ends with
-        # that status (measured: 3 ranks, rank 0 killed, within 1.3 s).
+        # Open MPI 5.0.11 under ULFM, once a rank of the job has died, an MPI_Abort is unreliable. mpirun may wait
+        # long after every rank has ended (3 ranks, one killed, both survivors aborting: in two of four runs, one
+        # still waiting after a minute, the other ending after about 3.5 minutes with status 0), and after the
+        # job's rank 0 died it ends every rank but mpirun exits 0: a failed run reported as a success. A process
+        # that ends with a non-zero status is a failed process to ULFM: the survivors waiting for it in a
+        # collective are told, end the same way, and the job ends with that status (3 ranks, one killed: 6 of 6
+        # runs ended with status 1 in under 8 s).
         exit_without_finalize(1)
     comm.Abort(1)
 
