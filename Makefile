@@ -16,6 +16,9 @@ PYTHON ?= python3
 # Installed only where no torch is importable: from TORCH_INDEX if it answers, else from pip's own indexes.
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# The oldest and the newest torch CI tests (.ci/run installs each; setup.cfg's floor is the oldest's release):
+# a torch found in the environment outside them is kept, and said to be outside.
+TESTED_TORCH := 2.13.0 2.14.1
 # More options for run_gpt2.py (python experiments/run_gpt2.py --help), more arguments for pytest.
 RUN_ARGS ?=
 PYTEST_ARGS ?=
@@ -42,7 +45,13 @@ INSTALL_TORCH := if $(BIN)/python -c "import torch" 2>/dev/null; then \
 	    $(BIN)/python -m pip install "$(TORCH)"; \
 	    echo "installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__, \
 	        "(CUDA " + torch.version.cuda + ")" if torch.version.cuda else "(CPU)")') from pip's own indexes"; \
-	fi
+	fi; \
+	$(BIN)/python -c "import re, sys, torch; \
+	    release = lambda text: tuple(map(int, re.match(r'(\d+)\.(\d+)\.(\d+)', text).groups())); \
+	    oldest, newest = sys.argv[1:]; \
+	    inside = release(oldest) <= release(torch.__version__) <= release(newest); \
+	    inside or print(f'torch {torch.__version__} is outside the range CI tests ({oldest} to {newest}): ' \
+	                    'it may work; README.md says what the ends showed')" $(TESTED_TORCH)
 
 .PHONY: help run test
 help:

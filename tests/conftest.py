@@ -48,6 +48,10 @@ from mpi_launch import RunFailed  # noqa: E402  (found through the path set just
 # cost model, the benchmarks, the experiments' bookkeeping beyond a real run of each): CI runs the whole suite
 # under its first MPI and, with FSDP_MPI_SECOND_MPI=1, the rest again under its second.
 SECOND_MPI_ENV = "FSDP_MPI_SECOND_MPI"
+# Tests marked `torch_range` lean on torch's moving parts (dynamo, FSDP2, its checkpoint layer, its backend API,
+# Lightning): with FSDP_MPI_TORCH_END=1, a pass on another torch than the first pass's (an end of the range
+# setup.cfg claims) runs them, one_mpi or not.
+TORCH_END_ENV = "FSDP_MPI_TORCH_END"
 
 
 # The mutants (test_mutants.py) run last, so that each can check that the tests it names passed unmutated
@@ -81,7 +85,9 @@ PASSED_BEFORE = _passed_before()  # read as the run starts, before this run adds
 def pytest_collection_modifyitems(config, items):
     left_out = {item for item in items if item.nodeid in PASSED_BEFORE}
     if os.environ.get(SECOND_MPI_ENV) == "1":
-        left_out |= {item for item in items if item.get_closest_marker("one_mpi")}
+        another_torch = os.environ.get(TORCH_END_ENV) == "1"
+        left_out |= {item for item in items if item.get_closest_marker("one_mpi")
+                     and not (another_torch and item.get_closest_marker("torch_range"))}
     # Tests of Intel MPI's own files (trimming it for a GPU machine) run where the impi extra is installed: CI's
     # third pass. Elsewhere they are deselected, not skipped: there is nothing to test them on.
     if not installed("impi-rt"):

@@ -123,6 +123,20 @@ def test_setup_cfg_installs_every_package_and_the_models_under_the_projects_name
     assert (REPO_ROOT / "models" / "__init__.py").is_file()
 
 
+def test_the_torch_and_python_range_is_said_alike_where_it_is_declared_and_where_ci_tests_it():
+    """setup.cfg's floors are the oldest torch and Python CI installs (the Makefile's TESTED_TORCH, .ci/run's
+    Pythons), and README gives the range CI tests."""
+    setup = configparser.ConfigParser()
+    setup.read(REPO_ROOT / "setup.cfg")
+    oldest, newest = re.search(r"^TESTED_TORCH := (\S+) (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M).groups()
+    requires = dict(re.match(r"(\w+)(.*)", line.strip()).groups() for line in setup["options"]["install_requires"].split("\n")
+                    if line.strip())
+    assert requires["torch"] == ">=" + oldest.rsplit(".", 1)[0], (requires["torch"], oldest)
+    pythons = re.findall(r"python_of (3\.\d+)\)", (REPO_ROOT / ".ci" / "run").read_text())
+    assert setup["options"]["python_requires"] == ">=" + pythons[0], (setup["options"]["python_requires"], pythons)
+    assert f"Python {pythons[0]} to {pythons[1]} and torch {oldest} to {newest}" in (REPO_ROOT / "README.md").read_text()
+
+
 def test_every_entry_script_says_what_it_is_for_and_is_listed():
     listing = (EXPERIMENTS / "README.md").read_text()
     for path in sorted(EXPERIMENTS.glob("*.py")):
@@ -224,6 +238,7 @@ def readme_program() -> str:
     return use.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.torch_range
 @pytest.mark.one_mpi  # README's program, not the MPI library: CI's first MPI runs it
 def test_readmes_use_program_runs_as_written_on_two_ranks(tmp_path):
     program = tmp_path / "use.py"

@@ -57,6 +57,7 @@ def check_torch_distributed(report: dict) -> None:
         check_steps(steps)
 
 
+@pytest.mark.torch_range
 @pytest.mark.one_mpi  # Lightning's own logic over the backend; the collectives are the test above's
 def test_lightnings_ddp_strategy_trains_as_one_process_on_the_fsdp_mpi_backend(tmp_path):
     """``DDPStrategy(process_group_backend="fsdp_mpi")``, which Lightning starts with
