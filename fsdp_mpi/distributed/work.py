@@ -16,6 +16,7 @@ exit it ends the job instead (``MPI_Abort``), saying why. A receive from any ran
 """
 
 import atexit
+import sys
 import threading
 from typing import Callable
 
@@ -52,6 +53,15 @@ def _end_the_job() -> None:
               f"a call, and cannot be finalized while one is inside it: the job ends here")
 
 
+def _add_note(error: Exception, note: str) -> None:
+    """`note` printed after `error`'s message: Python 3.11's ``add_note``; on 3.10, which has none, appended to
+    the message where that is the error's first argument (what str() and a traceback print)."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
+
+
 class MpiWork(dist.Work):
     """A call's handle: ``wait()`` returns once it has completed, or raises its error, or its timeout."""
 
@@ -69,7 +79,7 @@ class MpiWork(dist.Work):
         try:
             self._source = call()
         except Exception as error:  # noqa: BLE001 (handed to whoever waits)
-            error.add_note(f"fsdp_mpi: raised by {self._name}")
+            _add_note(error, f"fsdp_mpi: raised by {self._name}")
             self._future.set_exception(error)
         else:
             self._future.set_result(self._result)
