@@ -83,7 +83,6 @@ def test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run(tmp_path):
         assert abs(one.get(step, three[step]) - losses[step]) < one_step / 10
 
 
-@pytest.mark.torch_range
 @pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 def test_reshard_3_to_2_with_dropout_loads_every_bit_and_trains_on(tmp_path):
     """Fewer ranks than saved, and not a divisor of them, with dropout on: the parameters and the optimizer
@@ -147,7 +146,6 @@ def test_an_incomplete_directory_is_not_taken_for_a_checkpoint(tmp_path):
         consolidate_checkpoint(tmp_path / "ckpt")
 
 
-@pytest.mark.torch_range
 @pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_deferred_initialisation_equals_eager_construction_bit_for_bit(tmp_path, nprocs):
@@ -163,7 +161,6 @@ def test_deferred_initialisation_equals_eager_construction_bit_for_bit(tmp_path,
     assert "(cpu, meta)" in errors["mixed"]
 
 
-@pytest.mark.torch_range
 @pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 def test_export_streams_hugging_face_files_that_load_anywhere(tmp_path):
     out = tmp_path / "out.json"
