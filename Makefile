@@ -17,7 +17,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # The oldest and the newest torch CI tests (.ci/run installs each; setup.cfg's floor is the oldest's release):
-# a torch found in the environment outside them is kept, and said to be outside.
+# a torch found in the environment outside them is said to be outside (pip then replaces an older one).
 TESTED_TORCH := 2.13.0 2.14.1
 # More options for run_gpt2.py (python experiments/run_gpt2.py --help), more arguments for pytest.
 RUN_ARGS ?=
@@ -50,8 +50,8 @@ INSTALL_TORCH := if $(BIN)/python -c "import torch" 2>/dev/null; then \
 	    release = lambda text: tuple(map(int, re.match(r'(\d+)\.(\d+)\.(\d+)', text).groups())); \
 	    oldest, newest = sys.argv[1:]; \
 	    inside = release(oldest) <= release(torch.__version__) <= release(newest); \
-	    inside or print(f'torch {torch.__version__} is outside the range CI tests ({oldest} to {newest}): ' \
-	                    'it may work; README.md says what the ends showed')" $(TESTED_TORCH)
+	    inside or print(f'torch {torch.__version__} is outside the range CI tests ({oldest} to {newest}): pip ' \
+	                    'replaces an older one (setup.cfg), a newer one is kept and may work')" $(TESTED_TORCH)
 
 .PHONY: help run test
 help:

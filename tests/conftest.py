@@ -49,8 +49,8 @@ from mpi_launch import RunFailed  # noqa: E402  (found through the path set just
 # under its first MPI and, with FSDP_MPI_SECOND_MPI=1, the rest again under its second.
 SECOND_MPI_ENV = "FSDP_MPI_SECOND_MPI"
 # Tests marked `torch_range` lean on torch's moving parts (dynamo, FSDP2, its checkpoint layer, its backend API,
-# Lightning): with FSDP_MPI_TORCH_END=1, a pass on another torch than the first pass's (an end of the range
-# setup.cfg claims) runs them, one_mpi or not.
+# Lightning): with FSDP_MPI_TORCH_END=1, a pass on another torch than the first pass's (CI's Open MPI pass, on
+# the newest torch setup.cfg's range admits) runs them, one_mpi or not.
 TORCH_END_ENV = "FSDP_MPI_TORCH_END"
 
 

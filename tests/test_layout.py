@@ -128,13 +128,14 @@ def test_the_torch_and_python_range_is_said_alike_where_it_is_declared_and_where
     Pythons), and README gives the range CI tests."""
     setup = configparser.ConfigParser()
     setup.read(REPO_ROOT / "setup.cfg")
-    oldest, newest = re.search(r"^TESTED_TORCH := (\S+) (\S+)$", (REPO_ROOT / "Makefile").read_text(), re.M).groups()
-    requires = dict(re.match(r"(\w+)(.*)", line.strip()).groups() for line in setup["options"]["install_requires"].split("\n")
-                    if line.strip())
+    makefile, ci, readme = (REPO_ROOT / name for name in ("Makefile", ".ci/run", "README.md"))
+    oldest, newest = re.search(r"^TESTED_TORCH := (\S+) (\S+)$", makefile.read_text(), re.M).groups()
+    requires = dict(re.match(r"(\w+)(.*)", line.strip()).groups()
+                    for line in setup["options"]["install_requires"].splitlines() if line.strip())
     assert requires["torch"] == ">=" + oldest.rsplit(".", 1)[0], (requires["torch"], oldest)
-    pythons = re.findall(r"python_of (3\.\d+)\)", (REPO_ROOT / ".ci" / "run").read_text())
+    pythons = re.findall(r"python_of (3\.\d+)\)", ci.read_text())
     assert setup["options"]["python_requires"] == ">=" + pythons[0], (setup["options"]["python_requires"], pythons)
-    assert f"Python {pythons[0]} to {pythons[1]} and torch {oldest} to {newest}" in (REPO_ROOT / "README.md").read_text()
+    assert f"Python {pythons[0]} to {pythons[1]} and torch {oldest} to {newest}" in readme.read_text()
 
 
 def test_every_entry_script_says_what_it_is_for_and_is_listed():
