@@ -11,6 +11,7 @@ Protocol: one JSON request per line on the server's stdin ({cwd, args, env, log,
 per line on its stdout ({returncode}, or {timed_out}). A run's output goes to its log file.
 """
 
+import gc
 import json
 import os
 import signal
@@ -63,6 +64,7 @@ def serve() -> None:
         sys.exit(f"warm_pytest: {early} imported before the fork; the runs would not see their copies' code")
     if sys.modules["torch"].cuda.is_initialized():  # a child could not use CUDA (torch refuses after a fork)
         sys.exit("warm_pytest: CUDA was initialised before the fork")
+    gc.freeze()  # the libraries' objects: no run's collections walk them, nor copy their pages
     for line in sys.stdin:
         request = json.loads(line)
         child = os.fork()
