@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpi_launch import REPO_ROOT, check_ok, child_env, mpiexec, run_mpi
+from mpi_launch import REPO_ROOT, check_ok, child_env, experiments_launcher, mpiexec, python_command, run_mpi
 
 pytestmark = pytest.mark.one_mpi  # the benchmark's harness, not the MPI library
 
@@ -18,7 +18,9 @@ BENCH_COMM = REPO_ROOT / "experiments" / "bench_comm.py"
 
 
 def run_bench(*args, timeout=300):
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout)
+    """bench.py with `args`; the ranks it launches start warm (mpi_launch.experiments_launcher)."""
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=timeout,
+                          env=child_env(FSDP_MPI_MPIEXEC=experiments_launcher()))
 
 
 def test_bench_rounds_ratios_and_bytes(tmp_path):
@@ -26,13 +28,17 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
     # the optimizer stepped inside backward (fsdp-mpi+...+step_in_backward) and FSDP2 offloaded: their paths run
     plan = ["plain", "plain@2", "fsdp-mpi@1", "fsdp-mpi", "ddp", "torch-fsdp",
             "fsdp-mpi+forward_prefetch+step_in_backward:bf16-mixed", "torch-fsdp+offload+backend=fsdp_mpi"]
+    # The heap as each strategy ships it (no GLIBC_TUNABLES for the launches, whose ranks then start warm: the
+    # BERT test below runs the default, every strategy with fsdp-mpi's heap setting).
     result = run_bench("--model", "gpt2-tiny", "--vocab-size", "128", "--batch-size", "2", "--seq-len", "16",
-                       "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
+                       "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out), "--malloc-as-shipped",
                        "--strategies", ",".join(plan), timeout=600)  # 16 launches: past 300 s on a GPU image
     check_ok(result)
     assert "| strategy | precision | ranks | step s (min-max) | fsdp-mpi / this (min-max) |" in result.stdout
+    assert "fsdp-mpi reuses freed memory, the others use glibc's defaults" in result.stdout
     with open(out) as f:
         summary = {(r["strategy"], r["precision"], r["ranks"]): r for r in csv.DictReader(f)}
+    assert {row["malloc"] for row in summary.values()} == {"as shipped (fsdp-mpi only)"}
     with open(tmp_path / "bench-rounds.csv") as f:
         runs = list(csv.DictReader(f))
     # every strategy ran once per round, the second round's order rotated by one
@@ -106,6 +112,7 @@ def test_bert_is_benchmarked_with_its_masked_lm_head_on_the_masked_tokens_only(t
     with open(out) as f:
         rows = {row["strategy"]: row for row in csv.DictReader(f)}
     assert set(rows) == {"plain", "fsdp-mpi"} and all(row["note"] == "" for row in rows.values())
+    assert {row["malloc"] for row in rows.values()} == {"reuse for all"}  # bench.py's default heap setting
     assert all((row["layers"], row["vocab_size"]) == ("3", "100") for row in rows.values())
     # FLOPs per token: 6 per weight, attention's 12 L H T, less the masked-LM head (transform and vocabulary)
     # on the 85% of tokens that are not masked (bert-tiny of 3 layers, --layers, instead of 2, of width 128)
@@ -219,7 +226,7 @@ def test_the_launchers_sharding_strategies_are_fsdp_mpis():
 
 def test_bench_comm_times_four_paths_per_size_and_operation(tmp_path):
     out = tmp_path / "comm.csv"
-    command = [mpiexec(), "-n", "2", sys.executable, str(BENCH_COMM), "--sizes-mb", "0.0625,0.25", "--rounds", "2",
+    command = [mpiexec(), "-n", "2", *python_command(BENCH_COMM), "--sizes-mb", "0.0625,0.25", "--rounds", "2",
                "--repeats", "1", "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     check_ok(result)
@@ -239,7 +246,7 @@ def test_bench_comm_times_four_paths_per_size_and_operation(tmp_path):
 
 def test_bench_comm_refuses_one_rank_and_bad_sizes():
     def run(ranks, *args):
-        command = [mpiexec(), "-n", str(ranks), sys.executable, str(BENCH_COMM), *args]
+        command = [mpiexec(), "-n", str(ranks), *python_command(BENCH_COMM), *args]
         return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
     alone = run(1)

@@ -18,16 +18,19 @@ import pytest
 from measuring.costmodel import (Collective, Layout, Link, MeasuredNetwork, Profile, RingNetwork, Unit, collectives,
                                  predict)
 from measuring.profiling import load_profile
-from mpi_launch import REPO_ROOT, check_ok, child_env, mpiexec
+from mpi_launch import REPO_ROOT, check_ok, child_env, experiments_launcher, mpiexec, python_command
 
 pytestmark = pytest.mark.one_mpi  # the cost model's arithmetic and bookkeeping, not the MPI library
 
 PREDICT = REPO_ROOT / "experiments" / "predict.py"
 
 
-def run_predict(*args, timeout=600, launcher=()):
-    return subprocess.run([*launcher, sys.executable, str(PREDICT), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=child_env())
+def run_predict(*args, timeout=600, ranks=None):
+    """predict.py with `args`, as one process or, given `ranks`, under mpiexec; the ranks it launches itself
+    start warm (mpi_launch.experiments_launcher)."""
+    command = [mpiexec(), "-n", str(ranks), *python_command(PREDICT)] if ranks else [sys.executable, str(PREDICT)]
+    return subprocess.run([*command, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=child_env(FSDP_MPI_MPIEXEC=experiments_launcher()))
 
 
 def small_profile(root_numel=10, block_numel=7, blocks=2) -> Profile:
@@ -163,7 +166,7 @@ def test_a_profile_under_mpiexec_is_taken_on_every_rank_at_once_and_written_once
     """Each rank profiles its own model (the machine loaded as by a job of that many ranks); rank 0 writes
     the median rank's profile."""
     result = run_predict("profile", "--model", "gpt2-tiny", "--vocab-size", "128", "--steps", "2", "--warmup", "1",
-                         "--out", tmp_path / "p.json", launcher=(mpiexec(), "-n", "2"), timeout=120)
+                         "--out", tmp_path / "p.json", ranks=2, timeout=120)
     check_ok(result)
     profile = load_profile(tmp_path / "p.json")
     assert [unit.name for unit in profile.units] == ["<root>", "block.0", "block.1"]

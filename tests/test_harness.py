@@ -2,12 +2,13 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from mpi_launch import child_env, run_mpi
+from mpi_launch import child_env, experiments_launcher, run_mpi
 
 STARTS_CUDA = '''
 import torch
@@ -77,7 +78,7 @@ from mpi4py import MPI
 
 rank = MPI.COMM_WORLD.Get_rank()
 report = {"warm": warm, "hash": hash("fsdp_mpi"), "folder": os.getcwd(), "argv": sys.argv[1:],
-          "first_on_path": sys.path[0]}
+          "program": sys.argv[0], "first_on_path": sys.path[0]}
 Path(sys.argv[1], f"{rank}.json").write_text(json.dumps(report))
 MPI.COMM_WORLD.Barrier()
 sys.exit(int(sys.argv[2]) if rank == 1 else 0)
@@ -105,3 +106,22 @@ def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_p
         assert {report["first_on_path"] for report in reports} == {str(script.parent)}
         assert reports[0]["argv"] == [str(out), str(exit_status)]
         assert reports[0]["hash"] != reports[1]["hash"]
+
+
+@pytest.mark.one_mpi  # as above
+def test_the_experiments_launches_start_warm_as_python_m_would(tmp_path):
+    """The launcher the tests give bench.py and predict.py (``$FSDP_MPI_MPIEXEC``: mpiexec through
+    harness/warm_mpiexec.py) starts their ``python -m`` ranks warm, as ``python -m`` would: the module's file as
+    sys.argv[0], the current folder first on sys.path, the arguments after."""
+    folder = tmp_path
+    (folder / "report_module.py").write_text(RANK_REPORT)
+    out = folder / "out"
+    out.mkdir()
+    command = [*shlex.split(experiments_launcher()), "-n", "2", sys.executable, "-m", "report_module", out, "4"]
+    result = subprocess.run(command, cwd=folder, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 4, result.stderr[-2000:]
+    reports = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+    assert [report["warm"] for report in reports] == [True, True]
+    assert {report["program"] for report in reports} == {str(folder / "report_module.py")}
+    assert {report["first_on_path"] for report in reports} == {str(folder)}
+    assert reports[1]["argv"] == [str(out), "4"]

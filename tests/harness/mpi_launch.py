@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,10 +38,11 @@ def child_env(**variables: str) -> dict[str, str]:
 _warm_ranks: list[warm_ranks.WarmRanks | None] = []
 
 
-def python_command(script: str | Path) -> list[str]:
-    """How a launched rank runs `script`: through harness/warm_ranks.py, which forks it warm from a server that
-    has imported torch where the launcher allows, on the servers of this session (started at the first launch,
-    and inherited by the pytest runs it starts: the mutants'). FSDP_MPI_WARM_RANKS=0: every rank cold."""
+def python_command(*program: str | Path) -> list[str]:
+    """How a launched rank runs `program` (a script, or "-m" and a module): through harness/warm_ranks.py, which
+    forks it warm from a server that has imported torch where the launcher allows, on the servers of this
+    session (started at the first launch, and inherited by the pytest runs it starts: the mutants').
+    FSDP_MPI_WARM_RANKS=0: every rank cold."""
     if os.environ.get(warm_ranks.SOCKETS_ENV) is None:
         # MPICH's Hydra only: the launcher whose protocol warm ranks are tested under (Open MPI's ranks would
         # start cold anyway; Intel MPI's Hydra is not tried).
@@ -50,8 +52,15 @@ def python_command(script: str | Path) -> list[str]:
         _warm_ranks.append(servers)  # kept for the session: they end when it does (their stdin closes)
         os.environ[warm_ranks.SOCKETS_ENV] = os.pathsep.join(servers.sockets) if servers and servers.ready else "0"
     if os.environ[warm_ranks.SOCKETS_ENV] == "0":
-        return [sys.executable, str(script)]
-    return [sys.executable, warm_ranks.__file__, str(script)]
+        return [sys.executable, *map(str, program)]
+    return [sys.executable, warm_ranks.__file__, *map(str, program)]
+
+
+def experiments_launcher() -> str:
+    """``$FSDP_MPI_MPIEXEC`` for the experiments that launch ranks themselves (bench.py, predict.py): this
+    session's mpiexec, through harness/warm_mpiexec.py, which starts the ranks as `python_command` does."""
+    python_command()  # the servers started, and named in this process's environment (which the launch inherits)
+    return shlex.join([sys.executable, str(Path(__file__).parent / "warm_mpiexec.py"), mpiexec()])
 
 
 def run_mpi(worker: str | Path, nprocs: int, *args: str, timeout: float = 240,

@@ -64,7 +64,7 @@ class WarmRanks:
 # --- the client: what mpiexec starts, in place of `python script args` -----------------------------------------
 
 
-def start_rank(script_and_args: list[str]) -> None:
+def start_rank(script_and_args: list[str]) -> None:  # [script, args...] or ["-m", module, args...]
     """Never returns: the rank runs warm, in a server's child, and this process ends as it does; or cold, in
     this process (exec)."""
     sockets = os.environ.get(SOCKETS_ENV, "").split(os.pathsep)
@@ -211,14 +211,20 @@ def run_rank(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(environment)
     os.chdir(request["cwd"])
-    script, *arguments = request["argv"]
-    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *_python_path(environment), *interpreters]
-    sys.argv = [script, *arguments]
+    # `python -m module args` (the experiments' bench worker) puts the current folder there instead.
+    as_module = request["argv"][0] == "-m"
+    script, *arguments = request["argv"][as_module:]
+    first = os.getcwd() if as_module else os.path.dirname(os.path.abspath(script))
+    sys.path[:] = [first, *_python_path(environment), *interpreters]
+    sys.argv = [script, *arguments]  # runpy puts the module's file first, as `python -m` does
     if "numpy.random" in sys.modules:  # seeded once, in the server: each rank draws its own, as cold
         sys.modules["numpy.random"].seed()
     try:
         import runpy
-        runpy.run_path(script, run_name="__main__")
+        if as_module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit:
         raise
     except BaseException:
