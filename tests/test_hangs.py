@@ -144,6 +144,7 @@ def test_a_bad_timeout_is_refused_with_the_variable_named(monkeypatch, value):
         read_seconds(TIMEOUT)
 
 
+@pytest.mark.one_rank  # as above: the log's first collective starts its watchdog
 def test_the_log_keeps_only_the_last_records_in_order():
     log = CollectiveLog(capacity=3)
     for sequence in range(5):
@@ -155,6 +156,7 @@ def test_the_log_keeps_only_the_last_records_in_order():
     assert log.blocked == {}
 
 
+@pytest.mark.one_rank  # its watchdog thread goes on: in pytest's process it would be there at every later fork
 def test_the_watchdog_reports_a_collective_that_outlasts_its_timeout(monkeypatch):
     """In this process, with the abort replaced by a note: the report comes at the timeout, not before, and says
     how long the rank has waited (on a loaded machine the watchdog may wake later than the timeout: no upper

@@ -17,7 +17,12 @@ from fsdp_mpi.communication.machinery.worker import CommunicationThread
 
 pytestmark = pytest.mark.one_mpi  # no MPI in it: CI's second MPI would run it for nothing
 
+# A worker thread never ends: in pytest's own process it would be there at every later one_rank test's fork()
+# (a lock it holds stays held in the child; Python 3.12 and later warn). So the tests that start one are marked
+# one_rank: they run in a child, and the thread ends with it.
 
+
+@pytest.mark.one_rank
 def test_the_worker_runs_collectives_one_at_a_time_in_the_order_started():
     """Ranks must enter a communicator's collectives in the same order: the worker runs what it is handed first
     come, first served, one at a time (the first sleeps longest, so any overlap or reordering shows), and
@@ -37,6 +42,7 @@ def test_the_worker_runs_collectives_one_at_a_time_in_the_order_started():
     assert log == ["enter 0", "leave 0", "enter 1", "leave 1", "enter 2", "leave 2"]
 
 
+@pytest.mark.one_rank
 def test_waiting_for_the_queue_waits_for_every_collective_then_raises_the_first_error():
     thread = CommunicationThread()
     finished = threading.Event()
@@ -74,6 +80,7 @@ class _FakeEvent:
         pass
 
 
+@pytest.mark.one_rank
 def test_one_side_stream_per_device_however_many_collectives_start(monkeypatch):
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
