@@ -151,6 +151,22 @@ def test_hybrid_shard_goes_on_from_memory_on_the_node_left_whole_when_two_nodes_
 
 @pytest.mark.open_mpi
 @needs_data
+def test_no_shard_goes_on_from_memory_after_each_of_two_losses_in_turn(one_process, tmp_path):
+    """4 ranks, NO_SHARD (each rank a whole replica), no checkpoints at all: rank 3 dies in step 3's backward, rank
+    1 in step 6's forward. Each time the survivors go on from their own memory, the second time from the state the
+    first recovery moved, and the global batch of 12 is kept on 4, 3 and 2 ranks."""
+    result = run_killing(4, ["3:3:backward", "1:6:forward"], "--batch-size", 3, "--sharding-strategy", "NO_SHARD",
+                         "--out-dir", tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [(lost, before, after, source) for lost, before, after, source, _ in recoveries(result)] == [
+        ("3", 4, 3, "memory"), ("1", 3, 2, "memory")]
+    assert "resuming from" not in result.stdout
+    assert [row["world_size"] for row in read_rows(tmp_path, per="step")] == list("44433322")
+    assert_ends_where_one_process_ends(tmp_path, one_process[12])
+
+
+@pytest.mark.open_mpi
+@needs_data
 def test_losses_during_validation_and_during_the_reload_that_follows(one_process, tmp_path):
     """4 ranks, FULL_SHARD, a checkpoint every step, each step two micro-batches of 1 sample a rank accumulated
     without a reduction (--accum-no-sync): rank 3 dies in the validation at the first epoch's end; rank 2 while
