@@ -67,11 +67,17 @@ def assert_trains_as_one_process(result: dict, reference: dict) -> None:
 
 def assert_nothing_piled_up(result: dict) -> None:
     """The communicators of the ranks before each loss were dropped on the way, with their threads, files and
-    shared memory: the end holds no more of each than the first step did."""
+    shared memory: the end holds no more of each than the first step did. And at once: at the first step after
+    each recovery, before Python's next full collection, the old runs' models are gone and the node memory
+    mapped is no more than the first step's (the old communicator, which the loop may keep, holds none)."""
     first, end = result["after_first_step"], result["at_the_end"]
     assert set(end["threads"]) <= set(first["threads"]), (first, end)
     for kind in ("files", "shared_mappings", "communicators"):
         assert end[kind] <= first[kind], (kind, first, end)
+    assert result["after_recoveries"] and len(result["after_recoveries"]) <= len(result["recoveries"])
+    for after in result["after_recoveries"]:
+        assert after["old_models_alive"] == 0, (first, after)
+        assert after["shared_mappings"] <= first["shared_mappings"], (first, after)
 
 
 @pytest.mark.open_mpi

@@ -97,6 +97,10 @@ def test_full_shard_survivors_reload_the_checkpoint_and_end_where_one_process_en
     assert [row["world_size"] for row in read_rows(tmp_path / "out", per="step")] == list("43311111")
     assert_ends_where_one_process_ends(tmp_path / "out", one_process[8])
     assert shared_memory_files() <= before  # the node transport's segments went with the processes
+    # The old run freed as the recovery ends (its model, communicator and node memory), not when Python next
+    # collects its cycles: on the 3 survivors of the first loss, and the one of the second.
+    alive = re.findall(r"the run before the loss alive at the next step: (\w+)", result.stdout)
+    assert alive == ["False"] * 4, result.stdout[-3000:]
 
 
 @pytest.mark.open_mpi

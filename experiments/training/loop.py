@@ -6,6 +6,7 @@ Which samples each step takes is ``sampling``, the CSV rows are ``recorder``; ``
 starts the loop from the command line.
 """
 
+import gc
 import sys
 import time
 from contextlib import nullcontext
@@ -144,6 +145,10 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
             return None, survived
         run, position = survived
         checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
+        del survived
+        # The old run lives on in its cycles (model, communicator, node memory) until Python's next full
+        # collection: freed now.
+        gc.collect()
 
 
 def start_run(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str,

@@ -313,12 +313,15 @@ class Communicator:
     def revoke(self) -> None:
         """After ``RankLostError``: makes every call on this communicator, on those split from it and on their
         transports fail at once on every rank, so that no survivor goes on waiting for a partner that has given
-        up. Local; a communicator already revoked, or gone, is left as it is."""
+        up. Local; a communicator already revoked, or gone, is left as it is. Its transports are dropped without
+        their collective close (the peers are gone, or going on elsewhere): their memory, the node transport's
+        slots, goes with the last reference, not with the communicator, which the loop may keep to the end."""
         for mpi_comm in [self.mpi_comm, *self._routes.mpi_comms]:
             try:
                 mpi_comm.Revoke()
             except MPI.Exception:
                 pass
+        self._routes.transports.clear()
         for child in self._splits:
             child.revoke()
 

@@ -19,6 +19,7 @@ collective of the recovery is inside that retry. MPI makes a communicator's crea
 from the same communicator.
 """
 
+import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.abort import exit_without_finalize
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
+from fsdp_mpi.sharding.host_memory import give_back_freed_host_memory
 
 Run = TypeVar("Run")  # whatever the loop keeps its state in: an ElasticState, the experiments' Run
 
@@ -137,6 +139,8 @@ def _rebuild(run: Run, going_on: Communicator, from_memory: bool, plan: Plan[Run
     """`run`'s committed state in a run built on `going_on`'s ranks, from memory or the latest checkpoint."""
     if not from_memory:  # nothing of the old state is read again: a second loss only ever leaves fewer groups whole
         plan.release(run)
+    gc.collect()  # the interrupted step's frames (its activations) and an earlier run's cycles, before the build
+    give_back_freed_host_memory()
     rebuilt = plan.build(going_on)
     if from_memory:
         positions = going_on.all_gather_object(plan.position(run))

@@ -27,6 +27,7 @@ agreement, inside ``commit()``; then all of them recover together (``recovery.py
 run ends with one more agreement, so that no rank leaves while another is recovering.
 """
 
+import gc
 import sys
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -112,6 +113,10 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
         if outcome.run.comm.rank == 0:
             print(f"fsdp_mpi.elastic: {message}", flush=True)
         state = outcome.run
+        del outcome
+        # The old run lives on in its cycles (model, communicator, node memory) until Python's next full
+        # collection: freed now.
+        gc.collect()
 
 
 def _first_state(start: Callable[[Communicator], ElasticState], comm: Communicator, unavailable: str | None,

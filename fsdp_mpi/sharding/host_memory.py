@@ -64,6 +64,11 @@ class HostBuffers:
         kept._swap_data_ptr_(storage)
         self._free[kept.nbytes()].append(kept)
 
+    def release_kept(self) -> None:
+        """Gives every buffer kept and not in use back to the heap (whose blocks any allocation may take)."""
+        self.allocated_bytes -= self.kept_bytes
+        self._free.clear()
+
     @property
     def kept_bytes(self) -> int:
         """Memory held for reuse and not in use."""
@@ -121,8 +126,7 @@ def keep_freed_host_memory_for_reuse() -> bool:
         return True
     if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    library = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(library) if library else None
+    libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
     # mallopt returns 1 on success. No mmap'd chunks, and never give the heap's top back to the kernel.
@@ -130,8 +134,24 @@ def keep_freed_host_memory_for_reuse() -> bool:
     return _heap_kept
 
 
+def _libc():
+    library = ctypes.util.find_library("c")
+    return ctypes.CDLL(library) if library else None
+
+
 _HOST_BUFFERS = HostBuffers()
 _FRESH = FreshBuffers()
+
+
+def give_back_freed_host_memory() -> None:
+    """After a run is dropped (a run rebuilt on other ranks): the pool's kept buffers, sized for the old run's
+    units, and every free page of the heap go back to the kernel (``malloc_trim``), so that the new run's
+    memory is what it uses, not the old run's high-water mark plus its own. Nothing where the C library has no
+    ``malloc_trim``."""
+    _HOST_BUFFERS.release_kept()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def buffers_for(device: torch.device, comes_back: bool = True) -> HostBuffers | FreshBuffers:

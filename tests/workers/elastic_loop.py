@@ -23,7 +23,9 @@ step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one o
 
 The rank sends itself SIGKILL, as a node that dies. GLOBAL_BATCH is cut into equal parts on 1, 2, 3, 4 or 6 ranks. At the end rank 0 of the ranks left writes OUT/result.json:
 each step's loss (the mean over the global batch), the loss of a fixed batch after the last step, the
-recoveries, and how many threads and communicators the process holds, after the first step and at the end.
+recoveries, and how many threads and communicators the process holds, after the first step, at the end, and at
+the first step after each recovery: there without a collection first, with how many models built before the
+current one are still alive (the old run must be gone at once, not at Python's next full collection).
 """
 
 import contextlib
@@ -33,6 +35,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -50,8 +53,10 @@ from fsdp_mpi.files import checkpoint_directory
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 6, 12, 16, 64
 
 
-def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy, options: list[str], killer: "Killer") -> ElasticState:
-    """The same model on every rank, wrapped on `comm`'s ranks: one unit per block."""
+def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy, options: list[str], killer: "Killer",
+          models: list) -> ElasticState:
+    """The same model on every rank, wrapped on `comm`'s ranks: one unit per block (a weak reference to it
+    added to `models`)."""
     killer.reached("start")  # the others are in the wrapper's collectives
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
@@ -64,6 +69,7 @@ def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy, options: list
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # A loss scaler, as fp16 needs (its scale a power of 2: the same numbers in fp32): its found-inf reduction
     # is a collective, which must come before the step's agreement.
+    models.append(weakref.ref(model))
     return ElasticState(model, optimizer, scaler=ShardedGradScaler(comm), losses=[])
 
 
@@ -93,14 +99,19 @@ def train(state: ElasticState, killer: "Killer", seen: dict, micro_batches: int)
         state.counters["losses"].append(comm.all_reduce_sum_float(loss_sum) / comm.world_size)
         state.commit()
         if "after_first_step" not in seen:
-            seen["after_first_step"] = resources()
+            seen["after_first_step"], seen["models_then"] = resources(), len(seen["models"])
+        elif len(seen["models"]) > seen["models_then"] + len(seen["after_recoveries"]):  # a rebuilt run's first
+            older = seen["models"][:-1]
+            seen["after_recoveries"].append({**resources(collect=False),
+                                             "old_models_alive": sum(model() is not None for model in older)})
     return state
 
 
-def resources() -> dict:
+def resources(collect: bool = True) -> dict:
     """What a run that lost ranks must not pile up: threads, open files (the node transport's shared memory is
-    a file each), mapped shared memory, communicators still alive."""
-    gc.collect()
+    a file each), mapped shared memory, communicators still alive (after a full collection where `collect`)."""
+    if collect:
+        gc.collect()
     with open("/proc/self/maps") as maps:
         shared = sum(1 for line in maps if "memfd:" in line or "/dev/shm" in line)
     return {"threads": sorted(thread.name for thread in threading.enumerate()),
@@ -182,10 +193,10 @@ def main() -> None:
             (args[i + 1].split(":") for i, word in enumerate(args) if word == "--kill") if int(victim) == rank}
     killer = Killer(plan)
     install(killer)
-    elastic, seen = Elastic(), {}
+    elastic, seen = Elastic(), {"models": [], "after_recoveries": []}
     micro_batches = 2 if "--accumulate" in args else 1
     state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen, micro_batches),
-                                 lambda comm: build(comm, strategy, args, killer),
+                                 lambda comm: build(comm, strategy, args, killer, seen["models"]),
                                  checkpoint_dir=out / "checkpoints" if every else None, checkpoint_every=every,
                                  elastic=elastic)
     if state is not None:
@@ -197,7 +208,8 @@ def main() -> None:
         if state.comm.rank == 0:
             result = {"losses": state.counters["losses"], "held_out": held_out / state.comm.world_size,
                       "recoveries": elastic.recoveries, "ranks": state.comm.world_size,
-                      "after_first_step": seen.get("after_first_step"), "at_the_end": resources()}
+                      "after_first_step": seen.get("after_first_step"), "at_the_end": resources(),
+                      "after_recoveries": seen["after_recoveries"]}
             (out / "result.json").write_text(json.dumps(result, indent=1))
     if elastic.lost_ranks:
         fsdp_mpi.exit_without_finalize(0)

@@ -12,7 +12,8 @@ damage (as the survivors of a loss in that step start building the model again, 
 the latest checkpoint, which they are about to reload). The rank
 sends itself SIGKILL: no handler, no MPI call, nothing flushed, as when a node dies. Every rank prints when
 each optimizer step is done and when it is killed (wall clock), from which experiments/keep_going_bench.sh
-takes the time from a failure to the next completed step. With --memory each survivor also prints the peak
+takes the time from a failure to the next completed step, and whether the run before the loss is still alive
+at the first step after the recovery (it must be gone without waiting for a collection). With --memory each survivor also prints the peak
 memory of its process (held, and resident: ``ResidentPeaks``) in the training steps before the loss and during
 the recovery (from the loss to the next completed step), beside the training state it held (parameters, gradients, optimizer state), for
 experiments/bench_keep_going.py --memory.
@@ -24,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -117,8 +119,13 @@ def install(kills: list[str], memory: bool) -> None:
 
     peaks = ResidentPeaks() if memory else None
 
+    before_the_loss: list = []  # a weak reference to the model of the run before the last loss
+
     def optimizer_step(run, step, position):
         killer.step = position.step
+        if before_the_loss:  # the first step after a recovery: the old run must be gone without a collection
+            print(f"rank {rank}: the run before the loss alive at the next step: {before_the_loss.pop()() is not None}",
+                  flush=True)
         done = counted(run, step, position)
         print(f"rank {rank}: step {position.step} done at {time.time():.3f}", flush=True)  # for the benchmark
         if peaks and peaks.phase in ("before", "after"):
@@ -132,6 +139,7 @@ def install(kills: list[str], memory: bool) -> None:
     def going_on(*args):
         if peaks:
             peaks.phase = "recovery"
+        before_the_loss[:] = [weakref.ref(args[0].prepared.model)]
         survived = go_on(*args)
         if peaks:
             peaks.phase = "after"
