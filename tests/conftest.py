@@ -48,9 +48,10 @@ from mpi_launch import RunFailed  # noqa: E402  (found through the path set just
 # cost model, the benchmarks, the experiments' bookkeeping beyond a real run of each): CI runs the whole suite
 # under its first MPI and, with FSDP_MPI_SECOND_MPI=1, the rest again under its second.
 SECOND_MPI_ENV = "FSDP_MPI_SECOND_MPI"
-# Tests marked `torch_range` lean on torch's moving parts (dynamo, FSDP2, its checkpoint layer, its backend API,
-# Lightning): with FSDP_MPI_TORCH_END=1, a pass on another torch than the first pass's (CI's Open MPI pass, on
-# the newest torch setup.cfg's range admits) runs them, one_mpi or not.
+# Tests marked `torch_range` lean on torch's and Python's moving parts (dynamo, FSDP2, its checkpoint layer,
+# serialisation, autocast, its backend API, Lightning): with FSDP_MPI_TORCH_END=1, a pass at another end of the
+# range than the first pass's (CI's Open MPI pass: the newest torch and Python; its Intel MPI pass: the oldest
+# Python) runs them, one_mpi or not.
 TORCH_END_ENV = "FSDP_MPI_TORCH_END"
 
 

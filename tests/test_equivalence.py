@@ -50,6 +50,7 @@ WHOLE_RUNS = {"gpt2/sgd/no_sync/whole", "bert/sgd/none/whole", "gpt2/adamw/shard
 
 
 @pytest.mark.one_mpi  # compiled code around the same collectives as eager
+@pytest.mark.torch_range  # dynamo and inductor: CI runs it on the newest torch too
 @pytest.mark.parametrize("nprocs, runs", [(2, "compiled"), (3, "compiled_whole")])
 def test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model(nprocs, runs, tmp_path):
     """torch.compile on the whole wrapped model (the gathers and reductions traced as custom ops), with no_sync,

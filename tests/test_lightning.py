@@ -15,6 +15,9 @@ pytest.importorskip("lightning")
 from fsdp_mpi import CheckpointError  # noqa: E402 (after the skip: fsdp_mpi.lightning imports Lightning)
 from fsdp_mpi.lightning import load_lightning_state  # noqa: E402
 
+# the strategy fills Lightning's and torch's hooks: CI runs the file on the newest torch too.
+pytestmark = pytest.mark.torch_range
+
 FP32_EPS = torch.finfo(torch.float32).eps
 
 
