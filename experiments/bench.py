@@ -14,7 +14,11 @@ gives the median over rounds of its step time (each round's: the median of
 the slowest rank's steps after warm-up) with the min and max, and
 ``fsdp_mpi_ratio``: fsdp-mpi's step on as many ranks at the same precision
 divided by this strategy's, the median of the per-round ratios with their min
-and max (below 1: fsdp-mpi is faster). Beside wall time: CPU seconds per step
+and max (below 1: fsdp-mpi is faster). ``step_peak_rss_mb`` is the busiest
+rank's peak resident memory over the timed steps (the kernel's high-water mark,
+started again as they start: a settled step's peak, where ``peak_rss_mb`` also
+holds the build's), and ``fsdp_mpi_peak_ratio`` fsdp-mpi's over this
+strategy's, per round likewise (below 1: fsdp-mpi needs less). Beside wall time: CPU seconds per step
 (user + system, busiest rank), model-state and peak memory per rank, bytes of
 collectives per step, the time fsdp-mpi's ranks were blocked in MPI, and
 ``beyond_plain_s``, a strategy's step minus plain torch's in the same round
@@ -104,11 +108,13 @@ from measuring.reported import PARTS, median_of_known
 
 # what bench_worker reports per run (peak_gpu_mb: on a GPU; PARTS: fsdp-mpi's step, part by part)
 MEASURED = ["step_s", "first_step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu", "model_state_mb",
-            "peak_rss_mb", "peak_gpu_mb", "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step", *PARTS]
+            "peak_rss_mb", "step_peak_rss_mb", "peak_gpu_mb", "mpi_blocked_s", "comm_mb_per_step", "link_mb_per_step",
+            *PARTS]
 FIELDS = ["strategy", "precision", "ranks", "rounds", "step_s", "step_s_min", "step_s_max", "fsdp_mpi_ratio",
           "fsdp_mpi_ratio_min", "fsdp_mpi_ratio_max", "scaling_efficiency", "scaling_efficiency_min",
           "scaling_efficiency_max", "first_step_s", "issued_s", "cpu_s", "tokens_per_s", "tflops", "mfu",
-          "model_state_mb", "peak_rss_mb", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s",
+          "model_state_mb", "peak_rss_mb", "step_peak_rss_mb", "fsdp_mpi_peak_ratio", "fsdp_mpi_peak_ratio_min",
+          "fsdp_mpi_peak_ratio_max", "peak_gpu_mb", "comm_mb_per_step", "link_mb_per_step", "mpi_blocked_s",
           "beyond_plain_s", "hidden_fraction", *PARTS, "note"]
 ROUND_FIELDS = ["round", "position", "strategy", "precision", "ranks", *MEASURED, "note"]  # -rounds.csv: a row a run
 MALLOC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
@@ -208,10 +214,13 @@ def summarise(rounds: list[dict]) -> list[dict]:
                    rounds=len(done), step_s_min=min(steps), step_s_max=max(steps),
                    note="" if len(done) == len(runs) else f"{len(runs) - len(done)} round(s) failed: "
                                                           f"{next(r['note'] for r in runs if 'step_s' not in r)}")
-        ratios, beyond, efficiency = compared_in_rounds(rounds, runs)
+        ratios, peak_ratios, beyond, efficiency = compared_in_rounds(rounds, runs)
         if ratios:
             row.update(fsdp_mpi_ratio=statistics.median(ratios), fsdp_mpi_ratio_min=min(ratios),
                        fsdp_mpi_ratio_max=max(ratios))
+        if peak_ratios:
+            row.update(fsdp_mpi_peak_ratio=statistics.median(peak_ratios), fsdp_mpi_peak_ratio_min=min(peak_ratios),
+                       fsdp_mpi_peak_ratio_max=max(peak_ratios))
         if efficiency:
             row.update(scaling_efficiency=statistics.median(efficiency), scaling_efficiency_min=min(efficiency),
                        scaling_efficiency_max=max(efficiency))
@@ -223,21 +232,24 @@ def summarise(rounds: list[dict]) -> list[dict]:
     return summary
 
 
-def compared_in_rounds(rounds: list[dict], runs: list[dict]) -> tuple[list, list, list]:
+def compared_in_rounds(rounds: list[dict], runs: list[dict]) -> tuple[list, list, list, list]:
     """One strategy's `runs` (one a round) against the others of their round, in the rounds where both finished:
-    fsdp-mpi's step on as many ranks at the same precision over this one's; this step minus plain torch's on one
-    rank at the same precision (``beyond_plain_s``); and tokens/s per rank over plain's (``scaling_efficiency``:
-    with the same per-rank batch, weak scaling)."""
-    ratios, beyond, efficiency = [], [], []
+    fsdp-mpi's step on as many ranks at the same precision over this one's, and its step's peak resident memory
+    over this one's (``fsdp_mpi_peak_ratio``); this step minus plain torch's on one rank at the same precision
+    (``beyond_plain_s``); and tokens/s per rank over plain's (``scaling_efficiency``: with the same per-rank
+    batch, weak scaling)."""
+    ratios, peak_ratios, beyond, efficiency = [], [], [], []
     for each, run in zip(rounds, runs):
         ours = finished_run(each, "fsdp-mpi", run.get("precision"), run.get("ranks"))
         plain = finished_run(each, "plain", run.get("precision"), ranks=1)
         if "step_s" in run and ours:
             ratios.append(ours["step_s"] / run["step_s"])
+            if ours.get("step_peak_rss_mb") and run.get("step_peak_rss_mb"):
+                peak_ratios.append(ours["step_peak_rss_mb"] / run["step_peak_rss_mb"])
         if "step_s" in run and plain:
             beyond.append(run["step_s"] - plain["step_s"])
             efficiency.append(run["tokens_per_s"] / run["ranks"] / plain["tokens_per_s"])
-    return ratios, beyond, efficiency
+    return ratios, peak_ratios, beyond, efficiency
 
 
 def finished_run(runs: dict, strategy: str, precision: str, ranks: int | None = None) -> dict | None:

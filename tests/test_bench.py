@@ -70,6 +70,17 @@ def test_bench_rounds_ratios_and_bytes(tmp_path):
         row = summary[strategy, "32", ranks]
         assert (float(row["scaling_efficiency_min"]), float(row["scaling_efficiency_max"])) == tuple(efficiency)
     assert float(plain["scaling_efficiency"]) == 1.0
+    # A step's peak: the high-water mark over the timed steps, at most the process's whole peak; fsdp-mpi's over
+    # this strategy's in the same round, as the step ratio is (bf16: no fsdp-mpi at that precision ran).
+    peak = {(r["round"], r["strategy"], r["ranks"]): float(r["step_peak_rss_mb"]) for r in runs}
+    for row in runs:
+        assert 0 < float(row["step_peak_rss_mb"]) <= float(row["peak_rss_mb"])
+    assert float(ours["fsdp_mpi_peak_ratio"]) == 1.0
+    assert bf16["fsdp_mpi_peak_ratio"] == ""
+    fsdp2 = summary["torch-fsdp", "32", "2"]
+    peak_ratios = sorted(peak[k, "fsdp-mpi", "2"] / peak[k, "torch-fsdp", "2"] for k in ("1", "2"))
+    assert (float(fsdp2["fsdp_mpi_peak_ratio_min"]), float(fsdp2["fsdp_mpi_peak_ratio_max"])) == tuple(peak_ratios)
+    assert "| step peak RSS MB | fsdp-mpi / this, step peak |" in result.stdout
     # fsdp-mpi's step part by part (measuring/breakdown.py): on 2 ranks every part measured, MPI's two parts
     # no more than the time it was blocked in MPI (a median over ranks), parts of one rank: none on 1 rank
     for parts in rounds_of("fsdp-mpi", "2", runs):

@@ -36,7 +36,8 @@ def print_table(rows: list[dict]) -> None:
 
     columns = ["strategy", "precision", "ranks", "step s (min-max)", "fsdp-mpi / this (min-max)",
                "scaling efficiency (min-max)", "tokens/s", "MFU", "first step s", "issued s/step",
-               "CPU s/step", "model state MB", "peak RSS MB", "peak GPU MB", "comm MB/step", "link MB/step", "blocked in MPI s",
+               "CPU s/step", "model state MB", "peak RSS MB", "step peak RSS MB", "fsdp-mpi / this, step peak",
+               "peak GPU MB", "comm MB/step", "link MB/step", "blocked in MPI s",
                "beyond plain s", "hidden", "note"]
     print("| " + " | ".join(columns) + " |")
     print("| " + " | ".join("---" for _ in columns) + " |")
@@ -45,6 +46,7 @@ def print_table(rows: list[dict]) -> None:
                  spread(row, "fsdp_mpi_ratio"), spread(row, "scaling_efficiency"), number(row.get("tokens_per_s")),
                  number(row.get("mfu")), number(row.get("first_step_s")), number(row.get("issued_s")),
                  number(row.get("cpu_s")), number(row.get("model_state_mb"), 4), number(row.get("peak_rss_mb"), 4),
+                 number(row.get("step_peak_rss_mb"), 4), spread(row, "fsdp_mpi_peak_ratio"),
                  number(row.get("peak_gpu_mb"), 4), number(row.get("comm_mb_per_step"), 4),
                  number(row.get("link_mb_per_step"), 4),
                  number(row.get("mpi_blocked_s")), number(row.get("beyond_plain_s")),

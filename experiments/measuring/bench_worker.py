@@ -29,7 +29,8 @@ from measuring.breakdown import StepBreakdown
 from measuring.reported import PARTS, median_of_known
 from training.choices import BACKENDS, PRECISIONS
 from training.recipe import adamw
-from training.results import job_peak_flops, model_state_bytes, peak_rss_mb
+from training.results import (job_peak_flops, model_state_bytes, peak_resident_bytes, peak_rss_mb,
+                              reset_peak_resident)
 from training.startup import allow_tf32
 from training.strategies import Prepared, compression_from_option, node_placement, prepare, torch_amp
 
@@ -79,15 +80,21 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, 
     """Per step after warm-up: (slowest rank's wall time, the latest rank's time to issue the step, busiest
     rank's CPU time, this rank's time blocked in MPI, its bytes moved by collectives, the slowest rank's step in
     ``reported.PARTS`` if a `breakdown` is installed); then the slowest rank's first step, warm-up or not (where
-    the model is compiled, the compile is in it); `in_backward`: the optimizer steps inside backward
+    the model is compiled, the compile is in it), and this rank's peak resident memory over the timed steps
+    (``step_peak``: the kernel's high-water mark, started again at the first: what the process held then, or
+    the most it grew to since) and over its life so far (the reset clears what ``getrusage`` reports too);
+    `in_backward`: the optimizer steps inside backward
     (``train_step``). fsdp-mpi trains over `comm` itself, so the step's
     figures are read before the timing's own collectives on it.
 
     A step is issued when the host has handed all of it to the device, before waiting for the GPU to run it
     (on a CPU: the step itself). Issued close to its wall time, a GPU step is bound by the host, not the GPU."""
     times, issued, cpu, blocked, moved, parts = [], [], [], [], [], []
-    for _ in range(args.warmup + args.steps):
+    for index in range(args.warmup + args.steps):
         comm.barrier()
+        if index == args.warmup:  # the timed steps' peak: settled steps, not the build's or the first's
+            before = peak_resident_bytes()
+            reset_peak_resident()
         mpi_before, bytes_before = prepared.comm_seconds(), prepared.comm_bytes()
         if breakdown:
             breakdown.start_step()
@@ -108,7 +115,9 @@ def timed_steps(prepared: Prepared, optimizer, batch, args, comm: Communicator, 
         if breakdown:
             mine = breakdown.parts(recorded, seconds, blocked[-1], comm)
             parts.append(comm.all_gather_object(mine)[seconds_by_rank.index(times[-1])])
-    return (*(measured[args.warmup:] for measured in (times, issued, cpu, blocked, moved, parts)), times[0])
+    step_peak = peak_resident_bytes()
+    return (*(measured[args.warmup:] for measured in (times, issued, cpu, blocked, moved, parts)), times[0],
+            step_peak, max(before, step_peak))
 
 
 # torch.distributed's collectives and the argument that holds the full buffer (an all-gather's output,
@@ -243,6 +252,8 @@ class Measured:
     model: nn.Module  # as wrapped, not compiled: the model state to count
     optimizer: torch.optim.Optimizer
     link_bytes: float | None = None  # each host's bytes to the others in one step, where the ranks span hosts
+    step_peak: int | None = None  # this rank's peak resident bytes over the timed steps (``timed_steps``)
+    process_peak: int | None = None  # and over the process's life (None: read it from getrusage)
 
 
 def set_up(args) -> tuple[Communicator, torch.device]:
@@ -301,14 +312,14 @@ def torch_run(model, batch, args, comm: Communicator, device: torch.device, opti
     if args.strategy == "torch-fsdp":  # counted in an extra untimed step: counting costs timed steps nothing
         with counting_torch_collectives() as torch_bytes:
             train_step(prepared, optimizer, batch)
-    times, issued, cpu, blocked, moved, parts, first = timed_steps(prepared, optimizer, batch, args, comm, device,
-                                                                   breakdown, bench_plan.STEP_IN_BACKWARD in options)
+    times, issued, cpu, blocked, moved, parts, first, step_peak, process_peak = timed_steps(
+        prepared, optimizer, batch, args, comm, device, breakdown, bench_plan.STEP_IN_BACKWARD in options)
     if args.strategy == "torch-fsdp":
         moved = torch_bytes
     elif args.strategy == "ddp":
         moved = [gradient_bytes(model)]
     return Measured(times, issued, cpu, blocked, moved, parts, first, trained, optimizer,
-                    node_link_bytes_per_step(prepared, optimizer, batch, comm))
+                    node_link_bytes_per_step(prepared, optimizer, batch, comm), step_peak, process_peak)
 
 
 def lightning_run(model, batch, args, comm: Communicator) -> Measured:
@@ -323,12 +334,15 @@ def reported_figures(measured: Measured, comm: Communicator, device: torch.devic
     """What the ranks report together (collectives: every rank calls this): the busiest rank's model state and
     peak memory, and the median rank's time blocked in MPI."""
     state_bytes = max(comm.all_gather_object(model_state_bytes(measured.model, measured.optimizer)))
-    rss = max(comm.all_gather_object(peak_rss_mb()))
+    process_peak = peak_rss_mb() if measured.process_peak is None else measured.process_peak / 2**20
+    rss = max(comm.all_gather_object(process_peak))
+    step_peaks = comm.all_gather_object(measured.step_peak)
+    step_rss = max(step_peaks) / 2**20 if None not in step_peaks else None
     on_gpu = device.type == "cuda"
     gpu_bytes = torch.cuda.max_memory_allocated(device) + comm.device_bytes_outside_torch() if on_gpu else 0
     gpu_mb = max(comm.all_gather_object(gpu_bytes / 2**20))  # torch's peak and the node transport's slots
     blocked = statistics.median(comm.all_gather_object(statistics.median(measured.blocked)))
-    return {"peak_rss_mb": rss, "peak_gpu_mb": gpu_mb if on_gpu else None, "model_state_mb": state_bytes / 2**20,
+    return {"peak_rss_mb": rss, "step_peak_rss_mb": step_rss, "peak_gpu_mb": gpu_mb if on_gpu else None, "model_state_mb": state_bytes / 2**20,
             "mpi_blocked_s": blocked}
 
 
