@@ -338,9 +338,10 @@ def test_the_first_step_is_reported_apart_from_the_timed_ones(monkeypatch):
             return [value]
 
     prepared = SimpleNamespace(comm_seconds=lambda: 0.0, comm_bytes=lambda: 0)
-    times, *_, first = bench_worker.timed_steps(prepared, None, None, SimpleNamespace(warmup=2, steps=2), OneRank(),
-                                                torch.device("cpu"))
+    times, *_, first, step_peak, process_peak = bench_worker.timed_steps(
+        prepared, None, None, SimpleNamespace(warmup=2, steps=2), OneRank(), torch.device("cpu"))
     assert first >= 0.2 and len(times) == 2 and times[0] >= 0.01 and times[1] >= 0.02
+    assert 0 < step_peak <= process_peak  # the timed steps' high-water mark, and the process's
 
 
 def test_each_run_is_written_as_it_ends_so_that_a_bench_cut_short_keeps_it(tmp_path, monkeypatch):

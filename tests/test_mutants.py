@@ -266,7 +266,7 @@ MUTANTS = {
         "experiments/eval.py", "return torch.ao.quantization.quantize_dynamic(model, untied, dtype=torch.qint8, inplace=True)",
         "return model", [EVAL_SIZES]),
     "the bench's first step, which holds a compile, is one of the timed steps": (
-        "experiments/measuring/bench_worker.py", "parts)), times[0])", "parts)), times[args.warmup])",
+        "experiments/measuring/bench_worker.py", "parts)), times[0],", "parts)), times[args.warmup],",
         ["tests/test_bench.py::test_the_first_step_is_reported_apart_from_the_timed_ones"]),
     "a bench cut short by a GPU's time limit loses every run it finished": (
         "experiments/bench.py", "            bench_report.write_csv(rounds_out, log, ROUND_FIELDS, args)\n", "",
