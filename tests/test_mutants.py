@@ -523,7 +523,7 @@ ULFM_MUTANTS = {
     "an error after a lost rank is left to MPI_Abort, whose launcher may then hang or report success": (
         "fsdp_mpi/communication/failures/abort.py", "    if _the_job_lost_a_rank():", "    if False:", [PROTOCOL]),
     "the old run lives on after a recovery until Python's next full collection": (
-        "fsdp_mpi/elastic/runner.py", "        gc.collect()\n", "", [HYBRID_ELASTIC]),
+        "fsdp_mpi/elastic/runner.py", "        collect_the_old_run()\n", "", [HYBRID_ELASTIC]),
     "a revoked communicator keeps its node memory for as long as the loop keeps it": (
         "fsdp_mpi/communication/comm.py", "        self._routes.transports.clear()\n", "", [HYBRID_ELASTIC]),
     "a rank lost during a recovery ends it instead of starting it again on fewer ranks": (

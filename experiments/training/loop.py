@@ -6,7 +6,6 @@ Which samples each step takes is ``sampling``, the CSV rows are ``recorder``; ``
 starts the loop from the command line.
 """
 
-import gc
 import sys
 import time
 from contextlib import nullcontext
@@ -28,6 +27,7 @@ from training.strategies import Prepared, build_model, compression_from_option, 
 
 from fsdp_mpi import (Communicator, CPUOffload, RankLostError, SampleKeys, ShardingStrategy,
                       continuation_unavailable, step_in_backward)
+from fsdp_mpi.elastic import recovery
 from fsdp_mpi.elastic.agreement import end_step
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 
@@ -146,9 +146,7 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
         run, position = survived
         checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
         del survived
-        # The old run lives on in its cycles (model, communicator, node memory) until Python's next full
-        # collection: freed now.
-        gc.collect()
+        recovery.collect_the_old_run()
 
 
 def start_run(task, config: RunConfig, comm: Communicator, device: torch.device, experiment: str,

@@ -153,6 +153,13 @@ def _rebuild(run: Run, going_on: Communicator, from_memory: bool, plan: Plan[Run
     return rebuilt
 
 
+def collect_the_old_run() -> None:
+    """Frees the run a recovery replaced, once the loop holds only the new one: the old run lives on in its
+    reference cycles (model, hooks, communicator, node memory) until Python's next full collection, one more
+    copy of the state through the steps after the loss."""
+    gc.collect()
+
+
 def move_shards(old: nn.Module, new: nn.Module) -> None:
     """Copies every parameter's shard of the wrapped model `old` into `new`, built on the ranks that go on with
     shard groups laid out as `old`'s (the same size, each rank in its place: each shard has the same elements)."""

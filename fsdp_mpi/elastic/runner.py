@@ -27,7 +27,6 @@ agreement, inside ``commit()``; then all of them recover together (``recovery.py
 run ends with one more agreement, so that no rank leaves while another is recovering.
 """
 
-import gc
 import sys
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -35,8 +34,9 @@ from typing import Callable, TypeVar
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
-from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, abandon_the_step, end_for_lack_of_state,
-                                      forget_the_interrupted_step, job_ranks, recover, shrink_until_it_holds)
+from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, abandon_the_step, collect_the_old_run,
+                                      end_for_lack_of_state, forget_the_interrupted_step, job_ranks, recover,
+                                      shrink_until_it_holds)
 from fsdp_mpi.elastic.state import ElasticState
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 
@@ -114,9 +114,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
             print(f"fsdp_mpi.elastic: {message}", flush=True)
         state = outcome.run
         del outcome
-        # The old run lives on in its cycles (model, communicator, node memory) until Python's next full
-        # collection: freed now.
-        gc.collect()
+        collect_the_old_run()
 
 
 def _first_state(start: Callable[[Communicator], ElasticState], comm: Communicator, unavailable: str | None,

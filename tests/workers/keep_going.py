@@ -13,8 +13,8 @@ the latest checkpoint, which they are about to reload). The rank
 sends itself SIGKILL: no handler, no MPI call, nothing flushed, as when a node dies. Every rank prints when
 each optimizer step is done and when it is killed (wall clock), from which experiments/keep_going_bench.sh
 takes the time from a failure to the next completed step, and whether the run before the loss is still alive
-at the first step after the recovery (it must be gone without waiting for a collection). With --memory each survivor also prints the peak
-memory of its process (held, and resident: ``ResidentPeaks``) in the training steps before the loss and during
+at the first step after the recovery (it must be gone without waiting for a collection). With --memory each
+survivor also prints the peak memory of its process (held, and resident: ``ResidentPeaks``) in the training steps before the loss and during
 the recovery (from the loss to the next completed step), beside the training state it held (parameters, gradients, optimizer state), for
 experiments/bench_keep_going.py --memory.
 """
