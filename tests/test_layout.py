@@ -86,6 +86,31 @@ def test_no_module_under_experiments_imports_in_a_circle():
     assert cycle is None, "experiments/ imports in a circle: " + " -> ".join(cycle)
 
 
+def fsdp_mpi_graph(core: Path) -> dict[str, set[str]]:
+    """Each module of fsdp_mpi/ (a package as its __init__) and the modules of fsdp_mpi/ it imports: ``from
+    package import name`` runs the package's __init__ and reads it, so it is an arrow to the package."""
+    paths = {module_name(path, core.parent): path for path in core.rglob("*.py")}
+    return {name: {imported for imported in imported_names(path, core.parent) if imported in paths and imported != name}
+            for name, path in paths.items()}
+
+
+def test_no_module_of_fsdp_mpi_imports_in_a_circle_through_its_package(tmp_path):
+    """fsdp_mpi/ as it is, and a copy in which the backend's process group takes its composed collectives from the
+    package (whose __init__ imports the group): the circle that copy makes is found."""
+    graph = fsdp_mpi_graph(CORE)
+    assert "fsdp_mpi.distributed" in graph and "fsdp_mpi.sharding.lifecycle" in graph, sorted(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "fsdp_mpi/ imports in a circle: " + " -> ".join(cycle)
+    import shutil
+    copy = tmp_path / "fsdp_mpi"
+    shutil.copytree(CORE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    group = copy / "distributed" / "process_group.py"
+    group.write_text(group.read_text().replace("import fsdp_mpi.distributed.composed as composed",
+                                               "from fsdp_mpi.distributed import composed", 1))
+    assert find_cycle(fsdp_mpi_graph(copy)) == ["fsdp_mpi.distributed", "fsdp_mpi.distributed.groups",
+                                                "fsdp_mpi.distributed.process_group", "fsdp_mpi.distributed"]
+
+
 def test_experiments_packages_import_one_way_and_never_an_entry_script():
     graph = experiments_graph()
     packages = {name.split(".")[0] for name in graph if "." in name}

@@ -34,12 +34,14 @@ def check(outcomes) -> None:
 
 def test_torchs_own_tests_of_a_backend_pass_on_fsdp_mpi(tmp_path):
     """On 3 ranks (a group of ranks 1 and 2 beside rank 0, as torch's group tests need); under a second MPI, the
-    collectives and messages alone. Under the first, the tests torch opens only to 8 ranks run again on 8."""
+    collectives and messages alone. Under the first, on 4 ranks as well (an even world: torch's tests split it
+    otherwise), and the tests torch opens only to 8 ranks again on 8."""
     second_mpi = bool(os.environ.get("FSDP_MPI_SECOND_MPI"))
     outcomes = run_test_base("fsdp_mpi", 3, tmp_path / "3", [CORE] if second_mpi else [])
     check(outcomes)
     if second_mpi:
         return
+    check(run_test_base("fsdp_mpi", 4, tmp_path / "4"))
     larger = [name for name, why in outcomes.named("skipped").items() if why == SMALL_WORLD]
     assert larger  # torch's group and timeout tests (it runs them for gloo on 8 ranks)
     check(run_test_base("fsdp_mpi", 8, tmp_path / "8", larger))
