@@ -45,6 +45,45 @@ def test_torchs_checkpoint_layer_moves_fsdp2_state_to_the_bit_on_3_and_on_2_rank
         "saved on 3, loaded on 2": True}
 
 
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_dtensor_fsdp2_as_its_tutorials_write_it_and_fsdp1_do_on_the_fsdp_mpi_backend_what_they_do_on_gloo(
+        nprocs, tmp_path):
+    """torch's clients of a group beside gloo in one job (workers/torch_clients.py): DTensor's placement changes
+    (Shard, Replicate, Partial sum and max, a matmul, a 2-D mesh on an even world) to the bit and to their closed
+    forms; FSDP2 as its tutorial writes it (meta device, to_empty, reset_parameters, explicit prefetch, bf16
+    compute, clipping over DTensors) and FSDP1 on the CPU: the first step's gradient as gloo's (to the bit on 2
+    ranks, within two sum orders' difference elsewhere), every step to the bit on 2 ranks; FSDP1's three
+    state-dict types loaded back; and FSDP2 continued in a second job from a full checkpoint as the run that never
+    stopped; on each backend."""
+    out, second = tmp_path / "torch_clients.json", tmp_path / "continued.json"
+    check_ok(run_mpi("torch_clients.py", nprocs, out, tmp_path / "checkpoints", timeout=300))
+    check_ok(run_mpi("torch_clients.py", nprocs, second, tmp_path / "checkpoints", "--continue", timeout=300))
+    report = json.loads(out.read_text())
+    assert [check for check, ok in report.items() if not ok] == []
+    even, exact = nprocs % 2 == 0, nprocs == 2
+    assert sum(check.startswith("DTensor: 2-D mesh") for check in report) == 3 * even
+    assert len(report) == 8 + 3 * even + 2 + 2 * exact + 2 * 3, sorted(report)
+    assert json.loads(second.read_text()) == {
+        f"FSDP2 tutorial: continued in a second job as never stopped ({backend})": True
+        for backend in ("fsdp_mpi", "gloo")}
+
+
+def test_accelerate_uses_the_group_started_before_it_and_on_a_cpu_wraps_in_ddp_asked_for_fsdp(tmp_path):
+    """Hugging Face Accelerate after ``fsdp_mpi.distributed.init_process_group()`` (workers/accelerate_backend.py),
+    2 ranks: without ``cpu=True`` it takes each rank for a lone process; with it, it keeps the group it found
+    (numbered as MPI numbers the ranks) and, asked for FSDP, wraps in DDP over that group, whose step's gradient
+    is the ranks' mean to the bit."""
+    out = tmp_path / "accelerate.json"
+    check_ok(run_mpi("accelerate_backend.py", 2, out, timeout=120))
+    for report in json.loads(out.read_text()):
+        assert report == {
+            "without cpu=True": {"distributed type": "DistributedType.NO", "processes": 1},
+            "the group it found is the one started before it": True, "backend": "fsdp_mpi",
+            "distributed type": "DistributedType.MULTI_CPU", "its process index is MPI's rank": True,
+            "its number of processes is MPI's": True, "wrapped in": "DistributedDataParallel",
+            "the wrapper's group": "fsdp_mpi", "the gradient is the ranks' mean, to the bit": True}
+
+
 def check_torch_distributed(report: dict) -> None:
     """torch_distributed.py's report (also on the GPU, test_gpu.py): every step of every kind within its bounds,
     every other call right."""
