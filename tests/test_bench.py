@@ -420,3 +420,23 @@ def test_the_breakdown_figure_keeps_the_longest_strategy_name_and_everything_els
     axes = figure.axes[0]
     assert axes.get_window_extent().width > 0.45 * figure.bbox.width  # the bars, not the labels, take the width
     assert {text.get_text().replace("\n", "") for text in axes.get_yticklabels()} >= {f"{longest} (2 ranks)"}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-mpi", "torch-fsdp"])
+def test_heap_phases_reads_the_bytes_in_use_against_the_resident_size_at_each_phase(strategy, tmp_path):
+    """experiments/heap_phases.py on gpt2-tiny, 2 ranks, 2 steps: every phase read, the bytes in use within the
+    resident size and the peak at least the resident size; under fsdp-mpi's heap setting nothing new is mapped in
+    a step (its mapped bytes stay as they were at its start)."""
+    out = tmp_path / "phases.json"
+    check_ok(run_mpi(REPO_ROOT / "experiments" / "heap_phases.py", 2, "--strategy", strategy, "--model",
+                     "gpt2-tiny", "--seq-len", "32", "--steps", "2", "--out", str(out), timeout=120,
+                     cwd=REPO_ROOT / "experiments"))
+    report = json.loads(out.read_text())
+    assert [row["step"] for row in report["steps"]] == [0, 1]
+    phases = report["last_step"]
+    assert [row["phase"] for row in phases][:2] == ["step starts", "forward: the first block starts"]
+    assert len(phases) == 9 and phases[-1]["phase"] == "optimizer step ends"
+    for row in phases:
+        assert 0 < row["in_use_mb"] <= row["resident_mb"] <= row["step_peak_mb"], row
+    if strategy == "fsdp-mpi":
+        assert {row["mapped_mb"] for row in phases} == {phases[0]["mapped_mb"]}
