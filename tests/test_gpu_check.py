@@ -128,3 +128,40 @@ def test_every_command_of_the_check_would_start(quick, monkeypatch):
             check_experiment(script, argv, monkeypatch)
         except (SystemExit, UsageError) as refused:
             pytest.fail(f"{name}: {script} refuses its arguments ({refused!r}): {shlex.join(argv)}")
+
+
+GPU_CARRY = REPO_ROOT / "hpc" / "gpu_carry.sh"
+
+
+def test_the_loan_plan_builds_its_carry_from_the_index_and_plans_calls_the_check_runs_within_a_calls_limit():
+    """hpc/gpu_carry.sh's dry form: the wheels the GPU image lacks downloaded for its Python, the corpora copied,
+    Intel MPI trimmed, into the folder the calls carry and the check reads; each planned call names steps the
+    check runs, and the sum of their limits leaves a minute of a call's 600 s."""
+    env = {**os.environ, "FSDP_MPI_GPU_CARRY_DRY": "1"}
+    done = subprocess.run(["bash", str(GPU_CARRY)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    built = [shlex.split(line[2:]) for line in done.stdout.splitlines() if line.startswith("+ ")]
+    download = next(words for words in built if words[:4] == ["python3", "-m", "pip", "download"])
+    assert {"--no-deps", "--only-binary=:all:", "mpich", "mpi4py", "expecttest", "accelerate"} <= set(download)
+    assert download[download.index("--python-version") + 1] == "3.12"
+    wheels = download[download.index("--dest") + 1]
+    copied = next(words for words in built if words[:2] == ["cp", "-r"])
+    trimmed = next(words for words in built if words[:2] == ["bash", "hpc/trim_impi.sh"])
+    calls = [line.split() for line in done.stdout.splitlines() if line.startswith("call ")]
+    assert [call[call.index("hpc/gpu_check.sh") + 1] for call in calls][:2] == ["pytest-all", "offload"]
+    for call in calls:
+        settings = dict(word.split("=", 1) for word in call[2:call.index("bash")])
+        assert settings["FSDP_MPI_WHEELS"] == wheels and settings["FSDP_MPI_DATA_DIR"] == copied[-1]
+        assert settings["FSDP_MPI_IMPI"] == trimmed[-1]
+        steps = call[call.index("hpc/gpu_check.sh") + 1:]
+        ran = [name for name, _, _ in dry_run(*steps, quick=True)]
+        assert all(any(name.startswith(step) for name in ran) for step in steps), (steps, ran)
+        assert int(call[1]) == sum(seconds for _, seconds, _ in dry_run(*steps, quick=True))
+        assert int(call[1]) + 60 <= CALL_LIMIT_S, call
+
+
+def test_the_loan_plan_without_corpora_stops_naming_the_variable(tmp_path):
+    env = {**os.environ, "FSDP_MPI_GPU_CARRY_DRY": "1", "FSDP_MPI_DATA_DIR": str(tmp_path / "nothing")}
+    done = subprocess.run(["bash", str(GPU_CARRY)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "FSDP_MPI_DATA_DIR" in done.stderr
