@@ -31,7 +31,7 @@ from mpi4py import MPI
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.settings import TIMEOUT, read_seconds, read_text
 from fsdp_mpi.communication.machinery.worker import threads_may_call_mpi_at_once
-import fsdp_mpi.distributed.composed as composed  # the module, not the package (whose __init__ imports this one)
+import fsdp_mpi.distributed.composed as composed  # the module: the package imports this one
 from fsdp_mpi.distributed.reductions import Reduction
 from fsdp_mpi.distributed.work import GroupFailed, MpiWork
 

@@ -7,8 +7,8 @@ On a CPU, Accelerate is distributed only when told ``cpu=True``: without it, und
 started, it takes each rank for a lone process (``DistributedType.NO``) and wraps nothing, so every rank trains
 alone, without a word. With it, Accelerate never turns FSDP on either: asked for it (``fsdp_plugin=``), it keeps
 its MULTI_CPU type and wraps the model in DDP, again without a word. This reports what it did both ways, and
-one step's gradient on every rank against its closed form: the mean of each rank's own gradient, computed here on an unwrapped copy (on 2 ranks DDP's
-(g0 / 2) + (g1 / 2) and the mean (g0 + g1) / 2 are the same bits).
+one step's gradient on every rank against its closed form: the mean of each rank's own gradient, computed here
+on an unwrapped copy (on 2 ranks DDP's (g0 / 2) + (g1 / 2) and the mean (g0 + g1) / 2 are the same bits).
 """
 
 import copy
