@@ -342,8 +342,8 @@ def reported_figures(measured: Measured, comm: Communicator, device: torch.devic
     gpu_bytes = torch.cuda.max_memory_allocated(device) + comm.device_bytes_outside_torch() if on_gpu else 0
     gpu_mb = max(comm.all_gather_object(gpu_bytes / 2**20))  # torch's peak and the node transport's slots
     blocked = statistics.median(comm.all_gather_object(statistics.median(measured.blocked)))
-    return {"peak_rss_mb": rss, "step_peak_rss_mb": step_rss, "peak_gpu_mb": gpu_mb if on_gpu else None, "model_state_mb": state_bytes / 2**20,
-            "mpi_blocked_s": blocked}
+    return {"peak_rss_mb": rss, "step_peak_rss_mb": step_rss, "peak_gpu_mb": gpu_mb if on_gpu else None,
+            "model_state_mb": state_bytes / 2**20, "mpi_blocked_s": blocked}
 
 
 def main() -> None:

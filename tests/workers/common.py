@@ -105,6 +105,25 @@ def local_part(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
     return tensor[rank * per_rank:(rank + 1) * per_rank]
 
 
+def same_state(one, other) -> bool:
+    """Bit for bit: every tensor of two (nested) state dicts."""
+    if isinstance(one, dict):
+        return one.keys() == other.keys() and all(same_state(one[key], other[key]) for key in one)
+    if isinstance(one, (list, tuple)):
+        return len(one) == len(other) and all(same_state(a, b) for a, b in zip(one, other))
+    if isinstance(one, torch.Tensor):
+        return torch.equal(one, other)
+    return one == other
+
+
+def everywhere(ok: bool, group=None) -> bool:
+    """`ok` on every rank of torch.distributed's `group` (the default group if None): collective over it."""
+    import torch.distributed as dist
+    flags = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, bool(ok), group=group)
+    return all(flags)
+
+
 def write_json(path: str, payload) -> None:
     if MPI.COMM_WORLD.Get_rank() == 0:
         with open(path, "w") as f:

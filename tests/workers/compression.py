@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import cost_model_units, gpt_batch, local_part, output_path, write_json
+from common import cost_model_units, gpt_batch, local_part, output_path, same_state, write_json
 
 from fsdp_mpi import (Communicator, Compression, FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy,
                       full_state_dict)
@@ -253,10 +253,6 @@ def train(comm, weights=None, gradients=None, strategy=ShardingStrategy.FULL_SHA
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses, gradients_seen, full_state_dict(model, rank0_only=False), model
-
-
-def same_state(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
 def training_checks(comm, weights, gradients, strategy) -> dict:

@@ -8,7 +8,7 @@ rank seeds differently before building its model, so only the broadcast of rank
 import copy
 
 import torch
-from common import gpt_batch, local_part, output_path, write_json
+from common import gpt_batch, local_part, output_path, same_state, write_json
 from gradients import compare_gradients, full_gradients, reference_gradients
 
 from fsdp_mpi import (Communicator, FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy,
@@ -20,10 +20,6 @@ from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, gpt2_config
 def gpt2(seed: int) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     return GPT2LMHeadModel(gpt2_config("gpt2-tiny"))
-
-
-def equal_states(a: dict, b: dict) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def wrap(model, comm, policy=None):
@@ -51,7 +47,7 @@ def main(comm: Communicator) -> dict:
     model = wrap(gpt2(seed=comm.rank), comm)  # ranks start different
     expected = rank0_model.state_dict()
     everywhere = full_state_dict(model, rank0_only=False)
-    report["broadcast_rank0_weights"] = all(comm.all_gather_object(equal_states(everywhere, expected)))
+    report["broadcast_rank0_weights"] = all(comm.all_gather_object(same_state(everywhere, expected)))
     report["rank0_only_empty_elsewhere"] = all(comm.all_gather_object(
         (model.state_dict() == {}) == (comm.rank != 0)))
 
@@ -60,7 +56,7 @@ def main(comm: Communicator) -> dict:
     model.load_state_dict(other.state_dict())
     tokens = gpt_batch(0, 128)[0][:2]
     report["load_round_trip"] = all(comm.all_gather_object(
-        equal_states(full_state_dict(model, rank0_only=False), other.state_dict())))
+        same_state(full_state_dict(model, rank0_only=False), other.state_dict())))
     with torch.no_grad():
         report["loaded_model_computes_like_source"] = all(comm.all_gather_object(
             torch.equal(model(tokens)[0], other(tokens)[0])))
@@ -74,7 +70,7 @@ def main(comm: Communicator) -> dict:
     except RuntimeError as error:
         report["bad_dict_raised"] = "transformer.ln_f.weight: checkpoint (5,), model (64,)" in str(error)
     report["bad_dict_changed_nothing"] = all(comm.all_gather_object(
-        equal_states(full_state_dict(model, rank0_only=False), other.state_dict())))
+        same_state(full_state_dict(model, rank0_only=False), other.state_dict())))
 
     # summon_full_params on a parameter that spans shards: edits kept with writeback, dropped without.
     name, shape = parameter_spanning_shards(model) if comm.world_size > 1 else ("transformer.h.0.attn.c_attn.weight",
@@ -125,7 +121,7 @@ def main(comm: Communicator) -> dict:
     sized = wrap(copy.deepcopy(rank0_model), comm, SizeBasedWrapPolicy(min_num_params=40_000))
     report["size_policy_units"] = [name for name, _ in units_with_names(sized)]
     report["size_policy_state_same"] = all(comm.all_gather_object(
-        equal_states(full_state_dict(sized, rank0_only=False), expected)))
+        same_state(full_state_dict(sized, rank0_only=False), expected)))
 
     # Another communicator than COMM_WORLD: ranks split by parity share their own shards.
     if comm.world_size > 1:
@@ -135,7 +131,7 @@ def main(comm: Communicator) -> dict:
         report["subcommunicator_shards"] = all(comm.all_gather_object(
             handle.shard_numel == handle.padded_numel // half.world_size))
         report["subcommunicator_state_same"] = all(comm.all_gather_object(
-            equal_states(full_state_dict(split, rank0_only=False), expected)))
+            same_state(full_state_dict(split, rank0_only=False), expected)))
     return report
 
 

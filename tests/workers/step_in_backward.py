@@ -22,7 +22,7 @@ import copy
 from typing import NamedTuple
 
 import torch
-from common import output_path, take_device_argument, write_json
+from common import output_path, same_state, take_device_argument, write_json
 from torch import nn
 from unused_parameters import STEPS, Branchy, Experts, StaticBranchy, backward, compile_afresh
 
@@ -73,17 +73,6 @@ def wrap(reference: nn.Module, comm: Communicator, options: dict,
     """A sharded copy of `reference` (on the CPU: the wrapper places it, offloaded or not, on `device`)."""
     return FullyShardedDataParallel(copy.deepcopy(reference), comm=comm, device=device,
                                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential, Experts}), **options)
-
-
-def same_state(one, other) -> bool:
-    """Bit for bit: every tensor of two (nested) state dicts."""
-    if isinstance(one, dict):
-        return one.keys() == other.keys() and all(same_state(one[key], other[key]) for key in one)
-    if isinstance(one, (list, tuple)):
-        return len(one) == len(other) and all(same_state(a, b) for a, b in zip(one, other))
-    if isinstance(one, torch.Tensor):
-        return torch.equal(one, other)
-    return one == other
 
 
 def variant(comm: Communicator, chosen: Variant, device: torch.device) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import output_path, write_json
+from common import everywhere, output_path, write_json
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, get_state_dict,
@@ -77,12 +77,6 @@ def scrambled(model, optimizer) -> None:
         for tensor in [*model.parameters(), *(value for state in optimizer.state.values()
                                               for value in state.values() if torch.is_tensor(value))]:
             tensor.add_(1.0)
-
-
-def everywhere(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
-    flags = [None] * dist.get_world_size(group)
-    dist.all_gather_object(flags, bool(ok), group=group)
-    return all(flags)
 
 
 def on_one_group(group: dist.ProcessGroup, folder: Path) -> dict:

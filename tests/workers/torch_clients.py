@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import output_path, write_json
+from common import everywhere, output_path, same_state, write_json
 from mpi4py import MPI
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -243,10 +243,7 @@ def continued(group: dist.ProcessGroup, folder: Path) -> bool:
     after = get_model_state_dict(resumed, options=FULL_ON_0)
     if on_0:
         end = torch.load(checkpoint_file(folder, group, "the end"), weights_only=True)
-    same = not on_0 or (steps == end["losses and norms"] and states_equal(after, end["final"]))
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, same)
-    return all(flags)
+    return everywhere(not on_0 or (steps == end["losses and norms"] and same_state(after, end["final"])))
 
 
 def checkpoint_file(folder: Path, group: dist.ProcessGroup, when: str) -> Path:
@@ -297,7 +294,7 @@ def fsdp1(group: dist.ProcessGroup) -> dict:
                 for parameter in flat.parameters():
                     parameter.add_(1.0)
             flat.load_state_dict(state)
-        loaded_back[kind.name] = states_equal(full_weights(flat), before)
+        loaded_back[kind.name] = same_state(full_weights(flat), before)
     return {"first gradient": first_gradient, "bound": bound, "steps": losses, "final": trained,
             "state dicts loaded back": loaded_back}
 
@@ -310,10 +307,6 @@ def unwrapped(name: str) -> str:
 def full_weights(net) -> dict[str, torch.Tensor]:
     with TorchFSDP.summon_full_params(net):
         return {unwrapped(name): p.detach().clone() for name, p in net.named_parameters()}
-
-
-def states_equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
 
 
 # ----------------------------------------------------------------- the two backends compared
@@ -342,7 +335,7 @@ def report(groups: dict, folder: Path) -> dict:
                                                                exact)
         if exact:
             result[f"{program}: every step as gloo's, to the bit"] = (
-                runs[ours]["steps"] == runs[gloo]["steps"] and states_equal(runs[ours]["final"], runs[gloo]["final"]))
+                runs[ours]["steps"] == runs[gloo]["steps"] and same_state(runs[ours]["final"], runs[gloo]["final"]))
     for name in groups:
         for kind, ok in fsdp1s[name]["state dicts loaded back"].items():
             result[f"FSDP1: {kind} loaded back ({name})"] = ok
