@@ -30,12 +30,18 @@ def same_loss(steps: int) -> float:
 SAME_LOSS = same_loss(6)  # elastic_loop.py's steps
 
 
-def run_loop(out, nprocs: int, *options, env: dict | None = None) -> subprocess.CompletedProcess:
-    """elastic_loop.py on `nprocs` ranks (under ULFM where more than one), writing `out`/result.json."""
+def run_loop(out, nprocs: int, *options, env: dict | None = None,
+             slots: int | None = None) -> subprocess.CompletedProcess:
+    """elastic_loop.py on `nprocs` ranks (under ULFM where more than one), writing `out`/result.json. `slots`: the
+    processes this machine may run in the job, newcomers included (None: as many as asked for, as CI's
+    oversubscribing policy lets Open MPI)."""
     out.mkdir(exist_ok=True)
     env = child_env(FSDP_MPI_TIMEOUT="60", **(env or {}))  # a survivor left waiting: the watchdog's report
     exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE") if name in env
                 for word in ("-x", name)]
+    if slots is not None:  # the slots declared, and no more: a spawn beyond them is refused
+        env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
+        exported += ["--host", f"localhost:{slots}", "--bind-to", "none"]
     command = [mpiexec(), *(ULFM if nprocs > 1 else []), *exported, "-n", str(nprocs), sys.executable,
                str(WORKERS / "elastic_loop.py"), str(out), *map(str, options)]
     try:
@@ -45,8 +51,8 @@ def run_loop(out, nprocs: int, *options, env: dict | None = None) -> subprocess.
         raise RunFailed(f"still running after 240 s\nstdout:\n{tails[0]}\nstderr:\n{tails[1]}") from None
 
 
-def result_of(out, run: subprocess.CompletedProcess) -> dict:
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def result_of(out, run: subprocess.CompletedProcess, exit_code: int = 0) -> dict:
+    assert run.returncode == exit_code, run.stdout[-3000:] + run.stderr[-3000:]
     # Not a given: under ULFM, Open MPI's mpirun exits 0 when a survivor calls MPI_Abort after rank 0 was lost.
     assert (out / "result.json").exists(), "no rank wrote the result\n" + run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
@@ -104,14 +110,19 @@ def test_a_users_loop_survives_losses_as_it_starts_in_the_found_inf_reduction_a_
 
 @pytest.mark.open_mpi
 def test_hybrid_shard_goes_on_from_memory_then_from_a_checkpoint_when_no_group_is_left_whole(one_process, tmp_path):
-    """HYBRID_SHARD on 2 emulated nodes of 2 ranks, a checkpoint every 2 steps: rank 1 dies as step 2's checkpoint
-    is being saved (its node's rank 0 leaves; ranks 2 and 3 go on from their memory at step 2); then rank 3 dies
-    inside step 3's agreement, no shard group is whole, and rank 2 reloads the latest checkpoint: the one the run
-    saved as it started, step 2's having been cut short."""
-    run = run_loop(tmp_path, 4, "--strategy", "HYBRID_SHARD", "--checkpoint-every", 2, "--kill", "1:2:save",
-                   "--kill", "3:3:agreement", env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"})
+    """HYBRID_SHARD on 2 emulated nodes of 2 ranks, a checkpoint every 2 steps, asked to grow back but launched
+    with no slot to spare: rank 1 dies as step 2's checkpoint is being saved (no newcomer can start, which is said;
+    its node's rank 0 leaves; ranks 2 and 3 go on from their memory at step 2); then rank 3 dies inside step 3's
+    agreement, no shard group is whole, and rank 2 reloads the latest checkpoint: the one the run saved as it
+    started, step 2's having been cut short."""
+    run = run_loop(tmp_path, 4, "--strategy", "HYBRID_SHARD", "--checkpoint-every", 2, "--grow-back", "--kill",
+                   "1:2:save", "--kill", "3:3:agreement", env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"}, slots=4)
     result = result_of(tmp_path, run)
     assert "rank 0: left the run at optimizer step 2" in run.stdout
+    assert run.stderr.count("fsdp_mpi.elastic: no newcomer can start") == 2, run.stderr[-3000:]
+    assert "fsdp_mpi.elastic: no newcomer can start in the place of rank(s) 1 (0 free slot(s) in the allocation)" \
+        in run.stderr
+    assert result["step_ranks"] == [1] * 6  # the counters of the checkpoint saved as the run started, then 1 rank
     assert [line.split(". Noticed")[0] for line in result["recoveries"]] == [
         "lost rank(s) 1 of the job (4 training before); 2 rank(s) go on from memory (the shard groups left whole) "
         "at optimizer step 2",
@@ -119,6 +130,48 @@ def test_hybrid_shard_goes_on_from_memory_then_from_a_checkpoint_when_no_group_i
         "step 0"]
     assert_trains_as_one_process(result, one_process)
     assert_nothing_piled_up(result)
+
+
+@pytest.mark.open_mpi
+def test_hybrid_shard_grows_back_after_each_loss_every_newcomer_healed_by_its_twin(one_process, tmp_path):
+    """HYBRID_SHARD on 2 emulated nodes of 2 ranks, growing back, no checkpoints: rank 1 dies in step 2's backward,
+    and a newcomer takes its place, its shards and optimizer state sent by its twin (rank 3, the same place on the
+    other node); then rank 3 dies inside step 4's agreement, and a second newcomer is healed by rank 1's newcomer.
+    Every step trains on 4 ranks, as one process does, and the survivors pile nothing up."""
+    run = run_loop(tmp_path, 4, "--strategy", "HYBRID_SHARD", "--grow-back", "--kill", "1:2:backward",
+                   "--kill", "3:4:agreement", env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"})
+    result = result_of(tmp_path, run)
+    assert [line.split(". Noticed")[0] for line in result["recoveries"]] == [
+        f"lost rank(s) {lost} of the job (4 training before); 4 rank(s), newcomers in rank(s) {lost}, go on from "
+        f"memory (each newcomer's state sent by its twin) at optimizer step {step}" for lost, step in ((1, 2), (3, 4))]
+    for rank, step in ((1, 2), (3, 4)):
+        assert f"fsdp_mpi.elastic: rank {rank}: a newcomer in a lost rank's place, at optimizer step {step}" \
+            in run.stdout, run.stdout[-3000:]
+    assert result["step_ranks"] == [4] * 6
+    assert_trains_as_one_process(result, one_process)
+    assert_nothing_piled_up(result)
+
+
+@pytest.mark.open_mpi
+def test_full_shard_grows_back_from_the_checkpoint_and_a_newcomer_lost_as_it_joins_leaves_the_run_shrunk(
+        one_process, tmp_path):
+    """FULL_SHARD on 4 ranks, growing back, a checkpoint every 2 steps: rank 2 dies in step 1's backward, and the
+    newcomer started in its place dies as it builds the run (a loss inside the grow-back): the survivors go on
+    with 3 ranks from the checkpoint saved as the run started. Rank 1 then dies in step 3's backward: a newcomer
+    starts in the place of each rank missing, 1 and 2, and the 4 ranks reload step 2's checkpoint. mpirun then
+    exits 137, as the newcomer did: Open MPI 5.0.11's launcher forgives a lost process only in the job it launched
+    itself, not in the one a spawn started (docs/failures.md)."""
+    run = run_loop(tmp_path, 4, "--checkpoint-every", 2, "--grow-back", "--kill", "2:1:backward",
+                   "--kill-newcomer", "2:-1:start", "--kill", "1:3:backward")
+    result = result_of(tmp_path, run, exit_code=128 + 9)
+    assert [line.split(". Noticed")[0] for line in result["recoveries"]] == [
+        "lost rank(s) 2 of the job (4 training before); 3 rank(s) go on from the latest checkpoint at optimizer "
+        "step 0",
+        "lost rank(s) 1 of the job (3 training before); 4 rank(s), newcomers in rank(s) 1, 2, go on from the "
+        "latest checkpoint at optimizer step 2"]
+    assert "rank 2: killed in step -1's start" in run.stdout, run.stdout[-3000:]
+    assert result["step_ranks"] == [3, 3, 4, 4, 4, 4]
+    assert_trains_as_one_process(result, one_process)
 
 
 @pytest.mark.open_mpi

@@ -513,7 +513,11 @@ USERS_LOOP = ("tests/test_elastic.py::"
               "test_a_users_loop_survives_losses_as_it_starts_in_the_found_inf_reduction_a_save_and_a_recovery")
 HYBRID_ELASTIC = ("tests/test_elastic.py::"
                   "test_hybrid_shard_goes_on_from_memory_then_from_a_checkpoint_when_no_group_is_left_whole")
+GROW_BACK = "tests/test_elastic.py::test_hybrid_shard_grows_back_after_each_loss_every_newcomer_healed_by_its_twin"
 ULFM_MUTANTS = {
+    "a newcomer trains from its own fresh build, its twin's state received and dropped": (
+        "fsdp_mpi/elastic/recovery.py", "                plan.take(rebuilt, going_on.receive_object(twin))",
+        "                going_on.receive_object(twin)", [GROW_BACK]),
     "a survivor whose step completed goes on without the step's agreement": (
         "fsdp_mpi/elastic/agreement.py", "    if interrupted is None and not can_go_on():",
         "    if interrupted is None:", [PROTOCOL]),

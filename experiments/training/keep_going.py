@@ -14,7 +14,6 @@ compute what a run without it computes.
 
 from dataclasses import dataclass
 
-from training.choices import REPLICATED
 from training.resume import Position, RunCheckpoints
 
 from fsdp_mpi import Communicator, RankLostError
@@ -68,8 +67,8 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
     plan = recovery.Plan(
         build=build,
         shard_comm=lambda old: old.prepared.model.groups.shard,
-        replicated=lambda old: old.config.sharding_strategy in REPLICATED,
-        from_memory=_move_state,
+        replica_comm=lambda old: old.prepared.model.groups.replicas,
+        held=_held, take=_take,
         from_checkpoint=from_checkpoint if run.config.checkpoint_dir else None,
         position=lambda _: (position.step, position.epoch, position.tally.steps),
         release=lambda old: old.optimizer.state.clear())
@@ -86,11 +85,18 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
     return outcome.run, resumed_at
 
 
-def _move_state(old, new) -> None:
-    """Puts `old`'s shards, optimizer state, schedule, loss scale and CSV rows into `new`, whose shard groups are
-    laid out as `old`'s (the same size, each rank in its place): every parameter's shard has the same elements."""
-    recovery.move_shards(old.prepared.model, new.prepared.model)
-    new.optimizer.load_state_dict(old.optimizer.state_dict())
-    new.schedule.load_state_dict(old.schedule.state_dict())
-    new.prepared.scaler.load_state_dict(old.prepared.scaler.state_dict())
-    new.recorder.resume(old.recorder.run_id, old.recorder.rows, old.recorder.step_rows)
+def _held(run) -> dict:
+    """`run`'s shards, optimizer state, schedule, loss scale and CSV rows, as ``_take`` puts them into another."""
+    return {"shards": recovery.shards_of(run.prepared.model), "optimizer": run.optimizer.state_dict(),
+            "schedule": run.schedule.state_dict(), "scaler": run.prepared.scaler.state_dict(),
+            "recorder": (run.recorder.run_id, run.recorder.rows, run.recorder.step_rows)}
+
+
+def _take(run, held: dict) -> None:
+    """Puts `held` into `run`, whose shard groups are laid out as those of the run it was held by (the same size,
+    each rank in its place): every parameter's shard has the same elements."""
+    recovery.put_shards(run.prepared.model, held["shards"])
+    run.optimizer.load_state_dict(held["optimizer"])
+    run.schedule.load_state_dict(held["schedule"])
+    run.prepared.scaler.load_state_dict(held["scaler"])
+    run.recorder.resume(*held["recorder"])

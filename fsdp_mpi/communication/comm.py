@@ -25,6 +25,7 @@ from fsdp_mpi.communication import point_to_point
 from fsdp_mpi.communication.bookkeeping import Collective, Traffic, in_mpi, waiting_in_mpi
 from fsdp_mpi.communication.failures.abort import exit_without_finalize
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
+from fsdp_mpi.communication.failures.job import job_comm, spawn_into
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
 from fsdp_mpi.communication.failures.liveness import Liveness
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable, failed_ranks
@@ -40,6 +41,7 @@ from fsdp_mpi.communication.transports.shared_slots import device_bytes_held_by_
 from fsdp_mpi.communication.transports.transport import Transport
 
 Call = Callable[[Transport], None]
+OBJECT_TAG = 30_001  # send_object's messages: above the tags torch's users pick, within MPI's least upper bound
 
 
 def check_full_and_shard(full: torch.Tensor, shard: torch.Tensor, world_size: int, what: str) -> None:
@@ -52,7 +54,8 @@ def check_full_and_shard(full: torch.Tensor, shard: torch.Tensor, world_size: in
 
 
 class Communicator:
-    """Collectives on torch tensors over one MPI communicator (``MPI.COMM_WORLD`` by default).
+    """Collectives on torch tensors over one MPI communicator (the job's by default: ``MPI.COMM_WORLD``, or the one
+    a grow-back renewed, ``failures/job.py``).
 
     Args:
         mpi_comm: the mpi4py communicator whose ranks share the model.
@@ -80,7 +83,7 @@ class Communicator:
                  verify: bool | None = None):
         if not MPI.Is_initialized():  # a program that set mpi4py.rc.initialize = False and has not yet
             raise RuntimeError("MPI is not initialised: call mpi4py's MPI.Init_thread() before building a Communicator")
-        self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.mpi_comm = job_comm() if mpi_comm is None else mpi_comm
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
         if self.mpi_comm == MPI.COMM_WORLD:
@@ -350,6 +353,30 @@ class Communicator:
                                  timeout=self.timeout, verify=self.verify)
         survivors.node_exchange_bytes = self.node_exchange_bytes
         return survivors
+
+    def grow_back(self, missing: list[int]) -> "Communicator":
+        """After ``shrink``, on its survivors: the job grown back, a newcomer running this program started in each
+        of `missing`'s places (ranks of the job) and the survivors in theirs, with this one's settings; from now on
+        the job (``failures/job.py``). Collective over these ranks, and the newcomers'. Raises ``MPI.Exception``
+        on every rank alike where no newcomer could be started (no free slot in the allocation)."""
+        with in_mpi(self, f"start {len(missing)} newcomer(s) and merge", collective=False):
+            job = spawn_into(self.mpi_comm, missing)
+        grown = Communicator(job, force_staging=self.force_staging, cuda_aware=self.cuda_awareness,
+                             node_transport=self.node_transport, two_level=self.two_level, timeout=self.timeout,
+                             verify=self.verify)
+        grown.node_exchange_bytes = self.node_exchange_bytes
+        return grown
+
+    def send_object(self, obj, peer: int) -> None:
+        """Sends picklable `obj` (tensors and all: a rank's whole state) to rank `peer`: a message, not a
+        collective (``receive_object`` takes it)."""
+        with in_mpi(self, f"send an object to rank {peer}", collective=False):
+            self.mpi_comm.send(obj, dest=peer, tag=OBJECT_TAG)
+
+    def receive_object(self, peer: int):
+        """The object rank `peer` sends with ``send_object``."""
+        with in_mpi(self, f"receive an object from rank {peer}", collective=False):
+            return self.mpi_comm.recv(source=peer, tag=OBJECT_TAG)
 
     # ----------------------------------------------------------------- the one call
 

@@ -4,17 +4,26 @@ Every survivor arrives here from the same agreement (``agreement.end_step``), so
 of them recovers, and from the same committed state. Then, collectively:
 
 1. the world shrinks to the ranks still alive (``Communicator.shrink``);
-2. the survivors decide where the state comes from:
+2. where the run grows back (``Plan.grow_back``) and the allocation has free slots, the
+   survivors start a newcomer in each lost rank's place (``Communicator.grow_back``), and the
+   run goes on with as many ranks as before, each in its place:
+   - where every lost rank's shards live on in a replica (HYBRID_SHARD, NO_SHARD: its *twin*,
+     the survivor at the same place in another shard group), every survivor keeps its own
+     state and each twin sends a copy of its state to its newcomer (the heal);
+   - otherwise (FULL_SHARD, SHARD_GRAD_OP) every rank loads the latest checkpoint;
+   the newcomer's side of this is ``join``, called by ``run_elastic`` as its program starts;
+3. otherwise the survivors decide where the state comes from:
    - a shard group all of whose ranks are alive still holds a whole replica (HYBRID_SHARD,
      NO_SHARD): those groups go on from memory, and the ranks of broken groups leave;
    - otherwise (FULL_SHARD, SHARD_GRAD_OP, or no replica left whole) every survivor loads the
      latest checkpoint, resharded onto their number; with none to load, the run cannot go on;
-3. the ranks that go on build the run on their communicator, as a run started there would be
+4. the ranks that go on build the run on their communicator, as a run started there would be
    built, and put the state in.
 
 A rank lost during any of this (a node's ranks noticed one after the other, a second failure)
 makes the survivors shrink again and start over from the same committed state: every
-collective of the recovery is inside that retry. MPI makes a communicator's creation
+collective of the recovery is inside that retry. A newcomer that meets a loss before it is
+healed has nothing to go on from: it leaves, and the survivors go on without growing. MPI makes a communicator's creation
 (split, shrink) succeed on every rank or fail on every rank, so all survivors always retry
 from the same communicator.
 """
@@ -22,7 +31,7 @@ from the same communicator.
 import gc
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Generic, NoReturn, TypeVar
 
 import torch
@@ -31,6 +40,7 @@ from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.abort import exit_without_finalize
+from fsdp_mpi.communication.failures.job import free_slots, job_comm, job_rank, job_ranks
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
 from fsdp_mpi.sharding.host_memory import give_back_freed_host_memory
@@ -69,13 +79,31 @@ class Recovered(Generic[Run]):
     from_memory: bool
     shrink_seconds: float
     rebuild_seconds: float
+    speaker: bool  # whether this rank says what happened (the lowest survivor)
+    newcomers: list[int] = field(default_factory=list)  # the ranks of the job a grow-back filled
 
     def message(self, step: int, noticed_after: float) -> str:
-        source = "memory (the shard groups left whole)" if self.from_memory else "the latest checkpoint"
+        if self.newcomers:
+            source = ("memory (each newcomer's state sent by its twin)" if self.from_memory else
+                      "the latest checkpoint")
+            grown = f", newcomers in rank(s) {', '.join(map(str, self.newcomers))},"
+        else:
+            source = "memory (the shard groups left whole)" if self.from_memory else "the latest checkpoint"
+            grown = ""
         return (f"lost rank(s) {', '.join(map(str, self.lost))} of the job ({self.before} training before); "
-                f"{self.after} rank(s) go on from {source} at optimizer step {step}. "
+                f"{self.after} rank(s){grown} go on from {source} at optimizer step {step}. "
                 f"Noticed after {noticed_after:.3f} s in a collective, shrunk in {self.shrink_seconds:.3f} s, "
                 f"rebuilt in {self.rebuild_seconds:.3f} s")
+
+
+@dataclass
+class Growth:
+    """What the survivors of a loss tell the newcomers they started: what was lost, and where the state comes from."""
+
+    lost: list[int]  # the ranks lost, numbered as in the job
+    before: int  # ranks training before the loss
+    newcomers: list[int]  # the ranks of the job the newcomers fill
+    twins: dict[int, int] | None  # each newcomer's twin, which sends it its state; None: the latest checkpoint
 
 
 @dataclass
@@ -84,8 +112,10 @@ class Plan(Generic[Run]):
 
     build: the run built and wrapped on a communicator's ranks, exactly as a run started there is built.
     shard_comm: a run's shard group (``model.groups.shard``): whether it is whole decides the source.
-    replicated: whether other shard groups hold replicas of a run's shards (HYBRID_SHARD, NO_SHARD).
-    from_memory: puts the old run's committed state into the new one (shard groups laid out alike).
+    replica_comm: the ranks that hold the same shards as this one (``model.groups.replicas``; None under
+        FULL_SHARD and SHARD_GRAD_OP, whose shards nobody else holds).
+    held: a run's committed state (picklable: a twin sends it to a newcomer).
+    take: puts a held state into a run built with its shard groups laid out alike (each rank in its place).
     from_checkpoint: loads the latest checkpoint into the new run; False if there is none. None: the run keeps
         no checkpoints.
     release: frees what of the old run's state a reload replaces (its optimizer state), before the new run is
@@ -93,15 +123,19 @@ class Plan(Generic[Run]):
         would, not two.
     position: where a run is (its committed step, and anything else that says where it is in the data), checked
         to be the same on every rank that goes on from memory.
+    grow_back: start a newcomer in each lost rank's place where the allocation has free slots, and go on with
+        as many ranks as before.
     """
 
     build: Callable[[Communicator], Run]
     shard_comm: Callable[[Run], Communicator]
-    replicated: Callable[[Run], bool]
-    from_memory: Callable[[Run, Run], None]
+    replica_comm: Callable[[Run], Communicator | None]
+    held: Callable[[Run], object]
+    take: Callable[[Run, object], None]
     from_checkpoint: Callable[[Run], bool] | None
     position: Callable[[Run], object]
     release: Callable[[Run], None]
+    grow_back: bool = False
 
 
 def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | Left:
@@ -110,14 +144,31 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
     started, before = time.perf_counter(), comm.world_size
     lost: set[int] = set()
     failing = comm  # the communicator a loss was last seen on: the next shrink's
+    grow = plan.grow_back  # once a recovery: after a newcomer lost in its own heal, the survivors go on shrunk
     while True:
         survivors, alive = shrink_until_it_holds(failing)
         lost |= set(job_ranks(failing.mpi_comm)) - set(alive)
         shrunk = time.perf_counter()
         failing = survivors
         try:
-            whole = survivors.all_gather_object(set(job_ranks(plan.shard_comm(run).mpi_comm)) <= set(alive))
-            from_memory = plan.replicated(run) and any(whole)
+            replicas = plan.replica_comm(run)
+            # Each survivor's shard group and replicas, as ranks of the job: (shard group, replicas or None).
+            places = survivors.all_gather_object((job_ranks(plan.shard_comm(run).mpi_comm),
+                                                  job_ranks(replicas.mpi_comm) if replicas is not None else None))
+            if grow:
+                grow = False
+                growth = _growth(places, alive, sorted(lost), before)
+                job = _grown_back(survivors, growth) if growth.twins is not None or plan.from_checkpoint else None
+                if job is not None:
+                    failing = job
+                    job.all_gather_object(growth)  # the newcomers' ``join`` learns it here
+                    rebuilt = _rebuild(run, job, growth.twins is not None, plan, growth.twins or {})
+                    job.watch_liveness()
+                    return Recovered(rebuilt, sorted(lost), before, job.world_size, growth.twins is not None,
+                                     shrunk - started, time.perf_counter() - shrunk, job.rank == min(alive),
+                                     growth.newcomers)
+            whole = [set(shard) <= set(alive) for shard, _ in places]
+            from_memory = replicas is not None and any(whole)
             if from_memory and not whole[survivors.rank]:
                 survivors.split(MPI.UNDEFINED)
                 return Left(sorted(lost))
@@ -127,27 +178,88 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
                                  survivors.rank == 0)
             going_on = survivors.split(0) if from_memory else survivors
             failing = going_on
-            rebuilt = _rebuild(run, going_on, from_memory, plan)
+            rebuilt = _rebuild(run, going_on, from_memory, plan, {})
             going_on.watch_liveness()
             return Recovered(rebuilt, sorted(lost), before, going_on.world_size, from_memory, shrunk - started,
-                             time.perf_counter() - shrunk)
+                             time.perf_counter() - shrunk, going_on.rank == 0)
         except RankLostError:
             continue  # shrink `failing` again, from the same committed state
 
 
-def _rebuild(run: Run, going_on: Communicator, from_memory: bool, plan: Plan[Run]) -> Run:
-    """`run`'s committed state in a run built on `going_on`'s ranks, from memory or the latest checkpoint."""
-    if not from_memory:  # nothing of the old state is read again: a second loss only ever leaves fewer groups whole
-        plan.release(run)
+def join(job: Communicator, plan: Plan[Run]) -> Recovered[Run]:
+    """A newcomer's side of a grow-back (``recover`` on the survivors), on the job it has joined (collective over
+    it): the run built in its place, its state from its twin or the latest checkpoint. A loss before it is healed
+    ends this process (it has nothing to go on from; the survivors go on without it)."""
+    started = time.perf_counter()
+    try:
+        growth = next(told for told in job.all_gather_object(None) if told is not None)
+        rebuilt = _rebuild(None, job, growth.twins is not None, plan, growth.twins or {})
+        job.watch_liveness()
+    except RankLostError as lost:
+        print(f"fsdp_mpi.elastic: the newcomer in rank {job.rank}'s place leaves: a rank was lost before it was "
+              f"healed ({lost})", file=sys.stderr, flush=True)
+        exit_without_finalize(0)
+    return Recovered(rebuilt, growth.lost, growth.before, job.world_size, growth.twins is not None, 0.0,
+                     time.perf_counter() - started, False, growth.newcomers)
+
+
+def _growth(places: list[tuple[list[int], list[int] | None]], alive: list[int], lost: list[int],
+            before: int) -> Growth:
+    """Who the newcomers are (every rank of the job not alive, lost now or earlier) and where their state comes
+    from: their twins (the lowest survivor holding the same shards), where every newcomer has one."""
+    missing = sorted(set(range(job_comm().Get_size())) - set(alive))
+    twins = {}
+    for rank in missing:
+        holders = [survivor for survivor, (_, replicas) in zip(alive, places) if replicas and rank in replicas]
+        if holders:
+            twins[rank] = min(holders)
+    return Growth(lost, before, missing, twins if len(twins) == len(missing) else None)
+
+
+def _grown_back(survivors: Communicator, growth: Growth) -> Communicator | None:
+    """The job grown back by `growth`'s newcomers, or None where they cannot start (said once): the allocation
+    has too few free slots (asked first: Open MPI's launcher fails the whole job at its end after a refused
+    spawn), or MPI refused."""
+    free = free_slots()
+    try:
+        if free is not None and free < len(growth.newcomers):
+            raise CannotGrow(f"{free} free slot(s) in the allocation")
+        return survivors.grow_back(growth.newcomers)
+    except (CannotGrow, MPI.Exception) as refused:
+        if survivors.rank == 0:
+            why = refused.Get_error_string() if isinstance(refused, MPI.Exception) else str(refused)
+            print(f"fsdp_mpi.elastic: no newcomer can start in the place of rank(s) "
+                  f"{', '.join(map(str, growth.newcomers))} ({why}): the run goes on without; to grow back, give "
+                  "mpirun more slots than ranks (docs/failures.md)", file=sys.stderr, flush=True)
+        return None
+
+
+class CannotGrow(RuntimeError):
+    """The newcomers a grow-back needs cannot start."""
+
+
+def _rebuild(run: Run | None, going_on: Communicator, from_memory: bool, plan: Plan[Run],
+             twins: dict[int, int]) -> Run:
+    """`run`'s committed state in a run built on `going_on`'s ranks, from memory or the latest checkpoint; on a
+    newcomer (`run` None, its place in `twins`, which maps each newcomer to its twin), its twin's state."""
+    if run is not None and not from_memory:  # a second loss only ever leaves fewer groups whole: the old state
+        plan.release(run)  # is not read again
     gc.collect()  # the interrupted step's frames (its activations) and an earlier run's cycles, before the build
     give_back_freed_host_memory()
     rebuilt = plan.build(going_on)
     if from_memory:
-        positions = going_on.all_gather_object(plan.position(run))
+        positions = [where for where in going_on.all_gather_object(plan.position(run) if run is not None else None)
+                     if where is not None]
         if any(where != positions[0] for where in positions):  # the agreement before every update rules it out
             raise RuntimeError(f"the ranks going on from memory stand at different places {positions}: their "
                                "states differ, so none of them can be trusted")
-        plan.from_memory(run, rebuilt)
+        if run is not None:
+            plan.take(rebuilt, plan.held(run))
+        for newcomer, twin in twins.items():
+            if going_on.rank == twin:
+                going_on.send_object(plan.held(run), newcomer)
+            elif going_on.rank == newcomer:
+                plan.take(rebuilt, going_on.receive_object(twin))
     elif not plan.from_checkpoint(rebuilt):
         raise CannotGoOn("no checkpoint has been saved yet to reload the lost shards from", going_on.rank == 0)
     return rebuilt
@@ -160,17 +272,23 @@ def collect_the_old_run() -> None:
     gc.collect()
 
 
-def move_shards(old: nn.Module, new: nn.Module) -> None:
-    """Copies every parameter's shard of the wrapped model `old` into `new`, built on the ranks that go on with
-    shard groups laid out as `old`'s (the same size, each rank in its place: each shard has the same elements)."""
-    new_parameters = dict(new.named_parameters())
+def shards_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shard of every parameter of the wrapped `model`, by name (for ``put_shards``)."""
+    return {name: parameter.detach() for name, parameter in model.named_parameters()}
+
+
+def put_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
+    """Copies `shards` (``shards_of`` a model built alike) into the wrapped `model`, built on the ranks that go on
+    with shard groups laid out as the old one's (the same size, each rank in its place: each shard has the same
+    elements)."""
+    parameters = dict(model.named_parameters())
     with torch.no_grad():
-        for name, parameter in old.named_parameters():
-            if new_parameters[name].shape != parameter.shape:
-                raise RuntimeError(f"{name}'s shard has {tuple(parameter.shape)} elements here but "
-                                   f"{tuple(new_parameters[name].shape)} on the ranks left: the shard groups "
+        for name, shard in shards.items():
+            if parameters[name].shape != shard.shape:
+                raise RuntimeError(f"{name}'s shard has {tuple(shard.shape)} elements in the state kept but "
+                                   f"{tuple(parameters[name].shape)} in the run going on: the shard groups "
                                    "changed, so the state cannot move from memory")
-            new_parameters[name].copy_(parameter)
+            parameters[name].copy_(shard)
 
 
 def abandon_the_step(comm: Communicator, lost: RankLostError) -> None:
@@ -205,11 +323,6 @@ def shrink_until_it_holds(comm: Communicator) -> tuple[Communicator, list[int]]:
     while True:
         survivors = comm.shrink()
         try:
-            return survivors, survivors.all_gather_object(MPI.COMM_WORLD.Get_rank())
+            return survivors, survivors.all_gather_object(job_rank())
         except RankLostError:
             comm = survivors
-
-
-def job_ranks(mpi_comm) -> list[int]:
-    """The ranks of `mpi_comm`, numbered as in the job (``MPI.COMM_WORLD``), as launchers and logs number them."""
-    return mpi_comm.Get_group().Translate_ranks(list(range(mpi_comm.Get_size())), MPI.COMM_WORLD.Get_group())

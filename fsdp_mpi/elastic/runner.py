@@ -25,6 +25,11 @@ Under it, ULFM's protocol (``agreement.py``): a rank whose step was cut short re
 communicators and agrees "not complete"; every other survivor meets it in the same
 agreement, inside ``commit()``; then all of them recover together (``recovery.py``). The
 run ends with one more agreement, so that no rank leaves while another is recovering.
+
+With ``grow_back=True`` the survivors start a newcomer in each lost rank's place where the
+allocation has a free slot. The newcomer runs the same program from the top: its
+``run_elastic`` finds that it was started to fill a place (``failures/job.py``), joins the
+survivors' recovery (``recovery.join``) and calls ``train`` with the state it was given.
 """
 
 import sys
@@ -32,10 +37,11 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from fsdp_mpi.communication.comm import Communicator
+from fsdp_mpi.communication.failures.job import is_newcomer, job_ranks
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
-from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, abandon_the_step, collect_the_old_run,
-                                      end_for_lack_of_state, forget_the_interrupted_step, job_ranks, recover,
+from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, Recovered, abandon_the_step, collect_the_old_run,
+                                      end_for_lack_of_state, forget_the_interrupted_step, join, recover,
                                       shrink_until_it_holds)
 from fsdp_mpi.elastic.state import ElasticState
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
@@ -50,11 +56,12 @@ class Elastic:
         self.recoveries: list[str] = []  # each recovery's message, as printed
         self.left: Left | None = None  # set on a rank whose shard group broke while others went on
         self.lost_ranks: list[int] = []  # every rank lost, numbered as in the job
+        self.newcomer = False  # whether this process was started in a lost rank's place (``grow_back``)
 
 
 def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Communicator], ElasticState],
                 comm: Communicator | None = None, *, checkpoint_dir: str | Path | None = None,
-                checkpoint_every: int = 0, elastic: Elastic | None = None) -> Result | None:
+                checkpoint_every: int = 0, elastic: Elastic | None = None, grow_back: bool = False) -> Result | None:
     """Calls ``train(build(comm))`` and, after each lost rank, ``train`` again on the survivors' rebuilt state.
 
     Args:
@@ -65,6 +72,11 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
             loss under FULL_SHARD or SHARD_GRAD_OP (whose lost shards exist nowhere else) the survivors load the
             latest one. A directory that already holds checkpoints is resumed from.
         elastic: filled with what the run went through (recoveries, lost ranks, whether this rank left).
+        grow_back: after a loss, start a newcomer running this program in each lost rank's place, where the
+            allocation has a free slot (``mpirun`` given more slots than ranks), and go on with as many ranks as
+            before: under HYBRID_SHARD and NO_SHARD each newcomer gets its state from its twin (the survivor
+            holding the same shards), otherwise every rank loads the latest checkpoint. Where no slot is free,
+            says so and goes on with the survivors.
 
     Returns `train`'s result; None on a rank that left (its shard group broke while others went on from memory).
     Where MPI cannot report a lost rank (``continuation_unavailable``), says so once and trains as usual: a
@@ -81,13 +93,20 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
     if unavailable and comm.rank == 0:
         print(f"fsdp_mpi.elastic: a lost rank will end the job: {unavailable}", file=sys.stderr, flush=True)
     directory = (lambda on: CheckpointDirectory(checkpoint_dir, on)) if checkpoint_dir is not None else None
-    state = _first_state(lambda on: _started(build(on), directory, checkpoint_every), comm, unavailable, elastic)
     plan = Plan(build=lambda on: _checkpointed(build(on), directory, checkpoint_every),
-                shard_comm=lambda run: run.model.groups.shard,
-                replicated=lambda run: run.model.groups.replicas is not None,
-                from_memory=ElasticState.move_into,
+                shard_comm=lambda run: run.model.groups.shard, replica_comm=lambda run: run.model.groups.replicas,
+                held=ElasticState.held, take=ElasticState.take,
                 from_checkpoint=(lambda run: run.load(directory(run.comm))) if directory else None,
-                position=lambda run: run.step, release=lambda run: run.optimizer.state.clear())
+                position=lambda run: run.step, release=lambda run: run.optimizer.state.clear(),
+                grow_back=grow_back)
+    if is_newcomer():  # started by the survivors' recovery, in a lost rank's place
+        elastic.newcomer = True
+        state = _recovered(join(comm, plan), 0.0, elastic)
+        print(f"fsdp_mpi.elastic: rank {state.comm.rank}: a newcomer in a lost rank's place, at optimizer step "
+              f"{state.step}", flush=True)
+    else:
+        state = _first_state(lambda on: _started(build(on), directory, checkpoint_every), comm, unavailable,
+                             elastic)
     while True:
         try:
             result = train(state)
@@ -107,14 +126,19 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
             elastic.left, elastic.lost_ranks = outcome, sorted(set(elastic.lost_ranks) | set(outcome.lost))
             print(f"fsdp_mpi.elastic: rank {comm.rank}: {outcome.message(state.step)}", flush=True)
             return None
-        message = outcome.message(outcome.run.step, lost.waited)
-        elastic.recoveries.append(message)
-        elastic.lost_ranks = sorted(set(elastic.lost_ranks) | set(outcome.lost))
-        if outcome.run.comm.rank == 0:
-            print(f"fsdp_mpi.elastic: {message}", flush=True)
-        state = outcome.run
+        state = _recovered(outcome, lost.waited, elastic)
         del outcome
         collect_the_old_run()
+
+
+def _recovered(outcome: Recovered[ElasticState], noticed_after: float, elastic: Elastic) -> ElasticState:
+    """The state a recovery (or a newcomer's join) rebuilt, what happened kept in `elastic` and said once."""
+    message = outcome.message(outcome.run.step, noticed_after)
+    elastic.recoveries.append(message)
+    elastic.lost_ranks = sorted(set(elastic.lost_ranks) | set(outcome.lost))
+    if outcome.speaker:
+        print(f"fsdp_mpi.elastic: {message}", flush=True)
+    return outcome.run
 
 
 def _first_state(start: Callable[[Communicator], ElasticState], comm: Communicator, unavailable: str | None,

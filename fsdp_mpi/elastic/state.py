@@ -12,9 +12,10 @@ drops the gradients and restores the counters, and no copy of the model or optim
 kept for it. (Horovod Elastic's ``commit()`` copies the state instead, and restores it
 after the update; here no update happens that might need undoing.)
 
-After a loss the state moves to the survivors one of two ways (``recovery.py``): from
-memory, where a shard group is left whole (HYBRID_SHARD, NO_SHARD: ``move_into``), or from
-the latest checkpoint (``save``/``load``), resharded onto their number.
+After a loss the state moves to the ranks that go on one of two ways (``recovery.py``): from
+memory, where a shard group is left whole or a newcomer's twin holds its shards (HYBRID_SHARD,
+NO_SHARD: ``held``/``take``), or from the latest checkpoint (``save``/``load``), resharded
+onto their number.
 """
 
 import copy
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from fsdp_mpi.elastic.agreement import end_step
-from fsdp_mpi.elastic.recovery import move_shards
+from fsdp_mpi.elastic.recovery import put_shards, shards_of
 from fsdp_mpi.files.checkpoint import load_checkpoint
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 from fsdp_mpi.loop.grad_scaler import ShardedGradScaler
@@ -85,12 +86,18 @@ class ElasticState:
             self.scaler.abandon_step()
         self.counters = copy.deepcopy(self._committed)
 
-    def move_into(self, new: "ElasticState") -> None:
-        """Puts this committed state into `new`, built on the ranks that go on, whose shard groups are laid out
-        as this one's (the same size, each rank in its place: every parameter's shard has the same elements)."""
-        move_shards(self.model, new.model)
-        new.optimizer.load_state_dict(self.optimizer.state_dict())
-        new.load_state_dict(self.state_dict())
+    def held(self) -> dict:
+        """This rank's committed state: its shards, its optimizer's state and the rest (``state_dict``), as
+        ``take`` puts it into a state built on the ranks that go on (a twin sends it to its newcomer pickled)."""
+        return {"shards": shards_of(self.model), "optimizer": self.optimizer.state_dict(),
+                "state": self.state_dict()}
+
+    def take(self, held: dict) -> None:
+        """Puts `held` (``held()`` of a rank in this one's place: the same shard group size and position, so that
+        every parameter's shard has the same elements) into this state."""
+        put_shards(self.model, held["shards"])
+        self.optimizer.load_state_dict(held["optimizer"])
+        self.load_state_dict(held["state"])
 
     def state_dict(self) -> dict:
         """Everything but the model's and optimizer's tensors: the step, counters, schedule, scaler."""

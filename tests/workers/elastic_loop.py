@@ -2,15 +2,17 @@
 chosen moments, for tests/test_elastic.py.
 
     python elastic_loop.py OUT [--strategy NAME] [--checkpoint-every N] [--accumulate] [--overlap] [--offload]
-                           [--kill RANK:STEP:MOMENT]...
+                           [--grow-back] [--kill RANK:STEP:MOMENT]... [--kill-newcomer RANK:STEP:MOMENT]...
 
 The loop is what docs/failures.md shows a user: every step's samples follow from ``state.step`` (a global batch
 of GLOBAL_BATCH, cut into equal parts on the ranks of the moment), and every step ends in ``state.commit()``.
 With --checkpoint-every, checkpoints go to OUT/checkpoints. --accumulate
 takes each step as two micro-batches, the first under ``no_sync()``; --overlap turns on the prefetches and the
 asynchronous reduce-scatter (so a collective is in flight when a rank dies); --offload keeps the shards in host
-memory (``CPUOffload``). RANK is the rank in the job, STEP the optimizer
-step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one of:
+memory (``CPUOffload``); --grow-back starts a newcomer in each lost rank's place (``run_elastic(grow_back=True)``):
+the newcomer runs this program with these arguments, and only its own --kill-newcomer plans apply to it. RANK is
+the rank in the job, STEP the optimizer step (from 0; for save and latest, the steps the checkpoint holds), MOMENT
+one of:
 
     start      (STEP -1) as the run is first built (the others are in the wrapper's collectives)
     backward   the step's second unit hook in backward (the others are in its collectives)
@@ -20,9 +22,10 @@ step (from 0; for save and latest, the steps the checkpoint holds), MOMENT one o
     latest     rank 0, between the checkpoint's rename and ``latest`` naming it
     shrink     as the survivors of an earlier loss start to shrink (the others are inside MPI's shrink)
     recovery   right after the survivors of an earlier loss shrank (the others are in the recovery's all-gather)
+    heal       a newcomer, as its state is put in (its twin has sent it; the others are in the recovery)
 
-The rank sends itself SIGKILL, as a node that dies. GLOBAL_BATCH is cut into equal parts on 1, 2, 3, 4 or 6 ranks. At the end rank 0 of the ranks left writes OUT/result.json:
-each step's loss (the mean over the global batch), the loss of a fixed batch after the last step, the
+The rank sends itself SIGKILL, as a node that dies (each plan once in the run). GLOBAL_BATCH is cut into equal parts on 1, 2, 3, 4 or 6 ranks. At the end rank 0 of the ranks left writes OUT/result.json:
+each step's loss (the mean over the global batch) and number of ranks, the loss of a fixed batch after the last step, the
 recoveries, and how many threads and communicators the process holds, after the first step, at the end, and at
 the first step after each recovery: there without a collection first, with how many models built before the
 current one are still alive (the old run must be gone at once, not at Python's next full collection).
@@ -39,7 +42,6 @@ import weakref
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -47,6 +49,7 @@ import fsdp_mpi
 from fsdp_mpi import (CPUOffload, Elastic, ElasticState, FullyShardedDataParallel as FSDP, ModuleWrapPolicy,
                       ShardedGradScaler, ShardingStrategy)
 from fsdp_mpi.communication import timing_points
+from fsdp_mpi.communication.failures.job import is_newcomer, job_rank
 from fsdp_mpi.elastic import recovery, state as elastic_state
 from fsdp_mpi.files import checkpoint_directory
 
@@ -70,7 +73,7 @@ def build(comm: fsdp_mpi.Communicator, strategy: ShardingStrategy, options: list
     # A loss scaler, as fp16 needs (its scale a power of 2: the same numbers in fp32): its found-inf reduction
     # is a collective, which must come before the step's agreement.
     models.append(weakref.ref(model))
-    return ElasticState(model, optimizer, scaler=ShardedGradScaler(comm), losses=[])
+    return ElasticState(model, optimizer, scaler=ShardedGradScaler(comm), losses=[], ranks=[])
 
 
 def tokens(first: int, count: int) -> torch.Tensor:
@@ -97,6 +100,7 @@ def train(state: ElasticState, killer: "Killer", seen: dict, micro_batches: int)
                 state.scaler.scale(loss).backward()
             loss_sum += loss.item()
         state.counters["losses"].append(comm.all_reduce_sum_float(loss_sum) / comm.world_size)
+        state.counters["ranks"].append(comm.world_size)
         state.commit()
         if "after_first_step" not in seen:
             seen["after_first_step"], seen["models_then"] = resources(), len(seen["models"])
@@ -120,16 +124,19 @@ def resources(collect: bool = True) -> dict:
 
 
 class Killer:
-    """Kills this rank at its planned (step, moment)."""
+    """Kills this rank at its planned (step, moment), once in the run: a plan carried out leaves a file in
+    `out`, so that the newcomer taking this rank's place later does not carry it out again."""
 
-    def __init__(self, plan: set[tuple[int, str]]):
-        self.plan, self.step, self.hooks = plan, -1, {}
+    def __init__(self, plan: set[tuple[int, str]], out: Path):
+        self.plan, self.out, self.step, self.hooks = plan, out, -1, {}
         self.saving = -1  # the step whose checkpoint is being saved
 
     def reached(self, moment: str) -> None:
         step = self.saving if moment in ("save", "latest") else self.step
-        if (step, moment) in self.plan:
-            print(f"rank {MPI.COMM_WORLD.Get_rank()}: killed in step {self.step}'s {moment}", flush=True)
+        done = self.out / f"killed-{job_rank()}-{step}-{moment}"
+        if (step, moment) in self.plan and not done.exists():
+            done.touch()
+            print(f"rank {job_rank()}: killed in step {self.step}'s {moment}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     # timing_points' listener
@@ -151,7 +158,7 @@ def install(killer: Killer) -> None:
     timing_points.add_listener(killer)
     end_step, save, save_checkpoint = elastic_state.end_step, checkpoint_directory.CheckpointDirectory.save, \
         checkpoint_directory.save_checkpoint
-    shrink, unscale = recovery.shrink_until_it_holds, ShardedGradScaler.unscale_
+    shrink, unscale, take = recovery.shrink_until_it_holds, ShardedGradScaler.unscale_, ElasticState.take
 
     def agreeing(comm, interrupted=None):
         killer.reached("agreement")
@@ -171,6 +178,10 @@ def install(killer: Killer) -> None:
         killer.reached("unscale")
         return unscale(self, optimizer)
 
+    def healing(self, held):
+        killer.reached("heal")
+        return take(self, held)
+
     def shrunk(comm):
         killer.reached("shrink")
         found = shrink(comm)
@@ -179,7 +190,7 @@ def install(killer: Killer) -> None:
 
     elastic_state.end_step, checkpoint_directory.CheckpointDirectory.save = agreeing, saving
     checkpoint_directory.save_checkpoint, recovery.shrink_until_it_holds = renamed, shrunk
-    ShardedGradScaler.unscale_ = unscaling
+    ShardedGradScaler.unscale_, ElasticState.take = unscaling, healing
 
 
 def main() -> None:
@@ -188,17 +199,17 @@ def main() -> None:
     strategy = ShardingStrategy[args[args.index("--strategy") + 1]] if "--strategy" in args else \
         ShardingStrategy.FULL_SHARD
     every = int(args[args.index("--checkpoint-every") + 1]) if "--checkpoint-every" in args else 0
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank, kill = job_rank(), "--kill-newcomer" if is_newcomer() else "--kill"  # a newcomer: once it joined
     plan = {(int(step), moment) for victim, step, moment in
-            (args[i + 1].split(":") for i, word in enumerate(args) if word == "--kill") if int(victim) == rank}
-    killer = Killer(plan)
+            (args[i + 1].split(":") for i, word in enumerate(args) if word == kill) if int(victim) == rank}
+    killer = Killer(plan, out)
     install(killer)
     elastic, seen = Elastic(), {"models": [], "after_recoveries": []}
     micro_batches = 2 if "--accumulate" in args else 1
     state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen, micro_batches),
                                  lambda comm: build(comm, strategy, args, killer, seen["models"]),
                                  checkpoint_dir=out / "checkpoints" if every else None, checkpoint_every=every,
-                                 elastic=elastic)
+                                 elastic=elastic, grow_back="--grow-back" in args)
     if state is not None:
         with torch.no_grad():  # the weights after the last step, on a batch no step trained on
             per_rank = GLOBAL_BATCH // state.comm.world_size
@@ -206,7 +217,7 @@ def main() -> None:
             held_out = state.comm.all_reduce_sum_float(state.model(input_ids=batch, labels=batch).loss.item())
         del state.optimizer, state.model  # the last run's own communicator stays; the ones before must be gone
         if state.comm.rank == 0:
-            result = {"losses": state.counters["losses"], "held_out": held_out / state.comm.world_size,
+            result = {"losses": state.counters["losses"], "step_ranks": state.counters["ranks"], "held_out": held_out / state.comm.world_size,
                       "recoveries": elastic.recoveries, "ranks": state.comm.world_size,
                       "after_first_step": seen.get("after_first_step"), "at_the_end": resources(),
                       "after_recoveries": seen["after_recoveries"]}

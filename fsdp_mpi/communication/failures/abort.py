@@ -8,6 +8,7 @@ the launcher (mpiexec, srun) to kill every rank of the job. ``MPI_Abort`` skips
 registers with ``before_abort`` too.
 """
 
+import ctypes
 import os
 import sys
 import threading
@@ -15,6 +16,7 @@ import time
 
 from mpi4py import MPI
 
+from fsdp_mpi.communication.failures.job import is_newcomer, job_comm, replaced_ranks
 from fsdp_mpi.communication.failures.lost_ranks import can_go_on, failed_ranks
 
 # MPI_Abort kills every rank at once and launchers drop output still in flight, so a
@@ -32,7 +34,7 @@ def before_abort(cleanup) -> None:
 
 def abort_job(message: str, mpi_comm=None) -> None:
     """Prints `message` on this rank's stderr, lets it reach the launcher, then ends every rank of the job."""
-    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    comm = job_comm() if mpi_comm is None else mpi_comm
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.stderr.flush()
     for cleanup in _before_abort:
@@ -54,7 +56,7 @@ def _the_job_lost_a_rank() -> bool:
     """Whether MPI knows that a rank of the job has failed (only a job that can go on without a rank knows).
     False where it cannot be asked: the abort must not fail on the way."""
     try:
-        return can_go_on() and bool(failed_ranks(MPI.COMM_WORLD))
+        return can_go_on() and bool(replaced_ranks() or failed_ranks(MPI.COMM_WORLD))
     except MPI.Exception:
         return False
 
@@ -64,10 +66,22 @@ def exit_without_finalize(code: int):
     a lost rank, Open MPI 5.0.11's finalize now and then waits forever (a survivor hung there once in about twelve
     6-rank runs), and so does its launcher after an ``MPI_Abort`` (once in two 3-rank runs where a rank died as
     the job started); a ULFM job is content with processes that end without either, each survivor ending
-    itself."""
+    itself. Not so the job of a grow-back's newcomers (Open MPI 5.0.11's launcher reports such an end as an
+    improper one, and ``mpirun`` fails): a newcomer first tells the launcher that it ends on purpose."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if is_newcomer():
+        _tell_the_launcher_this_process_ends()
     os._exit(code)
+
+
+def _tell_the_launcher_this_process_ends() -> None:
+    """``PMIx_Finalize``: the launcher's part of ``MPI_Finalize``, which ends nothing shared with the other ranks
+    (so it cannot wait for a lost one). Nothing where the process has no PMIx library loaded."""
+    with open("/proc/self/maps") as maps:
+        library = next((line.split()[-1] for line in maps if "/libpmix.so" in line), None)
+    if library is not None:
+        ctypes.CDLL(library).PMIx_Finalize(None, ctypes.c_size_t(0))
 
 
 def abort_job_on_uncaught_exception(mpi_comm=None) -> None:
@@ -80,11 +94,11 @@ def abort_job_on_uncaught_exception(mpi_comm=None) -> None:
     if _installed:
         return
     _installed = True
-    comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
     print_exception = sys.excepthook
     print_thread_exception = threading.excepthook
 
     def end_job(exc_type) -> None:
+        comm = job_comm() if mpi_comm is None else mpi_comm  # asked then: a grow-back may have renewed the job
         abort_job(f"fsdp_mpi: rank {comm.Get_rank()} raised {exc_type.__name__}; aborting the MPI job", comm)
 
     def abort(exc_type, exc_value, exc_traceback):

@@ -26,6 +26,8 @@ import time
 
 from mpi4py import MPI
 
+from fsdp_mpi.communication.failures.job import job_comm
+
 # The error classes by which ULFM reports a lost rank (mpi4py defines them only where the library has them).
 LOST_RANK_ERRORS = frozenset(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
                                                             "ERR_REVOKED") if hasattr(MPI, name))
@@ -66,7 +68,7 @@ def is_rank_lost(error: BaseException, mpi_comm) -> bool:
 def failed_ranks(mpi_comm) -> list[int]:
     """The ranks of `mpi_comm` that MPI knows to have failed, numbered as in the job (local)."""
     failed = mpi_comm.Get_failed()
-    return failed.Translate_ranks(list(range(failed.Get_size())), MPI.COMM_WORLD.Get_group())
+    return failed.Translate_ranks(list(range(failed.Get_size())), job_comm().Get_group())
 
 
 @functools.cache

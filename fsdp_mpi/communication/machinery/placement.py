@@ -2,7 +2,7 @@
 
 The node of a rank is what MPI says shares its memory (``MPI_COMM_TYPE_SHARED``),
 or, with ``FSDP_MPI_EMULATED_NODE_SIZE=K`` (tests and benchmarks only), its block
-of K consecutive ranks of the world, so that one machine can act as several nodes (whose
+of K consecutive ranks of the job, so that one machine can act as several nodes (whose
 memory is still shared: the node transport works inside each).
 
 Two levels need every node to run the same number k of the communicator's n·k
@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
+from fsdp_mpi.communication.failures.job import job_rank
 from fsdp_mpi.communication.settings import EMULATED_NODE_SIZE, read_count
 
 
 def split_by_node(mpi_comm):
     """A communicator of the ranks of `mpi_comm` on this rank's node (real or emulated), in rank order."""
     emulated = read_count(EMULATED_NODE_SIZE)
-    if emulated is not None:  # by the world's ranks: a communicator of some of them sees the same nodes
-        return mpi_comm.Split(MPI.COMM_WORLD.Get_rank() // emulated, mpi_comm.Get_rank())
+    if emulated is not None:  # by the job's ranks: a communicator of some of them sees the same nodes
+        return mpi_comm.Split(job_rank() // emulated, mpi_comm.Get_rank())
     return mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, mpi_comm.Get_rank())
 
 
