@@ -354,13 +354,13 @@ class Communicator:
         survivors.node_exchange_bytes = self.node_exchange_bytes
         return survivors
 
-    def grow_back(self, missing: list[int]) -> "Communicator":
+    def grow_back(self, missing: list[int], place: str | None) -> "Communicator":
         """After ``shrink``, on its survivors: the job grown back, a newcomer running this program started in each
-        of `missing`'s places (ranks of the job) and the survivors in theirs, with this one's settings; from now on
-        the job (``failures/job.py``). Collective over these ranks, and the newcomers'. Raises ``MPI.Exception``
-        on every rank alike where no newcomer could be started (no free slot in the allocation)."""
+        of `missing`'s places (ranks of the job; on `place`'s host, None: in free slots) and the survivors in
+        theirs, with this one's settings; from now on the job (``failures/job.py``). Collective over these ranks,
+        and the newcomers'. Raises ``MPI.Exception`` on every rank alike where a newcomer could not start."""
         with in_mpi(self, f"start {len(missing)} newcomer(s) and merge", collective=False):
-            job = spawn_into(self.mpi_comm, missing)
+            job = spawn_into(self.mpi_comm, missing, place)
         grown = Communicator(job, force_staging=self.force_staging, cuda_aware=self.cuda_awareness,
                              node_transport=self.node_transport, two_level=self.two_level, timeout=self.timeout,
                              verify=self.verify)

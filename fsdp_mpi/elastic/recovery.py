@@ -40,7 +40,7 @@ from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.abort import exit_without_finalize
-from fsdp_mpi.communication.failures.job import free_slots, job_comm, job_rank, job_ranks
+from fsdp_mpi.communication.failures.job import free_slots, job_comm, job_rank, job_ranks, place_of
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
 from fsdp_mpi.sharding.host_memory import give_back_freed_host_memory
@@ -103,6 +103,7 @@ class Growth:
     lost: list[int]  # the ranks lost, numbered as in the job
     before: int  # ranks training before the loss
     newcomers: list[int]  # the ranks of the job the newcomers fill
+    place: str | None  # the host they start on, in the dead processes' places; None: in free slots
     twins: dict[int, int] | None  # each newcomer's twin, which sends it its state; None: the latest checkpoint
 
 
@@ -153,11 +154,11 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
         try:
             replicas = plan.replica_comm(run)
             # Each survivor's shard group and replicas, as ranks of the job: (shard group, replicas or None).
-            places = survivors.all_gather_object((job_ranks(plan.shard_comm(run).mpi_comm),
+            groups = survivors.all_gather_object((job_ranks(plan.shard_comm(run).mpi_comm),
                                                   job_ranks(replicas.mpi_comm) if replicas is not None else None))
             if grow:
                 grow = False
-                growth = _growth(places, alive, sorted(lost), before)
+                growth = _growth(groups, alive, sorted(lost), before)
                 job = _grown_back(survivors, growth) if growth.twins is not None or plan.from_checkpoint else None
                 if job is not None:
                     failing = job
@@ -167,7 +168,7 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
                     return Recovered(rebuilt, sorted(lost), before, job.world_size, growth.twins is not None,
                                      shrunk - started, time.perf_counter() - shrunk, job.rank == min(alive),
                                      growth.newcomers)
-            whole = [set(shard) <= set(alive) for shard, _ in places]
+            whole = [set(shard) <= set(alive) for shard, _ in groups]
             from_memory = replicas is not None and any(whole)
             if from_memory and not whole[survivors.rank]:
                 survivors.split(MPI.UNDEFINED)
@@ -203,28 +204,29 @@ def join(job: Communicator, plan: Plan[Run]) -> Recovered[Run]:
                      time.perf_counter() - started, False, growth.newcomers)
 
 
-def _growth(places: list[tuple[list[int], list[int] | None]], alive: list[int], lost: list[int],
+def _growth(groups: list[tuple[list[int], list[int] | None]], alive: list[int], lost: list[int],
             before: int) -> Growth:
     """Who the newcomers are (every rank of the job not alive, lost now or earlier) and where their state comes
-    from: their twins (the lowest survivor holding the same shards), where every newcomer has one."""
+    from: their twins (the lowest survivor holding the same shards), where every newcomer has one. `groups`: each
+    survivor's shard group and replicas, as ranks of the job."""
     missing = sorted(set(range(job_comm().Get_size())) - set(alive))
     twins = {}
     for rank in missing:
-        holders = [survivor for survivor, (_, replicas) in zip(alive, places) if replicas and rank in replicas]
+        holders = [survivor for survivor, (_, replicas) in zip(alive, groups) if replicas and rank in replicas]
         if holders:
             twins[rank] = min(holders)
-    return Growth(lost, before, missing, twins if len(twins) == len(missing) else None)
+    return Growth(lost, before, missing, place_of(missing, alive), twins if len(twins) == len(missing) else None)
 
 
 def _grown_back(survivors: Communicator, growth: Growth) -> Communicator | None:
-    """The job grown back by `growth`'s newcomers, or None where they cannot start (said once): the allocation
-    has too few free slots (asked first: Open MPI's launcher fails the whole job at its end after a refused
-    spawn), or MPI refused."""
-    free = free_slots()
+    """The job grown back by `growth`'s newcomers, or None where they cannot start (said once): they need free
+    slots and the allocation has too few (asked first: Open MPI's launcher fails the whole job at its end after a
+    refused spawn), or MPI refused."""
+    free, needed = free_slots(), len(growth.newcomers)
     try:
-        if free is not None and free < len(growth.newcomers):
-            raise CannotGrow(f"{free} free slot(s) in the allocation")
-        return survivors.grow_back(growth.newcomers)
+        if growth.place is None and free is not None and free < needed:
+            raise CannotGrow(f"{needed} free slot(s) needed, {free} in the allocation")
+        return survivors.grow_back(growth.newcomers, growth.place)
     except (CannotGrow, MPI.Exception) as refused:
         if survivors.rank == 0:
             why = refused.Get_error_string() if isinstance(refused, MPI.Exception) else str(refused)

@@ -56,7 +56,7 @@ def _the_job_lost_a_rank() -> bool:
     """Whether MPI knows that a rank of the job has failed (only a job that can go on without a rank knows).
     False where it cannot be asked: the abort must not fail on the way."""
     try:
-        return can_go_on() and bool(replaced_ranks() or failed_ranks(MPI.COMM_WORLD))
+        return can_go_on() and (is_newcomer() or bool(replaced_ranks() or failed_ranks(MPI.COMM_WORLD)))
     except MPI.Exception:
         return False
 

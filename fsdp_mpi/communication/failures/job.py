@@ -2,35 +2,60 @@
 
 The job is ``MPI.COMM_WORLD`` as launched. Under ULFM a run may *grow back* after losing
 ranks (ULFM's "respawn"): the survivors start one process per lost rank, running this same
-program in a free slot of the allocation (``MPI_Comm_spawn``), merge with them, and order the
-merged ranks so that each newcomer takes the number of the rank it replaces
-(``Communicator.grow_back`` does the survivors' part). From then on that communicator is the
-job, on survivors and newcomers alike: ranks are numbered in it (in messages, logs and
-emulated nodes), and ``Communicator()`` means it.
+program (``MPI_Comm_spawn``), merge with them, and order the merged ranks so that each
+newcomer takes the number of the rank it replaces (``Communicator.grow_back`` does the
+survivors' part). From then on that communicator is the job, on survivors and newcomers
+alike: ranks are numbered in it (in messages, logs and emulated nodes), and
+``Communicator()`` means it.
+
+Where the newcomers start: on the host of the ranks they replace where their node still has
+a survivor (in the dead processes' places: Open MPI gives a dead process's slot to nobody, so
+they are placed beyond the host's slots, unbound), else in free slots of the allocation (a
+spare node's), which the survivors count first (``free_slots``). One spawn starts them all, in
+one place or the other (Open MPI 5.0.11's ``MPI_Comm_spawn_multiple`` refuses a placement per
+newcomer): newcomers whose nodes differ all go to free slots.
 
 A newcomer's program runs from the top, as the others' did. The first time it asks for the
 job (``job_comm``, which ``Communicator()`` does) it finds that it was spawned and joins: it
-merges with the survivors and takes its number. That is the survivors' ``grow_back``, seen
+merges with the survivors and takes its number. That is the survivors' ``spawn_into``, seen
 from the other side; nothing else in the program needs to know.
 """
 
 import os
 import sys
+from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-_job = None  # the job's communicator, once asked for; on a newcomer, once it has joined
-_replaced: list[int] = []  # the ranks of the job this process's grow-backs filled (a newcomer: its own)
-_started: int | None = None  # the processes the job has started: its first ranks, and every newcomer since
+from fsdp_mpi.communication.settings import EMULATED_NODE_SIZE, read_count
+
+
+@dataclass
+class _Job:
+    """What a process knows of its job (the newcomers are told it as they join)."""
+
+    launched: int  # the processes the launcher started
+    started: int  # those and every newcomer since
+    hosts: dict[int, str] = field(default_factory=dict)  # each rank's host, as last heard (``note_hosts``)
+    replaced: list[int] = field(default_factory=list)  # the ranks this process's grow-backs filled
+
+
+_comm = None  # the job's communicator, once asked for; on a newcomer, once it has joined
+_job: _Job | None = None
 
 
 def job_comm():
     """The job's communicator (an mpi4py one): ``MPI.COMM_WORLD``, or the one the last grow-back made. On a
-    newcomer, the first call joins the survivors (collective with their ``grow_back``)."""
-    global _job
-    if _job is None:
-        _job = _join() if is_newcomer() else MPI.COMM_WORLD
-    return _job
+    newcomer, the first call joins the survivors (collective with their ``spawn_into``)."""
+    global _comm, _job
+    if _comm is None:
+        if is_newcomer():
+            _comm = _join()
+        else:
+            _comm = MPI.COMM_WORLD
+            size = _comm.Get_size()
+            _job = _Job(size, size)
+    return _comm
 
 
 def is_newcomer() -> bool:
@@ -49,51 +74,86 @@ def job_ranks(mpi_comm) -> list[int]:
 
 
 def replaced_ranks() -> list[int]:
-    """The ranks of the job that grow-backs filled with newcomers, as seen by this process."""
-    return list(_replaced)
+    """The ranks of the job that grow-backs filled with newcomers, as seen by this process (none before it has
+    asked for the job)."""
+    return list(_job.replaced) if _job is not None else []
+
+
+def note_hosts(mpi_comm, hosts: list[str]) -> None:
+    """Keeps the host of each rank of `mpi_comm` (``hosts``, in its rank order): where a newcomer replacing one
+    of them may start, once it is dead."""
+    job_comm()
+    _job.hosts.update(zip(job_ranks(mpi_comm), hosts))
+
+
+def node_of(rank: int) -> tuple[str | None, int]:
+    """The node of a rank of the job: its host, and its block of ranks where nodes are emulated."""
+    job_comm()
+    emulated = read_count(EMULATED_NODE_SIZE)
+    return _job.hosts.get(rank), rank // emulated if emulated is not None else 0
+
+
+def place_of(missing: list[int], alive: list[int]) -> str | None:
+    """Where the newcomers replacing the dead ranks `missing` start: the host of their nodes, where every one of
+    those nodes is on that host and has one of the ranks `alive`; None: in free slots."""
+    nodes = {node_of(rank) for rank in missing}
+    hosts = {host for host, _ in nodes}
+    if len(hosts) != 1 or None in hosts or not nodes <= {node_of(rank) for rank in alive}:
+        return None
+    return hosts.pop()
 
 
 def free_slots() -> int | None:
     """The slots of the allocation that no process of the job has taken: ``MPI_UNIVERSE_SIZE`` (the slots the
     launcher was given) less the processes started, the dead ones included (Open MPI 5.0.11 gives a dead
-    process's slot to nobody: with 3 slots, 3 ranks and one of them dead, a spawn is refused). None where the job
-    already runs more processes than it has slots (its launcher oversubscribes, and so would a spawn) or MPI does
-    not say."""
+    process's slot to nobody: with 3 slots, 3 ranks and one of them dead, a spawn is refused). None where the
+    launcher started more processes than it has slots (it oversubscribes, and so does a spawn) or MPI does not
+    say."""
+    job_comm()
+    # Asked only here: MPICH started without a launcher starts one to answer (and fails where none is on PATH).
     universe = MPI.COMM_WORLD.Get_attr(MPI.UNIVERSE_SIZE)
-    started = _started if _started is not None else MPI.COMM_WORLD.Get_size()
-    return None if universe is None or started > universe else universe - started
+    if universe is None or _job.launched > universe:
+        return None
+    return max(0, universe - _job.started)
 
 
-def spawn_into(survivors, missing: list[int]):
-    """The job renewed with a newcomer in each of `missing`'s places (ranks of the job), the survivors of
-    `survivors` (an mpi4py communicator) keeping theirs; made the job. Collective over `survivors`. Raises
-    ``MPI.Exception`` where no newcomer could be started (no free slot: the same on every survivor)."""
+def spawn_into(survivors, missing: list[int], place: str | None):
+    """The job renewed with a newcomer in each of `missing`'s places (ranks of the job), started on `place`'s
+    host in the dead processes' places (None: in free slots), the survivors of `survivors` (an mpi4py
+    communicator) keeping theirs; made the job. Collective over `survivors`. Raises ``MPI.Exception`` where the
+    newcomers could not start (the same on every survivor)."""
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())  # the newcomers run this program where it runs, with its arguments
+    if place is not None:  # the dead processes' places: their slots are not given back, so beyond the host's
+        info.Set("host", place)
+        info.Set("map_by", ":OVERSUBSCRIBE")
+        info.Set("bind_to", "none")
     try:
         newcomers = survivors.Spawn(sys.executable, args=sys.orig_argv[1:], maxprocs=len(missing), info=info)
     finally:
         info.Free()
     merged = newcomers.Merge(high=False)  # survivors first, in their order
-    started = (_started if _started is not None else MPI.COMM_WORLD.Get_size()) + len(missing)
-    merged.bcast((missing, started), root=0)
-    return _become(merged.Split(0, job_rank()), missing, started)
+    _job.started += len(missing)
+    merged.bcast((missing, _job), root=0)
+    return _become(merged.Split(0, job_rank()), missing)
 
 
 def _join():
     """A newcomer's half of ``spawn_into``: the survivors' job, with this process in the place it was spawned
     to fill."""
+    global _job
     parent = MPI.Comm.Get_parent()
     parent.Set_errhandler(MPI.ERRORS_RETURN)  # a loss meanwhile is an error to handle, not the end of the job
     merged = parent.Merge(high=True)
-    missing, started = merged.bcast(None, root=0)
+    missing, _job = merged.bcast(None, root=0)
     mine = missing[merged.Get_rank() - parent.Get_remote_size()]
-    return _become(merged.Split(0, mine), [mine], started)
+    _job.replaced = []
+    return _become(merged.Split(0, mine), [mine])
 
 
-def _become(job, filled: list[int], started: int):
-    global _job, _started
-    job.Set_errhandler(MPI.ERRORS_RETURN)
-    _job, _started = job, started
-    _replaced.extend(filled)
-    return job
+def _become(comm, filled: list[int]):
+    global _comm
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    _comm = comm
+    _job.replaced.extend(filled)
+    return comm

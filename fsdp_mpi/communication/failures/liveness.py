@@ -19,6 +19,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from fsdp_mpi.communication.failures.job import note_hosts
+
 QUESTION, ANSWER = 1, 2
 # How long closing waits for MPI to withdraw the receive for questions: on a communicator that lost a rank (ULFM)
 # a cancelled receive from any rank may never complete, and a process must not hang on its way out.
@@ -32,6 +34,7 @@ class Liveness:
         self.comm = mpi_comm.Dup()  # its own traffic never matches the training's
         self.rank = self.comm.Get_rank()
         self.hosts: list[str] = self.comm.allgather(socket.gethostname())
+        note_hosts(mpi_comm, self.hosts)  # where a newcomer replacing one of them may start (job.py)
         self._asker = np.zeros(1, np.int64)
         self._question = self.comm.Irecv(self._asker, source=MPI.ANY_SOURCE, tag=QUESTION)
         self._sending: list[tuple[MPI.Request, np.ndarray]] = []  # kept alive until MPI has sent them
