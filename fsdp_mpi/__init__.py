@@ -22,6 +22,7 @@ from fsdp_mpi.communication.bookkeeping import CollectiveMismatchError
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception, exit_without_finalize
+from fsdp_mpi.communication.failures.job import is_newcomer
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.sharding.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.sharding.lifecycle import TrainingState
@@ -68,6 +69,7 @@ __all__ = [
     "continuation_unavailable",
     "even_batches",
     "exit_without_finalize",
+    "is_newcomer",
     "export_pretrained",
     "full_state_dict",
     "load_checkpoint",

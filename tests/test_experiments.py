@@ -323,6 +323,7 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--step-in-backward", "--clip-norm", "0", "--keep-going", "--sharding-strategy", "NO_SHARD"],
      "--step-in-backward and --keep-going do not go together"),
     (["--backend", "gloo"], "--backend gloo is torch.distributed's, which fsdp-mpi does not use"),
+    (["--grow-back"], "--grow-back puts the ranks back after a loss that --keep-going survives: give both"),
     (["--keep-going", "--checkpoint-dir", "unused"], "--keep-going under FULL_SHARD goes on from the latest "
      "checkpoint (no rank left holds the lost rank's shards): give it a --checkpoint-dir and --checkpoint-every N"),
 ])

@@ -23,8 +23,8 @@ from fsdp_mpi import continuation_unavailable
 ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]  # as failures/lost_ranks.ULFM_LAUNCH says
 RUN = ["--model", "gpt2-tiny", "--device", "cpu", "--epochs", "2", "--steps-per-epoch", "4", "--seq-len", "32",
        "--val-steps", "2", "--no-progress"]
-LOST = re.compile(r"--keep-going: lost rank\(s\) ([\d, ]+) of the job \((\d+) training before\); (\d+) rank\(s\) go on "
-                  r"from (memory|the latest checkpoint)[^;]*? at optimizer step (\d+)\. Noticed after ([\d.]+) s in a "
+LOST = re.compile(r"--keep-going: lost rank\(s\) ([\d, ]+) of the job \((\d+) training before\); (\d+) rank\(s\)"
+                  r"(?:, newcomers in rank\(s\) [\d, ]+,)? go on from (memory|the latest checkpoint)[^;]*? at optimizer step (\d+)\. Noticed after ([\d.]+) s in a "
                   r"collective, shrunk in ([\d.]+) s, rebuilt in ([\d.]+) s")
 WATCHDOG_SECONDS = "60"  # a survivor left waiting fails the test with the watchdog's report, not the pytest timeout
 
@@ -42,12 +42,16 @@ def one_process(tmp_path_factory):
 
 
 def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None,
-                keep_going: bool = True) -> subprocess.CompletedProcess:
+                keep_going: bool = True, slots: int | None = None) -> subprocess.CompletedProcess:
     """run_gpt2.py on `nprocs` ranks under ULFM, with --keep-going unless told, killing ranks as `kills`
-    (RANK:STEP:MOMENT)."""
+    (RANK:STEP:MOMENT). `slots`: the processes the job may run, newcomers included (None: as many as asked for,
+    as CI's oversubscribing policy lets Open MPI)."""
     env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA), FSDP_MPI_TIMEOUT=WATCHDOG_SECONDS, **(env or {}))
     exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE", "FSDP_MPI_DATA_DIR")
                 if name in env for word in ("-x", name)]
+    if slots is not None:  # the slots declared, and no more: a spawn beyond them is refused
+        env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
+        exported += ["--host", f"localhost:{slots}", "--bind-to", "none"]
     killing = [word for kill in kills for word in ("--kill", kill)]
     command = [mpiexec(), *ULFM, *exported, "-n", str(nprocs), sys.executable, str(WORKERS / "keep_going.py"),
                *killing, "--", *RUN, *(["--keep-going"] if keep_going else []), *map(str, options)]
@@ -151,6 +155,24 @@ def test_hybrid_shard_goes_on_from_memory_on_the_node_left_whole_when_two_nodes_
     assert "resuming from" not in result.stdout
     assert [row["world_size"] for row in read_rows(tmp_path, per="step")] == list("66222222")
     assert_ends_where_one_process_ends(tmp_path, one_process[12])
+
+
+@pytest.mark.open_mpi
+@needs_data
+def test_hybrid_shard_grows_back_a_lost_node_from_spare_slots_within_the_step(one_process, tmp_path):
+    """4 ranks as 2 emulated nodes of 2, HYBRID_SHARD by node, --grow-back, 2 slots to spare: both ranks of the
+    second node die in step 2's forward. Two newcomers start in the spare slots, in ranks 2 and 3, each healed by
+    its twin on the first node, within the step: every step of the CSV trains on 4 ranks, as one process does."""
+    result = run_killing(4, ["2:2:forward", "3:2:forward"], "--batch-size", 2, "--sharding-strategy",
+                         "HYBRID_SHARD", "--grow-back", "--out-dir", tmp_path, env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"},
+                         slots=6)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert recoveries(result) == [("2, 3", 4, 4, "memory", 2)]
+    assert "newcomers in rank(s) 2, 3, go on from memory (each newcomer's state sent by its twin)" in result.stdout
+    for rank in (2, 3):
+        assert f"--keep-going: rank {rank}: a newcomer in a lost rank's place, at optimizer step 2" in result.stdout
+    assert [row["world_size"] for row in read_rows(tmp_path, per="step")] == list("44444444")
+    assert_ends_where_one_process_ends(tmp_path, one_process[8])
 
 
 @pytest.mark.open_mpi

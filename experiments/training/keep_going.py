@@ -7,6 +7,11 @@ latest checkpoint, and rebuild, all inside one retry (``fsdp_mpi.elastic.recover
 module adds is the experiments' part of it: how their run (model, optimizer, schedule, CSV
 recorder, position in the data) is rebuilt on a communicator, and how its state moves.
 
+With --grow-back a newcomer takes each lost rank's place (``fsdp_mpi.run_elastic``'s
+``grow_back``): its program runs from the top, skips the start-up's collectives (the others
+are in their recovery) and joins the recovery here (``join_the_run``), the run's state coming
+from its twin's memory or the latest checkpoint.
+
 The global batch stays that of the ranks the run started on (each step takes as many
 micro-batches as its samples need), and dropout follows the sample, so the steps after the loss
 compute what a run without it computes.
@@ -43,35 +48,16 @@ class Left:
 
 def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_run):
     """After `lost`: the run rebuilt on the ranks that go on, and where it is (``(run, position)``), or ``Left``.
-    Collective over the survivors. `start_run` builds a run on a communicator (``loop.start_run``). Ends the
-    process (exit code 2) where nothing holds the lost state."""
+    Collective over the survivors (and, with --grow-back, the newcomers' ``join_the_run``). `start_run` builds a
+    run on a communicator (``loop.start_run``). Ends the process (exit code 2) where nothing holds the lost state."""
     global _going_on
     recovery.abandon_the_step(run.comm, lost)
     run.optimizer.zero_grad(set_to_none=True)  # the abandoned step's gradients
     run.prepared.scaler.abandon_step()
     _going_on = run.comm  # until the recovery names the survivors: an error meanwhile ends without finalize
-    restored: list[Position] = []
-
-    def build(comm: Communicator):
-        global _going_on
-        _going_on = comm  # an error from here on (a damaged checkpoint) is said by this communicator's rank 0
-        return start_run(run.task, run.config, comm, run.device, run.experiment, run.batching)
-
-    def from_checkpoint(rebuilt) -> bool:
-        checkpoints = RunCheckpoints(rebuilt)
-        if checkpoints.directory.latest() is None:
-            return False
-        restored.append(checkpoints.restore())
-        return True
-
-    plan = recovery.Plan(
-        build=build,
-        shard_comm=lambda old: old.prepared.model.groups.shard,
-        replica_comm=lambda old: old.prepared.model.groups.replicas,
-        held=_held, take=_take,
-        from_checkpoint=from_checkpoint if run.config.checkpoint_dir else None,
-        position=lambda _: (position.step, position.epoch, position.tally.steps),
-        release=lambda old: old.optimizer.state.clear())
+    resumed_at: list[Position] = []
+    plan = _plan(lambda comm: start_run(run.task, run.config, comm, run.device, run.experiment, run.batching),
+                 run.config, position, resumed_at)
     try:
         outcome = recovery.recover(run, run.comm, plan)
     except recovery.CannotGoOn as failure:
@@ -79,10 +65,52 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
     if isinstance(outcome, recovery.Left):
         return Left(outcome, position.step)
     _going_on = outcome.run.comm
-    resumed_at = restored[-1] if restored else position
-    if _going_on.rank == 0:
-        print(f"--keep-going: {outcome.message(resumed_at.step, lost.waited)} ({lost})", flush=True)
-    return outcome.run, resumed_at
+    if outcome.speaker:
+        print(f"--keep-going: {outcome.message(resumed_at[-1].step, lost.waited)} ({lost})", flush=True)
+    return outcome.run, resumed_at[-1]
+
+
+def join_the_run(build, config, comm: Communicator):
+    """A newcomer's start (--grow-back): the run built on the job it joined in a lost rank's place, with its
+    state from its twin or the latest checkpoint, and where it is (``(run, position)``). Collective with the
+    survivors' ``go_on_without_the_lost``. `build` builds a run on a communicator."""
+    global _going_on
+    _going_on = comm  # a newcomer, too, ends without MPI_Finalize
+    resumed_at: list[Position] = []
+    outcome = recovery.join(comm, _plan(build, config, None, resumed_at))
+    print(f"--keep-going: rank {comm.rank}: a newcomer in a lost rank's place, at optimizer step "
+          f"{resumed_at[-1].step}", flush=True)
+    return outcome.run, resumed_at[-1]
+
+
+def _plan(build, config, position: Position | None, resumed_at: list[Position]) -> recovery.Plan:
+    """How the experiments' run is rebuilt on a communicator and its state moved, for ``recovery``: where the run
+    stands after it is appended to `resumed_at` (`position`, None on a newcomer: its twin's, or the checkpoint's)."""
+
+    def built(comm: Communicator):
+        global _going_on
+        _going_on = comm  # an error from here on (a damaged checkpoint) is said by this communicator's rank 0
+        return build(comm)
+
+    def from_checkpoint(rebuilt) -> bool:
+        checkpoints = RunCheckpoints(rebuilt)
+        if checkpoints.directory.latest() is None:
+            return False
+        resumed_at.append(checkpoints.restore())
+        return True
+
+    def take(rebuilt, held: dict) -> None:
+        _take(rebuilt, held)
+        resumed_at.append(held["position"])
+
+    return recovery.Plan(
+        build=built,
+        shard_comm=lambda old: old.prepared.model.groups.shard,
+        replica_comm=lambda old: old.prepared.model.groups.replicas,
+        held=lambda old: {**_held(old), "position": position}, take=take,
+        from_checkpoint=from_checkpoint if config.checkpoint_dir else None,
+        position=lambda _: (position.step, position.epoch, position.tally.steps),
+        release=lambda old: old.optimizer.state.clear(), grow_back=config.grow_back)
 
 
 def _held(run) -> dict:

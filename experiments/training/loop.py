@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from training.evaluation import evaluate, to_device
-from training.keep_going import Left, go_on_without_the_lost
+from training.keep_going import Left, go_on_without_the_lost, join_the_run
 from training.options import RunConfig
 from training.recipe import optimizer_and_schedule
 from training.recorder import RunRecorder
@@ -26,7 +26,7 @@ from training.saved_run import save_trained
 from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
 from fsdp_mpi import (Communicator, CPUOffload, RankLostError, SampleKeys, ShardingStrategy,
-                      continuation_unavailable, step_in_backward)
+                      continuation_unavailable, is_newcomer, step_in_backward)
 from fsdp_mpi.elastic import recovery
 from fsdp_mpi.elastic.agreement import end_step
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
@@ -124,12 +124,17 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
     unavailable = continuation_unavailable() if config.keep_going else None
     if unavailable and comm.rank == 0:
         print(f"--keep-going is unavailable, so a lost rank ends the job: {unavailable}", flush=True)
-    run = start_run(task, config, comm, device, experiment, batching)
-    checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
-    # Restored last: loading sets the random generators, which the set-up above draws from.
-    position = checkpoints.restore() if config.resume else Position()
-    if config.keep_going and checkpoints and not config.resume:
-        checkpoints.save(position)  # step 0: a rank lost before the first periodic save has something to reload
+    if is_newcomer():  # started in a lost rank's place (--grow-back): the others are in their recovery
+        run, position = join_the_run(lambda on: start_run(task, config, on, device, experiment, batching), config,
+                                     comm)
+        checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
+    else:
+        run = start_run(task, config, comm, device, experiment, batching)
+        checkpoints = RunCheckpoints(run) if config.checkpoint_dir else None
+        # Restored last: loading sets the random generators, which the set-up above draws from.
+        position = checkpoints.restore() if config.resume else Position()
+        if config.keep_going and checkpoints and not config.resume:
+            checkpoints.save(position)  # step 0: a rank lost before the first periodic save has something to reload
     while True:
         try:
             stopped = train_to_the_end(run, position, stop, checkpoints)
@@ -189,7 +194,8 @@ def run_batching(config: RunConfig, comm: Communicator) -> Batching:
     whose global batch every later step keeps."""
     started_on = comm.world_size
     if config.resume:
-        started_on = CheckpointDirectory(config.checkpoint_dir, comm).started_on() or started_on
+        directory = CheckpointDirectory(config.checkpoint_dir, comm)
+        started_on = (directory.read_started_on() if is_newcomer() else directory.started_on()) or started_on
     batching = replace(config.batching, started_on=started_on)
     if batching.global_batch(comm.world_size) < comm.world_size:
         samples = batching.global_batch(comm.world_size)

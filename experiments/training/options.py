@@ -62,6 +62,7 @@ class RunConfig:
     checkpoint_every: int
     resume: bool
     keep_going: bool  # fsdp-mpi: go on without a lost rank, in the same job (keep_going.py)
+    grow_back: bool  # with keep_going: newcomers in the lost ranks' places, as many ranks as before
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> "RunConfig":
@@ -138,6 +139,9 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
         help="fsdp-mpi under `mpirun --with-ft ulfm --mca btl tcp,self` (Open MPI): a lost rank does not end the "
              "job; the survivors go on (HYBRID_SHARD, NO_SHARD: the replicas left, from memory; otherwise from "
              "the latest checkpoint, which --checkpoint-dir then needs)")
+    add("--grow-back", action="store_true",
+        help="with --keep-going: after a loss, start a newcomer in each lost rank's place (on its node where that "
+             "lives on, else in a free slot of the allocation) and go on with as many ranks as before")
     add("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     add("--dropout", type=float, default=None, metavar="P",
         help="every dropout layer's probability (default: the model's); masks are drawn per sample, the same on "
@@ -205,6 +209,8 @@ def check_config(config: RunConfig) -> None:
     if config.keep_going and config.strategy != "fsdp-mpi":
         raise UsageError(f"--keep-going needs --strategy fsdp-mpi: {config.strategy} communicates through torch, "
                          "which cannot go on without a lost rank")
+    if config.grow_back and not config.keep_going:
+        raise UsageError("--grow-back puts the ranks back after a loss that --keep-going survives: give both")
     if config.keep_going and not config.checkpoint_every and config.sharding_strategy not in REPLICATED:
         raise UsageError(f"--keep-going under {config.sharding_strategy} goes on from the latest checkpoint (no "
                          f"rank left holds the lost rank's shards): give it a --checkpoint-dir and --checkpoint-every "

@@ -26,7 +26,9 @@ from training.startup import (allow_tf32, announce_devices, communicator_for_the
                               set_up_rank_0_first)
 from training.strategies import node_placement, torch_backend
 
-from fsdp_mpi import CheckpointError, Communicator, abort_job_on_uncaught_exception, exit_without_finalize
+from fsdp_mpi import (CheckpointError, Communicator, abort_job_on_uncaught_exception, exit_without_finalize,
+                      is_newcomer)
+from fsdp_mpi.communication.failures.job import place_on_node
 from fsdp_mpi_models.checkpoint import PretrainedCheckpointError
 
 
@@ -45,14 +47,21 @@ def main(task_type, config_type: type[RunConfig], parser: argparse.ArgumentParse
     if comm is None:
         return 2
     stop = listen_for_stop_signals(config.strategy)
-    node = node_placement(comm)  # here, on every rank: set-up runs on rank 0 alone first
-    values, error = set_up_rank_0_first(lambda: _set_up(task_type, config, comm, node), comm)
-    if error:
-        if comm.rank == 0:
-            print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
+    if is_newcomer():  # started in a lost rank's place (--grow-back): the others are in their recovery, so alone
+        *values, error = _set_up(task_type, config, comm, place_on_node(comm.rank))
+        if error:
+            print(f"{parser.prog}: error: the newcomer in rank {comm.rank}'s place: {error}", file=sys.stderr)
+            exit_without_finalize(2)
+    else:
+        node = node_placement(comm)  # here, on every rank: set-up runs on rank 0 alone first
+        values, error = set_up_rank_0_first(lambda: _set_up(task_type, config, comm, node), comm)
+        if error:
+            if comm.rank == 0:
+                print(f"{parser.prog}: error: {error}", file=sys.stderr)
+            return 2
     task, device = values
-    announce_devices(device, comm)
+    if not is_newcomer():
+        announce_devices(device, comm)
     if comm.world_size > 1:
         abort_job_on_uncaught_exception(comm.mpi_comm)
     if device.type == "cuda":  # before anything makes a CUDA context: else it is made on GPU 0, by every rank

@@ -40,11 +40,15 @@ class CheckpointDirectory:
         return self.root / name if name else None
 
     def started_on(self) -> int | None:
-        """The ranks the run in this directory started on (run.json), or None before its first checkpoint."""
-        started = None
-        if self.comm.rank == 0 and (self.root / RUN_FILE).is_file():
-            started = json.loads((self.root / RUN_FILE).read_text())["started_on"]
-        return self.comm.broadcast_object(started, root=0)
+        """The ranks the run in this directory started on (run.json), or None before its first checkpoint
+        (collective: rank 0 reads it)."""
+        return self.comm.broadcast_object(self.read_started_on() if self.comm.rank == 0 else None, root=0)
+
+    def read_started_on(self) -> int | None:
+        """``started_on``, read by this rank alone (a grow-back's newcomer, while the others are busy)."""
+        if not (self.root / RUN_FILE).is_file():
+            return None
+        return json.loads((self.root / RUN_FILE).read_text())["started_on"]
 
     def save(self, step: int, model, optimizer, extra: dict, started_on: int) -> Path:
         """Every rank saves its shards; then rank 0 points `latest` at them and removes older checkpoints."""

@@ -2,7 +2,7 @@
 
     python keep_going.py [--memory] --kill RANK:STEP:MOMENT [--kill ...] -- <run_gpt2.py's options>
 
-RANK is the rank in the world the job started with, STEP the optimizer step (counted from 0 over the whole run),
+RANK is the rank in the job (a newcomer that takes its place kills nothing), STEP the optimizer step (counted from 0 over the whole run),
 MOMENT one of forward (the third unit hook of the step's forward), backward (the second of its backward),
 reduce_scatter (as the step's first gradient reduce-scatter starts: the other ranks are inside it), rebuild
 (as the survivors of a loss in that step start building the model again), validation (as the validation after
@@ -30,7 +30,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
 
@@ -40,6 +39,7 @@ from training.results import model_state_bytes  # noqa: E402
 from training.run import main  # noqa: E402
 
 from fsdp_mpi.communication import timing_points  # noqa: E402
+from fsdp_mpi.communication.failures.job import is_newcomer, job_rank  # noqa: E402
 
 
 class Killer:
@@ -62,7 +62,7 @@ class Killer:
     def reached(self, moment: str, nth: int) -> None:
         self.seen[self.step, moment] += 1
         if (self.step, moment) in self.plan and self.seen[self.step, moment] == nth:
-            print(f"rank {MPI.COMM_WORLD.Get_rank()}: killed in step {self.step}'s {moment} at {time.time():.3f}",
+            print(f"rank {job_rank()}: killed in step {self.step}'s {moment} at {time.time():.3f}",
                   flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -95,7 +95,7 @@ class ResidentPeaks:
         """One line: each phase's peaks (held, resident) and the training state before and after, in MiB."""
         phases = "; ".join(f"{phase} {self.peaks['held'][phase] / 2**20:.1f} held, "
                            f"{self.peaks['resident'][phase] / 2**20:.1f} resident" for phase in self.PHASES)
-        print(f"rank {MPI.COMM_WORLD.Get_rank()}: peak MiB {phases}; training state before "
+        print(f"rank {job_rank()}: peak MiB {phases}; training state before "
               f"{self.state_bytes.get('before', 0) / 2**20:.1f}, after {self.state_bytes.get('after', 0) / 2**20:.1f}", flush=True)
 
 
@@ -103,15 +103,15 @@ def damage_latest_checkpoint(directory: Path) -> None:
     latest = directory / (directory / "latest").read_text().strip()
     for path in latest.iterdir():
         path.write_bytes(path.read_bytes()[:10])
-    print(f"rank {MPI.COMM_WORLD.Get_rank()}: damaged {latest}", flush=True)
+    print(f"rank {job_rank()}: damaged {latest}", flush=True)
 
 
 def install(kills: list[str], memory: bool) -> None:
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank = job_rank()  # a newcomer (--grow-back) joins the job here, and kills nothing
     plan = set()
     for kill in kills:
         victim, step, moment = kill.split(":")
-        if int(victim) == rank:
+        if int(victim) == rank and not is_newcomer():
             plan.add((int(step), moment))
     killer = Killer(plan)
     timing_points.add_listener(killer)

@@ -93,6 +93,14 @@ def node_of(rank: int) -> tuple[str | None, int]:
     return _job.hosts.get(rank), rank // emulated if emulated is not None else 0
 
 
+def place_on_node(rank: int) -> tuple[int, int]:
+    """(`rank`'s index among the job's ranks on its node, how many ranks the node runs), from the hosts heard: a
+    newcomer started in a dead process's place takes its index there (its GPU), without asking the others."""
+    node = node_of(rank)
+    mates = [other for other in range(job_comm().Get_size()) if node_of(other) == node]
+    return mates.index(rank), len(mates)
+
+
 def place_of(missing: list[int], alive: list[int]) -> str | None:
     """Where the newcomers replacing the dead ranks `missing` start: the host of their nodes, where every one of
     those nodes is on that host and has one of the ranks `alive`; None: in free slots."""
