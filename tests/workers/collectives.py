@@ -176,6 +176,26 @@ def dtypes_handed_to_the_worker(comm: Communicator, dtype: torch.dtype) -> list 
     return handed if torch.equal(shard, torch.full((S,), float(comm.world_size), dtype=dtype)) else []
 
 
+def an_object_between_two_ranks(comm: Communicator) -> bool:
+    """``send_object`` from the last rank to rank 0 (what a twin sends a grow-back's newcomer): nested containers,
+    tensors of several dtypes among them (a non-contiguous bf16 view, a 0-d int64, an empty one, one twice) and
+    plain values arrive equal, each tensor with its dtype and shape."""
+    generator = torch.Generator().manual_seed(7)
+    weights = torch.randn(5, 3, generator=generator)
+    sent = {"shards": {"w": weights, "b16": torch.randn(3, 4, generator=generator).to(torch.bfloat16).t()},
+            "state": [torch.tensor(11, dtype=torch.int64), torch.empty(0), weights, ("step", 3, 0.5)]}
+    if comm.rank == comm.world_size - 1:
+        comm.send_object(sent, 0)
+        return True
+    if comm.rank != 0:
+        return True
+    got = comm.receive_object(comm.world_size - 1)
+    tensors = [(got["shards"]["w"], sent["shards"]["w"]), (got["shards"]["b16"], sent["shards"]["b16"]),
+               *zip(got["state"][:3], sent["state"][:3])]
+    return (all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in tensors)
+            and got["state"][3] == ("step", 3, 0.5))
+
+
 def spans_nodes() -> bool:
     """With FSDP_MPI_EMULATED_NODE_SIZE the ranks span nodes: every collective goes in two levels, inside each node
     by the route a communicator is asked for (MPI, staged or the node's memory), across nodes by MPI."""
@@ -251,6 +271,8 @@ if __name__ == "__main__":
     line = comm.describe_route(torch.device("cpu"))
     report["the route line says what I_MPI_OFFLOAD would change, under Intel MPI alone"] = (
         "I_MPI_OFFLOAD unset: device buffers would be staged through the host" in line) is is_intel_mpi()
+    report["an object's tensors and values from one rank to another"] = all(
+        comm.all_gather_object(an_object_between_two_ranks(comm)))
     report["sum_and_max_of_floats"] = [comm.all_reduce_sum_float(comm.rank + 0.5),
                                        comm.all_reduce_max_float(-comm.rank)]
     write_json(output_path(), report)
