@@ -452,8 +452,9 @@ MUTANTS = {
         "fsdp_mpi/sharding/lifecycle.py", "refuse_moving_or_casting([module, *parts], self.handles)",
         "refuse_moving_or_casting([module], self.handles)", [MOVING]),
     "a run resumed on other ranks takes its global batch from them": (
-        "experiments/training/loop.py", "CheckpointDirectory(config.checkpoint_dir, comm).started_on() or started_on",
-        "started_on", [OTHER_RANKS]),
+        "experiments/training/loop.py",
+        "(directory.read_started_on() if is_newcomer() else directory.started_on()) or started_on", "started_on",
+        [OTHER_RANKS]),
     "a rank that stopped with its checkpoint dies of the SIGTERM that srun sends as the first rank exits": (
         "experiments/training/resume.py", "            signal.signal(stop_signal, signal.SIG_IGN)", "            pass",
         [STOPPED_BY_A_SIGNAL]),

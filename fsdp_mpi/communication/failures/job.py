@@ -35,7 +35,7 @@ class _Job:
     """What a process knows of its job (the newcomers are told it as they join)."""
 
     launched: int  # the processes the launcher started
-    started: int  # those and every newcomer since
+    placed: int  # the slots the job's processes took: those, and every newcomer started in a free slot since
     hosts: dict[int, str] = field(default_factory=dict)  # each rank's host, as last heard (``note_hosts``)
     replaced: list[int] = field(default_factory=list)  # the ranks this process's grow-backs filled
 
@@ -113,16 +113,16 @@ def place_of(missing: list[int], alive: list[int]) -> str | None:
 
 def free_slots() -> int | None:
     """The slots of the allocation that no process of the job has taken: ``MPI_UNIVERSE_SIZE`` (the slots the
-    launcher was given) less the processes started, the dead ones included (Open MPI 5.0.11 gives a dead
-    process's slot to nobody: with 3 slots, 3 ranks and one of them dead, a spawn is refused). None where the
-    launcher started more processes than it has slots (it oversubscribes, and so does a spawn) or MPI does not
-    say."""
+    launcher was given) less those taken, by the dead too (Open MPI 5.0.11 gives a dead process's slot to nobody:
+    with 3 slots, 3 ranks and one of them dead, a spawn is refused); a newcomer started in a dead process's place
+    takes none. None where the launcher started more processes than it has slots (it oversubscribes, and so does
+    a spawn) or MPI does not say."""
     job_comm()
     # Asked only here: MPICH started without a launcher starts one to answer (and fails where none is on PATH).
     universe = MPI.COMM_WORLD.Get_attr(MPI.UNIVERSE_SIZE)
     if universe is None or _job.launched > universe:
         return None
-    return max(0, universe - _job.started)
+    return max(0, universe - _job.placed)
 
 
 def spawn_into(survivors, missing: list[int], place: str | None):
@@ -141,7 +141,7 @@ def spawn_into(survivors, missing: list[int], place: str | None):
     finally:
         info.Free()
     merged = newcomers.Merge(high=False)  # survivors first, in their order
-    _job.started += len(missing)
+    _job.placed += len(missing) if place is None else 0
     merged.bcast((missing, _job), root=0)
     return _become(merged.Split(0, job_rank()), missing)
 
