@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_launch import WORKERS, RunFailed, child_env, mpiexec
+from mpi_launch import WORKERS, RunFailed, child_env, mpiexec, only_these_slots
 
 ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]  # as failures/lost_ranks.ULFM_LAUNCH says
 
@@ -39,9 +39,8 @@ def run_loop(out, nprocs: int, *options, env: dict | None = None,
     env = child_env(FSDP_MPI_TIMEOUT="60", **(env or {}))  # a survivor left waiting: the watchdog's report
     exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE") if name in env
                 for word in ("-x", name)]
-    if slots is not None:  # the slots declared, and no more: a spawn beyond them is refused
-        env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
-        exported += ["--host", f"localhost:{slots}", "--bind-to", "none"]
+    if slots is not None:
+        exported += only_these_slots(env, slots)
     command = [mpiexec(), *(ULFM if nprocs > 1 else []), *exported, "-n", str(nprocs), sys.executable,
                str(WORKERS / "elastic_loop.py"), str(out), *map(str, options)]
     try:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 from experiment_runs import EXPERIMENTS, SHARED_DATA, launch, needs_data, read_rows
-from mpi_launch import WORKERS, RunFailed, child_env, mpiexec
+from mpi_launch import WORKERS, RunFailed, child_env, mpiexec, only_these_slots
 from test_experiments import SAME_TRAINING
 
 from fsdp_mpi import continuation_unavailable
@@ -49,9 +49,8 @@ def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None
     env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA), FSDP_MPI_TIMEOUT=WATCHDOG_SECONDS, **(env or {}))
     exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE", "FSDP_MPI_DATA_DIR")
                 if name in env for word in ("-x", name)]
-    if slots is not None:  # the slots declared, and no more: a spawn beyond them is refused
-        env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
-        exported += ["--host", f"localhost:{slots}", "--bind-to", "none"]
+    if slots is not None:
+        exported += only_these_slots(env, slots)
     killing = [word for kill in kills for word in ("--kill", kill)]
     command = [mpiexec(), *ULFM, *exported, "-n", str(nprocs), sys.executable, str(WORKERS / "keep_going.py"),
                *killing, "--", *RUN, *(["--keep-going"] if keep_going else []), *map(str, options)]

@@ -38,6 +38,13 @@ def child_env(**variables: str) -> dict[str, str]:
 _warm_ranks: list[warm_ranks.WarmRanks | None] = []
 
 
+def only_these_slots(env: dict[str, str], slots: int) -> list[str]:
+    """Open MPI's mpiexec arguments that give the job `slots` slots on this machine and no more (a grow-back's
+    spawn beyond them is refused), `env` rid of CI's oversubscribing policy, which would let it through."""
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
+    return ["--host", f"localhost:{slots}", "--bind-to", "none"]
+
+
 def python_command(*program: str | Path) -> list[str]:
     """How a launched rank runs `program` (a script, or "-m" and a module): through harness/warm_ranks.py, which
     forks it warm from a server that has imported torch where the launcher allows, on the servers of this
