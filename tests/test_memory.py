@@ -124,16 +124,22 @@ def test_no_sync_holds_full_gradients_until_the_synced_backward(tmp_path):
     assert report["after_sync"] == {"unsharded": 0, "sharded": shards, "measured": shards + shards}
 
 
-# Allocates and touches 64 MiB, frees it, and prints how much of it the process still holds.
+# Allocates and touches 64 MiB, frees it, prints how much of it the process still holds, and allocates as much again.
 RETAINED_AFTER_FREE = """
-import os, torch
+import json, os, torch
+from fsdp_mpi.sharding import host_allocator
 from fsdp_mpi.sharding.host_memory import keep_freed_host_memory_for_reuse
-applied = keep_freed_host_memory_for_reuse()
+problem = keep_freed_host_memory_for_reuse()
 resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = resident()
 buffer = torch.ones(16 * 2**20)
+address = buffer.data_ptr()
 del buffer
-print(applied, (resident() - before) / 2**20)
+retained = (resident() - before) / 2**20
+counts = host_allocator.counters()
+print(json.dumps({"problem": problem, "retained_mib": retained,
+                  "kept_mib": (counts["touched_bytes"] - counts["in_use_bytes"]) / 2**20,
+                  "same_block_again": torch.empty(16 * 2**20).data_ptr() == address}))
 """
 
 
@@ -147,10 +153,109 @@ def test_freed_host_memory_is_kept_for_reuse_unless_turned_off(value, tunables, 
     result = subprocess.run([sys.executable, "-c", RETAINED_AFTER_FREE], env=env, capture_output=True, text=True,
                             timeout=120)
     check_ok(result)
-    applied, retained_mib = result.stdout.split()
-    assert applied == str(kept)
-    # Kept: the freed 64 MiB stay resident, ready for the next gather. Returned: glibc unmaps them at once.
-    assert (float(retained_mib) > 60) if kept else (float(retained_mib) < 4)
+    report = json.loads(result.stdout)
+    assert report["problem"] is None
+    # Kept: the freed 64 MiB stay resident in the arena, and the next 64 MiB are that block.
+    # Returned: glibc unmaps them at once (and may map the same addresses again).
+    assert report["kept_mib"] == (64 if kept else 0)
+    if kept:
+        assert report["retained_mib"] > 60 and report["same_block_again"]
+    else:
+        assert report["retained_mib"] < 4
+
+
+# The arena's rules, block by block, with where each block went (KiB from the arena's start, or "elsewhere") and
+# the counters after it: KiB in use, KiB touched, blocks placed elsewhere.
+ARENA_BLOCKS = """
+import json, os, torch
+from fsdp_mpi.sharding import host_allocator
+KiB, MiB = 2**10, 2**20
+assert host_allocator.install(capacity=128 * MiB) is None
+resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+seen = []
+def block(event, nbytes):
+    tensor = torch.ones(nbytes, dtype=torch.uint8)  # touched: resident
+    offset = tensor.data_ptr() - host_allocator.counters()["arena_address"]
+    counted(event, offset // KiB if 0 <= offset < 128 * MiB else "elsewhere")
+    return tensor
+def counted(event, where=None):
+    counts = host_allocator.counters()
+    seen.append([event, where, counts["in_use_bytes"] // KiB, counts["touched_bytes"] // KiB,
+                 counts["blocks_elsewhere"]])
+a = block("64 MiB", 64 * MiB)
+del a; counted("freed")
+b = block("60 MiB: the lowest fit", 60 * MiB)
+c = block("8 MiB above it", 8 * MiB)
+del b; counted("the 60 freed")
+d = block("40 MiB", 40 * MiB)
+e = block("24 MiB: 20 free below, so above", 24 * MiB)
+f = block("40 MiB: no room", 40 * MiB)
+small = block("1000 bytes: glibc's", 1000)
+odd = block("100 KiB: two 64 KiB granules", 100 * KiB)
+del c; counted("the 8 freed: merged with the 19.875 below")
+del odd; counted("the 100 KiB freed: merged with the 27.875 above")
+g = block("28 MiB: the merged space", 28 * MiB)
+del d, e, f, g; counted("all freed")
+before = resident()
+host_allocator.release_free(); counted("free space released")
+print(json.dumps({"seen": seen, "released_mib": (before - resident()) / MiB}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc to read resident memory")
+def test_the_arena_places_each_block_lowest_first_and_merges_freed_space():
+    """Blocks of 64 KiB and more go to the lowest address they fit, in whole 64 KiB granules; freed space merges
+    with its neighbours; a block the arena has no room for comes from torch's own allocator, as do smaller
+    ones; what blocks touched stays resident until ``release_free`` gives it back."""
+    result = subprocess.run([sys.executable, "-c", ARENA_BLOCKS], env=child_env(), capture_output=True,
+                            text=True, timeout=120)
+    check_ok(result)
+    report = json.loads(result.stdout)
+    # event, where (KiB), in use (KiB), touched (KiB), blocks elsewhere
+    assert report["seen"] == [["64 MiB", 0, 65536, 65536, 0],
+                              ["freed", None, 0, 65536, 0],
+                              ["60 MiB: the lowest fit", 0, 61440, 65536, 0],
+                              ["8 MiB above it", 61440, 69632, 69632, 0],
+                              ["the 60 freed", None, 8192, 69632, 0],
+                              ["40 MiB", 0, 49152, 69632, 0],
+                              ["24 MiB: 20 free below, so above", 69632, 73728, 94208, 0],
+                              ["40 MiB: no room", "elsewhere", 73728, 94208, 1],
+                              ["1000 bytes: glibc's", "elsewhere", 73728, 94208, 1],
+                              ["100 KiB: two 64 KiB granules", 40960, 73856, 94208, 1],
+                              ["the 8 freed: merged with the 19.875 below", None, 65664, 94208, 1],
+                              ["the 100 KiB freed: merged with the 27.875 above", None, 65536, 94208, 1],
+                              ["28 MiB: the merged space", 40960, 94208, 94208, 1],
+                              ["all freed", None, 0, 94208, 1],
+                              ["free space released", None, 0, 0, 1]]
+    assert report["released_mib"] > 80  # the 92 MiB touched, less what the kernel had not yet counted
+
+
+# A model built once the arena holds new tensors (as a second model is), then wrapped on one rank: resident MiB
+# above the process before it, once built and once wrapped.
+WRAPPED_GIVES_BACK = """
+import json, os, torch
+from fsdp_mpi import FullyShardedDataParallel
+from fsdp_mpi.sharding.host_memory import keep_freed_host_memory_for_reuse
+assert keep_freed_host_memory_for_reuse() is None
+resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+before = resident()
+model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(16)))  # 64 MiB of weights
+built = resident() - before
+FullyShardedDataParallel(model, device=torch.device("cpu"))
+print(json.dumps({"built_mib": built, "wrapped_mib": resident() - before}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc to read resident memory")
+def test_a_wrapped_model_gives_its_full_parameters_back_to_the_kernel():
+    """The shards replace the model's parameters, which are freed; kept resident in the arena or the heap, they
+    would add a model's worth to every step's peak: wrapping gives them back (one rank: the shard is the
+    whole model, so what stays is one copy of it, not two)."""
+    result = subprocess.run([sys.executable, "-c", WRAPPED_GIVES_BACK], env=child_env(), capture_output=True,
+                            text=True, timeout=120)
+    check_ok(result)
+    report = json.loads(result.stdout)
+    assert 60 < report["built_mib"] < 72 and 60 < report["wrapped_mib"] < 80, report
 
 
 # A handle's way with host memory, as host_memory.py gives it: a 64 MiB gathered buffer filled, its memory

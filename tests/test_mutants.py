@@ -43,6 +43,8 @@ HOST_MEMORY_KEPT, HOST_MEMORY_OFF, HOST_MEMORY_USERS = (
 POOL = "tests/test_memory.py::test_freed_gathered_memory_is_reused_unless_turned_off"
 POOL_KEPT, POOL_OFF = f"{POOL}[-True]", f"{POOL}[0-False]"
 PEAK_AS_SHIPPED = "tests/test_memory.py::test_a_steps_peak_with_the_allocator_as_shipped_is_the_state_and_one_units_work"
+ARENA = "tests/test_memory.py::test_the_arena_places_each_block_lowest_first_and_merges_freed_space"
+WRAPPED = "tests/test_memory.py::test_a_wrapped_model_gives_its_full_parameters_back_to_the_kernel"
 DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
 RESUME = "tests/test_checkpoint.py::test_resume_on_the_same_ranks_continues_bit_for_bit"
@@ -221,14 +223,27 @@ MUTANTS = {
         "        self.comm.all_gather_into(full, self.shard, self.unit_name)\n"
         "        return full.to(self.param_dtype or full.dtype).to(full.dtype)\n", [MIXED]),
     "freed host memory goes back to the kernel": (
-        "fsdp_mpi/sharding/host_memory.py", 'if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
+        "fsdp_mpi/sharding/host_memory.py",
+        'if _decided or read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
         "if True:", [HOST_MEMORY_KEPT]),
     "FSDP_MPI_REUSE_HOST_MEMORY=0 is ignored": (
-        "fsdp_mpi/sharding/host_memory.py", 'if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
-        'if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):', [HOST_MEMORY_OFF]),
+        "fsdp_mpi/sharding/host_memory.py",
+        'if _decided or read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
+        'if _decided or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):', [HOST_MEMORY_OFF]),
     "the user's malloc tunables are overridden": (
-        "fsdp_mpi/sharding/host_memory.py", 'if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
-        "if read_flag(REUSE_HOST_MEMORY) is False:", [HOST_MEMORY_USERS]),
+        "fsdp_mpi/sharding/host_memory.py",
+        'if _decided or read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):',
+        "if _decided or read_flag(REUSE_HOST_MEMORY) is False:", [HOST_MEMORY_USERS]),
+    "the model's full parameters stay in the heap once the shards replace them": (
+        "fsdp_mpi/sharding/fully_sharded.py",
+        "            give_back_freed_host_memory()  # the model's full parameters, which the shards replaced",
+        "            pass", [WRAPPED]),
+    "freed space in the arena does not merge with the free space above it": (
+        "fsdp_mpi/sharding/host_allocator.cpp", "if (after != free_.end() && after->first == start + bytes) {",
+        "if (false) {", [ARENA]),
+    "the arena gives a freed block's pages back to the kernel at once": (
+        "fsdp_mpi/sharding/host_allocator.cpp", "    in_use_bytes_ -= bytes;\n",
+        "    in_use_bytes_ -= bytes;\n    madvise(address, bytes, MADV_DONTNEED);\n", [HOST_MEMORY_KEPT]),
     "freed gathered memory goes back to the allocator": (
         "fsdp_mpi/sharding/host_memory.py", "self._free[kept.nbytes()].append(kept)", "kept = None",
         [POOL_KEPT]),

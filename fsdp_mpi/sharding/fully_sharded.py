@@ -8,6 +8,7 @@ attributes it lacks are the wrapped module's, ``named_parameters()`` gives the
 original names, and ``state_dict()`` is the unsharded model's.
 """
 
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -18,7 +19,7 @@ from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception
 from fsdp_mpi.communication.routes import report_route_once
 from fsdp_mpi.sharding.deferred_init import is_deferred, materialize_into_shards
-from fsdp_mpi.sharding.host_memory import keep_freed_host_memory_for_reuse
+from fsdp_mpi.sharding.host_memory import give_back_freed_host_memory, keep_freed_host_memory_for_reuse
 from fsdp_mpi.sharding.lifecycle import (UNIT_ATTRIBUTE, WRAPPED_MODULE, Overlap, ShardedUnit, modules_outside_units,
                                 original_name, units_with_names)
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
@@ -131,6 +132,7 @@ class FullyShardedDataParallel(nn.Module):
             materialize_into_shards(module, self._unit.context.units, param_init_fn, comm, sync_module_states)
         if not nested_in_wrap:
             _reserve_node_memory(self._unit.context.units, _groups)
+            give_back_freed_host_memory()  # the model's full parameters, which the shards replaced
 
     @property
     def forward(self):
@@ -270,7 +272,9 @@ def _set_up_the_tree(module: nn.Module, comm: Communicator, groups: ShardGroups,
         abort_job_on_uncaught_exception(comm.mpi_comm)
     computes_on = device or next(module.parameters()).device
     if computes_on.type == "cpu":
-        keep_freed_host_memory_for_reuse()
+        problem = keep_freed_host_memory_for_reuse()
+        if problem and comm.rank == 0:
+            print(f"fsdp_mpi: {problem}", file=sys.stderr, flush=True)
     # one rank per shard group: the tensors that travel go between replicas, on their route
     shared = groups.shard if groups.shard.world_size > 1 or groups.replicas is None else groups.replicas
     report_route_once(shared.describe_route(computes_on), comm.rank)  # collective: chooses the route

@@ -1,6 +1,7 @@
-"""Host memory that comes back: gathered parameters and full gradients from a pool, everything else from a
-heap that keeps what is freed. So a unit gathered again, or its gradient assembled again, does not fault in
-fresh pages, nor does a large temporary of forward and backward.
+"""Host memory that comes back: gathered parameters and full gradients from a pool, every other tensor of 64 KiB
+and more from an arena, smaller blocks from a heap that keeps what is freed. So a unit gathered again, or its
+gradient assembled again, does not fault in fresh pages, nor does a large temporary of forward and backward, and
+the step's peak is what it holds at once.
 
 Every unshard needs a unit's full buffer and every reshard frees it; every
 backward assembles a unit's full gradient and its reduction frees it. glibc
@@ -10,7 +11,7 @@ fault and zero-filling for every 4 KiB page: an all-gather into a fresh buffer
 was 3.5x slower than into a reused one (64 MiB per rank, 2 ranks, MPICH shared
 memory), and the logits and their gradient pay it in compute.
 
-Two mechanisms, one switch (``FSDP_MPI_REUSE_HOST_MEMORY=0`` turns both off):
+Three mechanisms, one switch (``FSDP_MPI_REUSE_HOST_MEMORY=0`` turns all off):
 
 - **The pool** (``HostBuffers``): what a reshard or a reduction frees is kept, by
   its size in bytes, and the next unit that needs that many bytes takes it (units
@@ -19,17 +20,22 @@ Two mechanisms, one switch (``FSDP_MPI_REUSE_HOST_MEMORY=0`` turns both off):
   in and out of that object (``UntypedStorage._swap_data_ptr_``) and the views stay
   valid, as they do across ``resize_``. It holds at most as many buffers of a size
   as were in use at once, which the step's peak holds anyway.
+- **The arena** (``host_allocator``): torch's CPU allocator for tensors of 64 KiB
+  and more, which packs them by address, apart from the small blocks, and keeps
+  freed space resident.
 - **The heap** (``keep_freed_host_memory_for_reuse``): glibc is told to map
-  nothing and never trim, so every other freed block stays for reuse, like
-  PyTorch's CUDA caching allocator; the process keeps its peak resident size.
-  A user's own ``glibc.malloc.*`` in ``GLIBC_TUNABLES`` is left alone.
+  nothing and never trim, so every smaller freed block stays for reuse.
+  A user's own ``glibc.malloc.*`` in ``GLIBC_TUNABLES`` leaves the arena and the
+  heap alone.
 
 The heap alone kept the holes between live blocks: a unit's buffers, freed and
 allocated between other blocks all step long, left gaps that later blocks could
 not use, and a step's peak reached 1.31x its bound (gpt2-medium, AdamW, 2 ranks);
 with the pool those buffers are made once and reused, and the peak is 1.13x,
-as low as with glibc's defaults (reports/2026-11-28-host-buffer-pool.md). GPU
-memory has PyTorch's caching allocator: the pool serves host memory only.
+as low as with glibc's defaults (reports/2026-11-28-host-buffer-pool.md). The
+activations and logits still left holes among the heap's small blocks, up to
+1.4x torch FSDP2's peak; in the arena, at or below it (docs/performance.md). GPU
+memory has PyTorch's caching allocator: all three serve host memory only.
 """
 
 import ctypes
@@ -40,6 +46,7 @@ from collections import defaultdict
 import torch
 
 from fsdp_mpi.communication.settings import REUSE_HOST_MEMORY, read_flag
+from fsdp_mpi.sharding import host_allocator
 
 
 class HostBuffers:
@@ -112,26 +119,28 @@ class BorrowedBuffer:
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_MMAP_MAX = -4
-_heap_kept = False
+_decided = False
 
 
-def keep_freed_host_memory_for_reuse() -> bool:
-    """Tells glibc's malloc to keep freed memory in the heap; True if it took effect.
+def keep_freed_host_memory_for_reuse() -> str | None:
+    """Keeps freed host memory for reuse: blocks of 64 KiB and more in an arena of their own (``host_allocator``),
+    smaller ones in glibc's heap, told to map nothing and never trim. Returns what a user should know (the arena
+    could not be built, so large blocks come from the heap), else None.
 
-    Idempotent; does nothing on a C library without ``mallopt`` (musl, macOS),
-    when ``FSDP_MPI_REUSE_HOST_MEMORY=0``, or when ``GLIBC_TUNABLES`` tunes malloc already.
+    Idempotent; does nothing when ``FSDP_MPI_REUSE_HOST_MEMORY=0`` or when ``GLIBC_TUNABLES`` tunes malloc
+    already; the heap is left as it is on a C library without ``mallopt`` (musl, macOS).
     """
-    global _heap_kept
-    if _heap_kept:
-        return True
-    if read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
+    global _decided
+    if _decided or read_flag(REUSE_HOST_MEMORY) is False or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return None
+    _decided = True
     libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
-        return False
-    # mallopt returns 1 on success. No mmap'd chunks, and never give the heap's top back to the kernel.
-    _heap_kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    return _heap_kept
+    if libc is not None and hasattr(libc, "mallopt"):
+        # No mmap'd chunks, and never give the heap's top back to the kernel.
+        libc.mallopt(_M_MMAP_MAX, 0)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    problem = host_allocator.install()
+    return f"large host blocks come from glibc's heap, not fsdp_mpi's arena: {problem}" if problem else None
 
 
 def _libc():
@@ -144,11 +153,14 @@ _FRESH = FreshBuffers()
 
 
 def give_back_freed_host_memory() -> None:
-    """After a run is dropped (a run rebuilt on other ranks): the pool's kept buffers, sized for the old run's
-    units, and every free page of the heap go back to the kernel (``malloc_trim``), so that the new run's
-    memory is what it uses, not the old run's high-water mark plus its own. Nothing where the C library has no
-    ``malloc_trim``."""
+    """Memory freed and not to be used again goes back to the kernel: the pool's kept buffers, the arena's free
+    space and every free page of the heap (``malloc_trim``, where the C library has it). Once a model is sharded,
+    its full parameters, which the heap would otherwise keep resident while the step's blocks go to the arena
+    (gpt2-medium, 2 ranks: a step's peak 7% higher without it); and after a run is dropped (a run rebuilt on other
+    ranks), what was sized for the old run's units, so that the new run's memory is what it uses, not the old
+    run's high-water mark plus its own."""
     _HOST_BUFFERS.release_kept()
+    host_allocator.release_free()
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
