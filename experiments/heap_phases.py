@@ -4,13 +4,14 @@ resident, for fsdp-mpi or torch's FSDP2 on the same model, units and batch (run 
     mpiexec -n 2 python experiments/heap_phases.py --strategy fsdp-mpi --model gpt2-seed --batch-size 4 --seq-len 128
     mpiexec -n 2 python experiments/heap_phases.py --strategy torch-fsdp --model gpt2-seed --batch-size 4 --seq-len 128
 
-Each strategy runs with the allocator as it ships (fsdp-mpi's heap setting where fsdp-mpi is constructed;
-glibc's defaults otherwise): no ``GLIBC_TUNABLES`` here. Rank 0 prints, for every step, its peak resident size
-(the kernel's high-water mark, restarted at the step's start) and the size of malloc's heaps and mapped blocks at
-its end, then for the last step, at each phase (read in hooks on the first, middle and last blocks): the bytes in
-use (``mallinfo2``: heap blocks in use plus mapped blocks), the heap's free bytes, the mapped blocks, and the
-resident size now and at most so far in the step. A peak far above the bytes in use is memory the allocator
-keeps and does not use: free heap that stays resident.
+Each strategy runs with the allocator as it ships (fsdp-mpi's arena and heap setting where fsdp-mpi is
+constructed; glibc's defaults otherwise): no ``GLIBC_TUNABLES`` here. Rank 0 prints, for every step, its peak
+resident size (the kernel's high-water mark, restarted at the step's start), the size of malloc's heaps and
+mapped blocks at its end, and the arena's most bytes in use at once and bytes touched (fsdp-mpi: its tensors of
+64 KiB and more; sharding/host_allocator.py); then for the last step, at each phase (read in hooks on the first,
+middle and last blocks): the bytes in use (``mallinfo2``: heap blocks in use plus mapped blocks, plus the arena's
+in use), the heap's free bytes, the mapped blocks, and the resident size now and at most so far in the step. A
+peak far above the bytes in use is memory the allocator keeps and does not use: free heap that stays resident.
 """
 
 import argparse
@@ -25,6 +26,7 @@ from training.results import peak_resident_bytes, reset_peak_resident, resident_
 from training.strategies import prepare
 
 from fsdp_mpi import Communicator, abort_job_on_uncaught_exception
+from fsdp_mpi.sharding import host_allocator
 
 MB = 2**20
 
@@ -70,6 +72,7 @@ def main() -> None:
 
     def phase(name: str) -> None:
         in_use, free, mapped = read_heap()
+        in_use += host_allocator.counters()["in_use_bytes"]
         phases.append({"phase": name, "in_use_mb": in_use / MB, "heap_free_mb": free / MB, "mapped_mb": mapped / MB,
                        "resident_mb": resident_bytes() / MB, "step_peak_mb": peak_resident_bytes() / MB})
 
@@ -94,14 +97,18 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         phase("optimizer step ends")
         in_use, free, mapped = read_heap()
+        arena = host_allocator.counters()
         steps.append({"step": step, "step_peak_mb": peak_resident_bytes() / MB,
-                      "heap_and_mapped_mb": (in_use + free) / MB})
+                      "heap_and_mapped_mb": (in_use + free) / MB,
+                      "arena_most_in_use_mb": arena["most_in_use_bytes"] / MB,
+                      "arena_touched_mb": arena["touched_bytes"] / MB})
     if comm.rank == 0:
         print(f"{args.strategy}, {args.model}, {comm.world_size} ranks, {args.batch_size} x {args.seq_len} a rank "
               "(rank 0; MB)")
-        print("step  peak resident  heap + mapped at its end")
+        print("step  peak resident  heap + mapped at its end  arena: most in use  touched")
         for row in steps:
-            print(f"{row['step']:4d}  {row['step_peak_mb']:13.0f}  {row['heap_and_mapped_mb']:24.0f}")
+            print(f"{row['step']:4d}  {row['step_peak_mb']:13.0f}  {row['heap_and_mapped_mb']:24.0f}  "
+                  f"{row['arena_most_in_use_mb']:18.0f}  {row['arena_touched_mb']:7.0f}")
         print(f"the last step, phase by phase:\n{'phase':48s} {'in use':>7s} {'heap free':>9s} {'mapped':>7s} "
               f"{'resident':>8s} {'peak so far':>11s}")
         for row in phases:

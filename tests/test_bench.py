@@ -426,7 +426,7 @@ def test_the_breakdown_figure_keeps_the_longest_strategy_name_and_everything_els
 def test_heap_phases_reads_the_bytes_in_use_against_the_resident_size_at_each_phase(strategy, tmp_path):
     """experiments/heap_phases.py on gpt2-tiny, 2 ranks, 2 steps: every phase read, the bytes in use within the
     resident size and the peak at least the resident size; under fsdp-mpi's heap setting nothing new is mapped in
-    a step (its mapped bytes stay as they were at its start)."""
+    a step (its mapped bytes stay as they were at its start), and its arena touches at least what it holds."""
     out = tmp_path / "phases.json"
     check_ok(run_mpi(REPO_ROOT / "experiments" / "heap_phases.py", 2, "--strategy", strategy, "--model",
                      "gpt2-tiny", "--seq-len", "32", "--steps", "2", "--out", str(out), timeout=120,
@@ -440,3 +440,6 @@ def test_heap_phases_reads_the_bytes_in_use_against_the_resident_size_at_each_ph
         assert 0 < row["in_use_mb"] <= row["resident_mb"] <= row["step_peak_mb"], row
     if strategy == "fsdp-mpi":
         assert {row["mapped_mb"] for row in phases} == {phases[0]["mapped_mb"]}
+    for step in report["steps"]:  # the arena holds fsdp-mpi's tensors of 64 KiB and more; FSDP2 runs without it
+        arena = step["arena_most_in_use_mb"], step["arena_touched_mb"]
+        assert (0 < arena[0] <= arena[1]) if strategy == "fsdp-mpi" else arena == (0, 0), step
