@@ -44,8 +44,11 @@ class ArenaAllocator final : public c10::Allocator {
     if (offset == kNowhere) return elsewhere_->allocate(nbytes);
     char* address = base_ + offset;
     c10::profiledCPUMemoryReporter().New(address, nbytes);
-    return {address, address, &give_back, c10::Device(c10::DeviceType::CPU)};
+    return {address, address, &free_anywhere, c10::Device(c10::DeviceType::CPU)};
   }
+
+  // What torch calls to free a pointer it took raw (raw_allocate: some kernels' scratch), from here or elsewhere.
+  c10::DeleterFnPtr raw_deleter() const override { return &free_anywhere; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
@@ -76,7 +79,7 @@ class ArenaAllocator final : public c10::Allocator {
   std::mutex mutex_;
 
  private:
-  static void give_back(void* address);
+  static void free_anywhere(void* address);
 
   size_t place(size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -128,7 +131,14 @@ class ArenaAllocator final : public c10::Allocator {
 
 ArenaAllocator* installed = nullptr;  // never destroyed: tensors are freed until the process ends
 
-void ArenaAllocator::give_back(void* address) { installed->release(static_cast<char*>(address)); }
+void ArenaAllocator::free_anywhere(void* address) {
+  char* place = static_cast<char*>(address);
+  if (place >= installed->base_ && place < installed->base_ + installed->capacity_) {
+    installed->release(place);
+  } else {
+    installed->elsewhere_->raw_deleter()(address);
+  }
+}
 
 // A child forked while another thread holds the lock would never get it: fork waits for it.
 void lock_before_fork() { installed->mutex_.lock(); }
