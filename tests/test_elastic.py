@@ -148,22 +148,29 @@ def test_hybrid_shard_grows_back_after_each_loss_every_newcomer_healed_by_its_tw
 
 
 @pytest.mark.open_mpi
-def test_a_node_lost_whole_with_no_free_slot_is_said_and_the_run_goes_on_shrunk(one_process, tmp_path):
+def test_a_node_lost_whole_with_no_free_slot_goes_on_shrunk_and_grows_back_once_a_host_is_added(
+        one_process, tmp_path):
     """HYBRID_SHARD on 2 emulated nodes of 2 ranks, growing back, no slot to spare: both ranks of node 1 die as
     they enter step 2's agreement (where both surely get: in a backward, one may meet the other's loss first and
-    live). Their newcomers would need free slots (their node is gone), so the survivors say so once
-    and go on as without growing back: node 0, left whole, from its memory."""
+    live). Their newcomers would need free slots (their node is gone), so the survivors say so once and go on as
+    without growing back: node 0, left whole, from its memory. After step 3 a host is added to the hosts file
+    (this machine's, with 2 slots more than the 4 taken): at step 4's agreement the ranks grow back into it,
+    each newcomer healed by its twin, and take step 4 again on 4 ranks."""
     run = run_loop(tmp_path, 4, "--strategy", "HYBRID_SHARD", "--grow-back", "--kill", "2:2:agreement",
-                   "--kill", "3:2:agreement", env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"}, slots=4)
+                   "--kill", "3:2:agreement", "--add-hosts", "4:localhost:6",
+                   env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"}, slots=4)
     result = result_of(tmp_path, run)
     assert run.stderr.count("fsdp_mpi.elastic: no newcomer can start") == 1, run.stderr[-3000:]
     assert ("fsdp_mpi.elastic: no newcomer can start in the place of rank(s) 2, 3 (2 free slot(s) needed, 0 in the "
             "allocation)") in run.stderr, run.stderr[-3000:]
-    assert [line.split(". Noticed")[0] for line in result["recoveries"]] == [
+    assert [line.split(". Noticed")[0].split(", in ")[0] for line in result["recoveries"]] == [
         "lost rank(s) 2, 3 of the job (4 training before); 2 rank(s) go on from memory (the shard groups left whole) "
-        "at optimizer step 2"]
-    assert result["step_ranks"] == [4, 4, 2, 2, 2, 2]
+        "at optimizer step 2",
+        "hosts were added: grown back from 2 to 4 rank(s), newcomers in rank(s) 2, 3, going on from memory (each "
+        "newcomer's state sent by its twin) at optimizer step 4"]
+    assert result["step_ranks"] == [4, 4, 2, 2, 4, 4]
     assert_trains_as_one_process(result, one_process)
+    assert_nothing_piled_up(result)
 
 
 @pytest.mark.open_mpi
@@ -171,20 +178,24 @@ def test_full_shard_grows_back_from_the_checkpoint_and_a_newcomer_lost_as_it_joi
         one_process, tmp_path):
     """FULL_SHARD on 4 ranks, growing back, a checkpoint every 2 steps: rank 2 dies in step 1's backward, and the
     newcomer started in its place dies as it builds the run (a loss inside the grow-back): the survivors go on
-    with 3 ranks from the checkpoint saved as the run started. Rank 1 then dies in step 3's backward: a newcomer
-    starts in the place of each rank missing, 1 and 2, and the 4 ranks reload step 2's checkpoint. mpirun then
-    exits 137, as the newcomer did: Open MPI 5.0.11's launcher forgives a lost process only in the job it launched
-    itself, not in the one a spawn started (docs/failures.md)."""
+    with 3 ranks from the checkpoint saved as the run started. Once 3 steps are committed a host is added to the
+    hosts file: at step 3's agreement the 3 ranks save step 3 (the latest periodic checkpoint holds 2), a
+    newcomer starts in rank 2's place, and the 4 ranks load it. Rank 1 then dies in step 4's backward, and its
+    newcomer and the others reload step 4's checkpoint. mpirun then exits 137, as the first newcomer did: Open
+    MPI 5.0.11's launcher forgives a lost process only in the job it launched itself, not in the one a spawn
+    started (docs/failures.md)."""
     run = run_loop(tmp_path, 4, "--checkpoint-every", 2, "--grow-back", "--kill", "2:1:backward",
-                   "--kill-newcomer", "2:-1:start", "--kill", "1:3:backward")
+                   "--kill-newcomer", "2:-1:start", "--add-hosts", "3:localhost:8", "--kill", "1:4:backward")
     result = result_of(tmp_path, run, exit_code=128 + 9)
-    assert [line.split(". Noticed")[0] for line in result["recoveries"]] == [
+    assert [line.split(". Noticed")[0].split(", in ")[0] for line in result["recoveries"]] == [
         "lost rank(s) 2 of the job (4 training before); 3 rank(s) go on from the latest checkpoint at optimizer "
         "step 0",
-        "lost rank(s) 1 of the job (3 training before); 4 rank(s), newcomers in rank(s) 1, 2, go on from the "
-        "latest checkpoint at optimizer step 2"]
+        "hosts were added: grown back from 3 to 4 rank(s), newcomers in rank(s) 2, going on from a checkpoint "
+        "saved at this step at optimizer step 3",
+        "lost rank(s) 1 of the job (4 training before); 4 rank(s), newcomers in rank(s) 1, go on from the "
+        "latest checkpoint at optimizer step 4"]
     assert "rank 2: killed in step -1's start" in run.stdout, run.stdout[-3000:]
-    assert result["step_ranks"] == [3, 3, 4, 4, 4, 4]
+    assert result["step_ranks"] == [3, 3, 3, 4, 4, 4]
     assert_trains_as_one_process(result, one_process)
 
 

@@ -41,17 +41,19 @@ def one_process(tmp_path_factory):
     return runs
 
 
-def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None,
-                keep_going: bool = True, slots: int | None = None) -> subprocess.CompletedProcess:
+def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None, keep_going: bool = True,
+                slots: int | None = None, hosts_after: str | None = None) -> subprocess.CompletedProcess:
     """run_gpt2.py on `nprocs` ranks under ULFM, with --keep-going unless told, killing ranks as `kills`
     (RANK:STEP:MOMENT). `slots`: the processes the job may run, newcomers included (None: as many as asked for,
-    as CI's oversubscribing policy lets Open MPI)."""
+    as CI's oversubscribing policy lets Open MPI). `hosts_after`: STEP:HOST:SLOTS, written into the --add-hosts
+    file once that step is done."""
     env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA), FSDP_MPI_TIMEOUT=WATCHDOG_SECONDS, **(env or {}))
     exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE", "FSDP_MPI_DATA_DIR")
                 if name in env for word in ("-x", name)]
     if slots is not None:
         exported += only_these_slots(env, slots)
-    killing = [word for kill in kills for word in ("--kill", kill)]
+    killing = [word for kill in kills for word in ("--kill", kill)] + (["--hosts-after", hosts_after] if hosts_after
+                                                                       else [])
     command = [mpiexec(), *ULFM, *exported, "-n", str(nprocs), sys.executable, str(WORKERS / "keep_going.py"),
                *killing, "--", *RUN, *(["--keep-going"] if keep_going else []), *map(str, options)]
     try:
@@ -141,18 +143,28 @@ def test_a_16_bit_run_goes_on_after_each_loss_to_the_digit_as_its_survivors_resu
 
 @pytest.mark.open_mpi
 @needs_data
-def test_hybrid_shard_goes_on_from_memory_on_the_node_left_whole_when_two_nodes_are_hit_at_once(one_process, tmp_path):
-    """6 ranks as 3 emulated nodes of 2, HYBRID_SHARD by node, no checkpoints at all: in the same forward, one
-    rank of the first node dies and both ranks of the second. The node left whole goes on from its own memory,
-    the first node's other rank leaves, and the global batch is kept."""
+def test_hybrid_shard_goes_on_from_the_node_left_whole_when_two_nodes_are_hit_and_grows_back_into_a_host_added(
+        one_process, tmp_path):
+    """6 ranks as 3 emulated nodes of 2, HYBRID_SHARD by node, no checkpoints at all, --grow-back with no slot to
+    spare: in the same forward, one rank of the first node dies and both ranks of the second. No newcomer can
+    start (the second node is gone), so the node left whole goes on from its own memory, the first node's other
+    rank leaves, and the global batch is kept. Once step 4 is done a host is added (this machine, 4 slots more
+    than the 6 taken): at step 5's agreement 4 newcomers start in ranks 0 to 3, each healed by its twin on the
+    third node, and the last steps train on 6 ranks again."""
+    hosts = tmp_path / "hosts"
+    # The 4 newcomers inherit mpirun's --bind-to none: bound to a core each by default, 2 cores refuse them.
     result = run_killing(6, ["1:2:forward", "2:2:forward", "3:2:forward"], "--batch-size", 2,
-                         "--sharding-strategy", "HYBRID_SHARD", "--out-dir", tmp_path,
-                         env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"})
+                         "--sharding-strategy", "HYBRID_SHARD", "--out-dir", tmp_path, "--grow-back", "--add-hosts",
+                         hosts, env={"FSDP_MPI_EMULATED_NODE_SIZE": "2", "PRTE_MCA_rmaps_default_inherit": "1"},
+                         slots=6, hosts_after="4:localhost:10")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert recoveries(result) == [("1, 2, 3", 6, 2, "memory", 2)]
+    assert "no newcomer can start in the place of rank(s) 1, 2, 3 (3 free slot(s) needed, 0" in result.stderr
     assert "rank 0: left the run at optimizer step 2" in result.stdout
+    assert ("--keep-going: hosts were added: grown back from 2 to 6 rank(s), newcomers in rank(s) 0, 1, 2, 3, going "
+            "on from memory (each newcomer's state sent by its twin) at optimizer step 5") in result.stdout
     assert "resuming from" not in result.stdout
-    assert [row["world_size"] for row in read_rows(tmp_path, per="step")] == list("66222222")
+    assert [row["world_size"] for row in read_rows(tmp_path, per="step")] == list("66222666")
     assert_ends_where_one_process_ends(tmp_path, one_process[12])
 
 

@@ -530,6 +530,8 @@ USERS_LOOP = ("tests/test_elastic.py::"
 HYBRID_ELASTIC = ("tests/test_elastic.py::"
                   "test_hybrid_shard_goes_on_from_memory_then_from_a_checkpoint_when_no_group_is_left_whole")
 GROW_BACK = "tests/test_elastic.py::test_hybrid_shard_grows_back_after_each_loss_every_newcomer_healed_by_its_twin"
+GROW_INTO_ADDED_HOSTS = ("tests/test_elastic.py::"
+                         "test_a_node_lost_whole_with_no_free_slot_goes_on_shrunk_and_grows_back_once_a_host_is_added")
 ULFM_MUTANTS = {
     "a newcomer trains from its own fresh build, its twin's state received and dropped": (
         "fsdp_mpi/elastic/recovery.py", "                plan.take(rebuilt, going_on.receive_object(twin))",
@@ -546,6 +548,8 @@ ULFM_MUTANTS = {
         "fsdp_mpi/elastic/runner.py", "        collect_the_old_run()\n", "", [HYBRID_ELASTIC]),
     "a revoked communicator keeps its node memory for as long as the loop keeps it": (
         "fsdp_mpi/communication/comm.py", "        self._routes.transports.clear()\n", "", [HYBRID_ELASTIC]),
+    "a rank that finds hosts added does not say so in the step's agreement, so the run never grows back": (
+        "fsdp_mpi/elastic/agreement.py", "(0 if grow else STAY)", "STAY", [GROW_INTO_ADDED_HOSTS]),
     "a rank lost during a recovery ends it instead of starting it again on fewer ranks": (
         "fsdp_mpi/elastic/recovery.py", "            continue  # shrink `failing` again, from the same committed state",
         "            raise", [USERS_LOOP]),

@@ -10,7 +10,8 @@ recorder, position in the data) is rebuilt on a communicator, and how its state 
 With --grow-back a newcomer takes each lost rank's place (``fsdp_mpi.run_elastic``'s
 ``grow_back``): its program runs from the top, skips the start-up's collectives (the others
 are in their recovery) and joins the recovery here (``join_the_run``), the run's state coming
-from its twin's memory or the latest checkpoint.
+from its twin's memory or the latest checkpoint. With --add-hosts a run that went on shrunk
+grows back at the step boundary after hosts are written into that file.
 
 The global batch stays that of the ranks the run started on (each step takes as many
 micro-batches as its samples need), and dropout follows the sample, so the steps after the loss
@@ -23,6 +24,7 @@ from training.resume import Position, RunCheckpoints
 
 from fsdp_mpi import Communicator, RankLostError
 from fsdp_mpi.elastic import recovery
+from fsdp_mpi.elastic.agreement import GrowthAgreed
 
 _going_on: Communicator | None = None  # after a loss: the ranks this process trains with now (set below)
 
@@ -59,15 +61,17 @@ def go_on_without_the_lost(run, position: Position, lost: RankLostError, start_r
     plan = _plan(lambda comm: start_run(run.task, run.config, comm, run.device, run.experiment, run.batching),
                  run.config, position, resumed_at)
     try:
-        outcome = recovery.recover(run, run.comm, plan)
+        outcome = recovery.recover(run, run.comm, plan, growing=isinstance(lost, GrowthAgreed))
     except recovery.CannotGoOn as failure:
         recovery.end_for_lack_of_state(failure, f"--keep-going: {failure}: the run ends here")
     if isinstance(outcome, recovery.Left):
         return Left(outcome, position.step)
     _going_on = outcome.run.comm
     if outcome.speaker:
-        print(f"--keep-going: {outcome.message(resumed_at[-1].step, lost.waited)} ({lost})", flush=True)
-    return outcome.run, resumed_at[-1]
+        cause = "" if isinstance(lost, GrowthAgreed) else f" ({lost})"
+        print(f"--keep-going: {outcome.message(resumed_at[-1].step if resumed_at else position.step, lost.waited)}"
+              f"{cause}", flush=True)
+    return outcome.run, resumed_at[-1] if resumed_at else position
 
 
 def join_the_run(build, config, comm: Communicator):
@@ -110,7 +114,9 @@ def _plan(build, config, position: Position | None, resumed_at: list[Position]) 
         held=lambda old: {**_held(old), "position": position}, take=take,
         from_checkpoint=from_checkpoint if config.checkpoint_dir else None,
         position=lambda _: (position.step, position.epoch, position.tally.steps),
-        release=lambda old: old.optimizer.state.clear(), grow_back=config.grow_back)
+        release=lambda old: old.optimizer.state.clear(),
+        save=(lambda old: RunCheckpoints(old).save(position)) if config.checkpoint_dir else None,
+        grow_back=config.grow_back)
 
 
 def _held(run) -> dict:

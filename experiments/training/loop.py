@@ -27,6 +27,7 @@ from training.strategies import Prepared, build_model, compression_from_option, 
 
 from fsdp_mpi import (Communicator, CPUOffload, RankLostError, SampleKeys, ShardingStrategy,
                       continuation_unavailable, is_newcomer, step_in_backward)
+from fsdp_mpi.communication.failures.job import add_hosts_from
 from fsdp_mpi.elastic import recovery
 from fsdp_mpi.elastic.agreement import end_step
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
@@ -124,6 +125,8 @@ def train(task, config: RunConfig, comm: Communicator, device: torch.device, exp
     unavailable = continuation_unavailable() if config.keep_going else None
     if unavailable and comm.rank == 0:
         print(f"--keep-going is unavailable, so a lost rank ends the job: {unavailable}", flush=True)
+    if config.add_hosts:  # read at every step boundary while ranks are missing (fsdp_mpi.elastic.agreement)
+        add_hosts_from(config.add_hosts)
     if is_newcomer():  # started in a lost rank's place (--grow-back): the others are in their recovery
         run, position = join_the_run(lambda on: start_run(task, config, on, device, experiment, batching), config,
                                      comm)

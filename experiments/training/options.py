@@ -63,6 +63,7 @@ class RunConfig:
     resume: bool
     keep_going: bool  # fsdp-mpi: go on without a lost rank, in the same job (keep_going.py)
     grow_back: bool  # with keep_going: newcomers in the lost ranks' places, as many ranks as before
+    add_hosts: str | None  # with grow_back: the hosts file read at step boundaries (fsdp_mpi.run_elastic's)
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> "RunConfig":
@@ -142,6 +143,9 @@ def argument_parser(description: str, model_choices, defaults: dict) -> argparse
     add("--grow-back", action="store_true",
         help="with --keep-going: after a loss, start a newcomer in each lost rank's place (on its node where that "
              "lives on, else in a free slot of the allocation) and go on with as many ranks as before")
+    add("--add-hosts", default=None, metavar="FILE",
+        help="with --grow-back: a file of HOST:SLOTS lines, read at every step boundary while ranks are missing; "
+             "hosts written into it are added to the allocation and the run grows back into them")
     add("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     add("--dropout", type=float, default=None, metavar="P",
         help="every dropout layer's probability (default: the model's); masks are drawn per sample, the same on "
@@ -211,6 +215,8 @@ def check_config(config: RunConfig) -> None:
                          "which cannot go on without a lost rank")
     if config.grow_back and not config.keep_going:
         raise UsageError("--grow-back puts the ranks back after a loss that --keep-going survives: give both")
+    if config.add_hosts and not config.grow_back:
+        raise UsageError("--add-hosts names hosts to grow back into: it needs --grow-back")
     if config.keep_going and not config.checkpoint_every and config.sharding_strategy not in REPLICATED:
         raise UsageError(f"--keep-going under {config.sharding_strategy} goes on from the latest checkpoint (no "
                          f"rank left holds the lost rank's shards): give it a --checkpoint-dir and --checkpoint-every "

@@ -39,7 +39,7 @@ FORMAT = 4  # of the run state below; 2: per-step losses; 3: global batches, per
 # Options a resumed run may change: where files go and how fast it runs, not what it computes.
 MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume", "out_dir", "save_dir",
                                   "no_progress", "threads", "device", "data_dir", "no_download", "keep_going",
-                                  "grow_back", "sharding_strategy", "step_in_backward"})  # the last: the same steps either way
+                                  "grow_back", "add_hosts", "sharding_strategy", "step_in_backward"})  # the last: the same steps either way
 
 
 class ResumeError(Exception):

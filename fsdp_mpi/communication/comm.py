@@ -307,11 +307,12 @@ class Communicator:
 
     # ----------------------------------------------------------------- going on without a lost rank
 
-    def agree(self, flag: bool = True) -> bool:
-        """`flag` and-ed over the ranks, the same answer on every survivor (ULFM's ``MPI_Comm_agree``): raises
-        ``RankLostError`` on every one of them alike if a rank has been lost. A training loop that agrees before
-        its optimizer step knows that every survivor takes the step, or none does (``failures/lost_ranks.py``)."""
-        return bool(self._pickled("agree", lambda: self.mpi_comm.Agree(int(flag)), alone=flag))
+    def agree(self, flags: int = 1) -> int:
+        """`flags` (bits) and-ed over the ranks, the same answer on every survivor (ULFM's ``MPI_Comm_agree``):
+        raises ``RankLostError`` on every one of them alike if a rank has been lost. A training loop that agrees
+        before its optimizer step knows that every survivor takes the step, or none does
+        (``failures/lost_ranks.py``)."""
+        return self._pickled("agree", lambda: self.mpi_comm.Agree(flags), alone=flags)
 
     def revoke(self) -> None:
         """After ``RankLostError``: makes every call on this communicator, on those split from it and on their

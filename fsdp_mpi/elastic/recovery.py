@@ -20,6 +20,10 @@ of them recovers, and from the same committed state. Then, collectively:
 4. the ranks that go on build the run on their communicator, as a run started there would be
    built, and put the state in.
 
+The same path grows a shrunk run back when hosts are added (``agreement.GrowthAgreed``): nobody
+was lost, so nothing shrinks; where the newcomers' state must come from a checkpoint, the ranks
+first save the committed state, so that no step is taken twice.
+
 A rank lost during any of this (a node's ranks noticed one after the other, a second failure)
 makes the survivors shrink again and start over from the same committed state: every
 collective of the recovery is inside that retry. A newcomer that meets a loss before it is
@@ -40,7 +44,8 @@ from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.abort import exit_without_finalize
-from fsdp_mpi.communication.failures.job import free_slots, job_comm, job_rank, job_ranks, place_of
+from fsdp_mpi.communication.failures.job import (free_slots, hosts_tried, job_comm, job_layout, job_rank,
+                                                 job_ranks, place_of)
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
 from fsdp_mpi.sharding.host_memory import give_back_freed_host_memory
@@ -83,6 +88,14 @@ class Recovered(Generic[Run]):
     newcomers: list[int] = field(default_factory=list)  # the ranks of the job a grow-back filled
 
     def message(self, step: int, noticed_after: float) -> str:
+        if not self.lost:  # grown back into added hosts (``agreement.GrowthAgreed``), or tried to
+            source = ("memory (each newcomer's state sent by its twin)" if self.from_memory else
+                      "a checkpoint saved at this step")
+            if not self.newcomers:
+                return f"hosts were added, but no newcomer could start: {self.after} rank(s) go on as they were"
+            return (f"hosts were added: grown back from {self.before} to {self.after} rank(s), newcomers in rank(s) "
+                    f"{', '.join(map(str, self.newcomers))}, going on from {source} at optimizer step {step}, in "
+                    f"{self.rebuild_seconds:.3f} s")
         if self.newcomers:
             source = ("memory (each newcomer's state sent by its twin)" if self.from_memory else
                       "the latest checkpoint")
@@ -119,6 +132,8 @@ class Plan(Generic[Run]):
     take: puts a held state into a run built with its shard groups laid out alike (each rank in its place).
     from_checkpoint: loads the latest checkpoint into the new run; False if there is none. None: the run keeps
         no checkpoints.
+    save: saves a run's committed state as the latest checkpoint (collective over its ranks): before growing
+        back into added hosts where the newcomers load it. None: the run keeps no checkpoints.
     release: frees what of the old run's state a reload replaces (its optimizer state), before the new run is
         built beside it: the recovery then holds one copy of the state more than a run started on the survivors
         would, not two.
@@ -136,19 +151,25 @@ class Plan(Generic[Run]):
     from_checkpoint: Callable[[Run], bool] | None
     position: Callable[[Run], object]
     release: Callable[[Run], None]
+    save: Callable[[Run], None] | None = None
     grow_back: bool = False
 
 
-def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | Left:
+def recover(run: Run, comm: Communicator, plan: Plan[Run], growing: bool = False) -> Recovered[Run] | Left:
     """`run`, trained on `comm`, rebuilt on the ranks that go on after a loss (collective over the survivors of
-    `comm`, every one of which has abandoned the step). Raises ``CannotGoOn`` where the lost state is nowhere."""
+    `comm`, every one of which has abandoned the step). Raises ``CannotGoOn`` where the lost state is nowhere.
+    `growing`: nobody was lost, the ranks agreed to grow back into added hosts (``GrowthAgreed``); where no
+    newcomer can start, `run` goes on as it was."""
     started, before = time.perf_counter(), comm.world_size
     lost: set[int] = set()
     failing = comm  # the communicator a loss was last seen on: the next shrink's
     grow = plan.grow_back  # once a recovery: after a newcomer lost in its own heal, the survivors go on shrunk
     while True:
-        survivors, alive = shrink_until_it_holds(failing)
-        lost |= set(job_ranks(failing.mpi_comm)) - set(alive)
+        if growing:  # everybody is here: nothing to shrink (a loss from now on shrinks as ever)
+            survivors, alive = comm, job_ranks(comm.mpi_comm)
+        else:
+            survivors, alive = shrink_until_it_holds(failing)
+            lost |= set(job_ranks(failing.mpi_comm)) - set(alive)
         shrunk = time.perf_counter()
         failing = survivors
         try:
@@ -159,6 +180,8 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
             if grow:
                 grow = False
                 growth = _growth(groups, alive, sorted(lost), before)
+                if growing and growth.twins is None and plan.save is not None:
+                    plan.save(run)  # the newcomers load the committed state, not the last periodic save
                 job = _grown_back(survivors, growth) if growth.twins is not None or plan.from_checkpoint else None
                 if job is not None:
                     failing = job
@@ -168,6 +191,9 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
                     return Recovered(rebuilt, sorted(lost), before, job.world_size, growth.twins is not None,
                                      shrunk - started, time.perf_counter() - shrunk, job.rank == min(alive),
                                      growth.newcomers)
+            if growing:  # no newcomer could start: as it was, until the hosts file changes again
+                hosts_tried()
+                return Recovered(run, [], before, before, True, 0.0, time.perf_counter() - shrunk, survivors.rank == 0)
             whole = [set(shard) <= set(alive) for shard, _ in groups]
             from_memory = replicas is not None and any(whole)
             if from_memory and not whole[survivors.rank]:
@@ -184,6 +210,7 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run]) -> Recovered[Run] | L
             return Recovered(rebuilt, sorted(lost), before, going_on.world_size, from_memory, shrunk - started,
                              time.perf_counter() - shrunk, going_on.rank == 0)
         except RankLostError:
+            growing = False  # a loss after all
             continue  # shrink `failing` again, from the same committed state
 
 
@@ -200,8 +227,9 @@ def join(job: Communicator, plan: Plan[Run]) -> Recovered[Run]:
         print(f"fsdp_mpi.elastic: the newcomer in rank {job.rank}'s place leaves: a rank was lost before it was "
               f"healed ({lost})", file=sys.stderr, flush=True)
         exit_without_finalize(0)
-    return Recovered(rebuilt, growth.lost, growth.before, job.world_size, growth.twins is not None, 0.0,
-                     time.perf_counter() - started, False, growth.newcomers)
+    # The ranks it replaced were lost too (earlier, where hosts added made the run grow back).
+    return Recovered(rebuilt, sorted(set(growth.lost) | set(growth.newcomers)), growth.before, job.world_size,
+                     growth.twins is not None, 0.0, time.perf_counter() - started, False, growth.newcomers)
 
 
 def _growth(groups: list[tuple[list[int], list[int] | None]], alive: list[int], lost: list[int],
@@ -209,12 +237,20 @@ def _growth(groups: list[tuple[list[int], list[int] | None]], alive: list[int], 
     """Who the newcomers are (every rank of the job not alive, lost now or earlier) and where their state comes
     from: their twins (the lowest survivor holding the same shards), where every newcomer has one. `groups`: each
     survivor's shard group and replicas, as ranks of the job."""
-    missing = sorted(set(range(job_comm().Get_size())) - set(alive))
+    size = job_comm().Get_size()
+    missing = sorted(set(range(size)) - set(alive))
+    here = {survivor: (shard.index(survivor), len(shard)) for survivor, (shard, _) in zip(alive, groups)}
+    # Every rank's place that the survivors' groups show (a replica is at its holder's), kept where they show the
+    # whole job: a run shrunk to one shard group has no replicas, but a newcomer joining it has a twin there.
+    layout = job_layout({**{rank: here[survivor] for survivor, (_, replicas) in zip(alive, groups)
+                            for rank in replicas or []},
+                         **{rank: (shard.index(rank), len(shard)) for shard, _ in groups for rank in shard}})
     twins = {}
-    for rank in missing:
-        holders = [survivor for survivor, (_, replicas) in zip(alive, groups) if replicas and rank in replicas]
-        if holders:
-            twins[rank] = min(holders)
+    if all(layout.get(survivor) == here[survivor] for survivor in alive):  # each survivor keeps its own state
+        for rank in missing:
+            holders = [survivor for survivor in alive if here[survivor] == layout.get(rank)]
+            if holders and layout[rank][1] < size:  # a shard group smaller than the job: the state is replicated
+                twins[rank] = min(holders)
     return Growth(lost, before, missing, place_of(missing, alive), twins if len(twins) == len(missing) else None)
 
 
@@ -222,7 +258,9 @@ def _grown_back(survivors: Communicator, growth: Growth) -> Communicator | None:
     """The job grown back by `growth`'s newcomers, or None where they cannot start (said once): they need free
     slots and the allocation has too few (asked first: Open MPI's launcher fails the whole job at its end after a
     refused spawn), or MPI refused."""
-    free, needed = free_slots(), len(growth.newcomers)
+    # Rank 0's count for all: the hosts file it reads may change while the others would read it.
+    free = survivors.all_gather_object(free_slots() if survivors.rank == 0 else None)[0]
+    needed = len(growth.newcomers)
     try:
         if growth.place is None and free is not None and free < needed:
             raise CannotGrow(f"{needed} free slot(s) needed, {free} in the allocation")
@@ -232,7 +270,8 @@ def _grown_back(survivors: Communicator, growth: Growth) -> Communicator | None:
             why = refused.Get_error_string() if isinstance(refused, MPI.Exception) else str(refused)
             print(f"fsdp_mpi.elastic: no newcomer can start in the place of rank(s) "
                   f"{', '.join(map(str, growth.newcomers))} ({why}): the run goes on without; to grow back, give "
-                  "mpirun more slots than ranks (docs/failures.md)", file=sys.stderr, flush=True)
+                  "mpirun more slots than ranks, or add hosts to the hosts file (docs/failures.md)", file=sys.stderr,
+                  flush=True)
         return None
 
 

@@ -30,6 +30,8 @@ With ``grow_back=True`` the survivors start a newcomer in each lost rank's place
 allocation has a free slot. The newcomer runs the same program from the top: its
 ``run_elastic`` finds that it was started to fill a place (``failures/job.py``), joins the
 survivors' recovery (``recovery.join``) and calls ``train`` with the state it was given.
+Where no slot is free at the loss, the run goes on shrunk; with a ``hosts_file`` it grows back
+at the first step boundary after hosts are added to it (``agreement.GrowthAgreed``).
 """
 
 import sys
@@ -37,9 +39,9 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from fsdp_mpi.communication.comm import Communicator
-from fsdp_mpi.communication.failures.job import is_newcomer, job_ranks
+from fsdp_mpi.communication.failures.job import add_hosts_from, is_newcomer, job_ranks
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
-from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
+from fsdp_mpi.elastic.agreement import GrowthAgreed, StepAbandoned, end_step
 from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, Recovered, abandon_the_step, collect_the_old_run,
                                       end_for_lack_of_state, forget_the_interrupted_step, join, recover,
                                       shrink_until_it_holds)
@@ -61,7 +63,8 @@ class Elastic:
 
 def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Communicator], ElasticState],
                 comm: Communicator | None = None, *, checkpoint_dir: str | Path | None = None,
-                checkpoint_every: int = 0, elastic: Elastic | None = None, grow_back: bool = False) -> Result | None:
+                checkpoint_every: int = 0, elastic: Elastic | None = None, grow_back: bool = False,
+                hosts_file: str | Path | None = None) -> Result | None:
     """Calls ``train(build(comm))`` and, after each lost rank, ``train`` again on the survivors' rebuilt state.
 
     Args:
@@ -77,6 +80,9 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
             before: under HYBRID_SHARD and NO_SHARD each newcomer gets its state from its twin (the survivor
             holding the same shards), otherwise every rank loads the latest checkpoint. Where no slot is free,
             says so and goes on with the survivors.
+        hosts_file: with `grow_back`, a file of ``HOST:SLOTS`` lines the run reads at every step boundary while
+            it is short of ranks: hosts added to it are added to the allocation, and the run grows back into them
+            before the next update (the file's hosts are also handed to every spawn).
 
     Returns `train`'s result; None on a rank that left (its shard group broke while others went on from memory).
     Where MPI cannot report a lost rank (``continuation_unavailable``), says so once and trains as usual: a
@@ -87,7 +93,11 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
     if checkpoint_dir is not None and checkpoint_every < 1:
         raise ValueError("checkpoint_every must be at least 1 with a checkpoint_dir: the survivors of a lost rank "
                          "under FULL_SHARD reload the latest checkpoint")
+    if hosts_file is not None and not grow_back:
+        raise ValueError("hosts_file is read to grow back into the hosts added: it needs grow_back=True")
     comm = comm if comm is not None else Communicator()
+    if hosts_file is not None:
+        add_hosts_from(hosts_file)
     elastic = elastic if elastic is not None else Elastic()
     unavailable = continuation_unavailable()
     if unavailable and comm.rank == 0:
@@ -98,7 +108,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
                 held=ElasticState.held, take=ElasticState.take,
                 from_checkpoint=(lambda run: run.load(directory(run.comm))) if directory else None,
                 position=lambda run: run.step, release=lambda run: run.optimizer.state.clear(),
-                grow_back=grow_back)
+                save=(lambda run: run.save(directory(run.comm))) if directory else None, grow_back=grow_back)
     if is_newcomer():  # started by the survivors' recovery, in a lost rank's place
         elastic.newcomer = True
         state = _recovered(join(comm, plan), 0.0, elastic)
@@ -119,7 +129,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
         abandon_the_step(state.comm, lost)
         state.roll_back()
         try:
-            outcome = recover(state, state.comm, plan)
+            outcome = recover(state, state.comm, plan, growing=isinstance(lost, GrowthAgreed))
         except CannotGoOn as failure:
             end_for_lack_of_state(failure, f"fsdp_mpi.elastic: the run cannot go on: {failure}")
         if isinstance(outcome, Left):

@@ -2,7 +2,8 @@
 chosen moments, for tests/test_elastic.py.
 
     python elastic_loop.py OUT [--strategy NAME] [--checkpoint-every N] [--accumulate] [--overlap] [--offload]
-                           [--grow-back] [--kill RANK:STEP:MOMENT]... [--kill-newcomer RANK:STEP:MOMENT]...
+                           [--grow-back] [--add-hosts STEP:HOST:SLOTS] [--kill RANK:STEP:MOMENT]...
+                           [--kill-newcomer RANK:STEP:MOMENT]...
 
 The loop is what docs/failures.md shows a user: every step's samples follow from ``state.step`` (a global batch
 of GLOBAL_BATCH, cut into equal parts on the ranks of the moment), and every step ends in ``state.commit()``.
@@ -10,7 +11,9 @@ With --checkpoint-every, checkpoints go to OUT/checkpoints. --accumulate
 takes each step as two micro-batches, the first under ``no_sync()``; --overlap turns on the prefetches and the
 asynchronous reduce-scatter (so a collective is in flight when a rank dies); --offload keeps the shards in host
 memory (``CPUOffload``); --grow-back starts a newcomer in each lost rank's place (``run_elastic(grow_back=True)``):
-the newcomer runs this program with these arguments, and only its own --kill-newcomer plans apply to it. RANK is
+the newcomer runs this program with these arguments, and only its own --kill-newcomer plans apply to it.
+--add-hosts gives the run OUT/hosts as its hosts file, and rank 0 writes HOST:SLOTS into it once STEP steps are
+committed (as a user adding a host while the run goes on). RANK is
 the rank in the job, STEP the optimizer step (from 0; for save and latest, the steps the checkpoint holds), MOMENT
 one of:
 
@@ -87,7 +90,8 @@ def tokens(first: int, count: int) -> torch.Tensor:
     return torch.stack(samples)
 
 
-def train(state: ElasticState, killer: "Killer", seen: dict, micro_batches: int) -> ElasticState:
+def train(state: ElasticState, killer: "Killer", seen: dict, micro_batches: int,
+          hosts_added: tuple[int, Path, str] | None) -> ElasticState:
     comm = state.comm
     per_rank = GLOBAL_BATCH // comm.world_size  # (B, SEQ) below, B = per_rank
     while state.step < STEPS:
@@ -102,6 +106,8 @@ def train(state: ElasticState, killer: "Killer", seen: dict, micro_batches: int)
         state.counters["losses"].append(comm.all_reduce_sum_float(loss_sum) / comm.world_size)
         state.counters["ranks"].append(comm.world_size)
         state.commit()
+        if hosts_added and state.step == hosts_added[0] and comm.rank == 0 and not hosts_added[1].exists():
+            hosts_added[1].write_text(f"# the hosts the job may grow into\n{hosts_added[2]}\n")
         if "after_first_step" not in seen:
             seen["after_first_step"], seen["models_then"] = resources(), len(seen["models"])
         elif len(seen["models"]) > seen["models_then"] + len(seen["after_recoveries"]):  # a rebuilt run's first
@@ -206,10 +212,13 @@ def main() -> None:
     install(killer)
     elastic, seen = Elastic(), {"models": [], "after_recoveries": []}
     micro_batches = 2 if "--accumulate" in args else 1
-    state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen, micro_batches),
+    adding = args[args.index("--add-hosts") + 1].split(":", 1) if "--add-hosts" in args else None
+    hosts_added = (int(adding[0]), out / "hosts", adding[1]) if adding else None
+    state = fsdp_mpi.run_elastic(lambda state: train(state, killer, seen, micro_batches, hosts_added),
                                  lambda comm: build(comm, strategy, args, killer, seen["models"]),
                                  checkpoint_dir=out / "checkpoints" if every else None, checkpoint_every=every,
-                                 elastic=elastic, grow_back="--grow-back" in args)
+                                 elastic=elastic, grow_back="--grow-back" in args,
+                                 hosts_file=hosts_added[1] if hosts_added else None)
     if state is not None:
         with torch.no_grad():  # the weights after the last step, on a batch no step trained on
             per_rank = GLOBAL_BATCH // state.comm.world_size

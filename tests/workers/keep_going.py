@@ -1,6 +1,7 @@
 """experiments/run_gpt2.py with ranks killed at chosen moments, for tests/test_keep_going.py.
 
-    python keep_going.py [--memory] --kill RANK:STEP:MOMENT [--kill ...] -- <run_gpt2.py's options>
+    python keep_going.py [--memory] [--hosts-after STEP:HOST:SLOTS] --kill RANK:STEP:MOMENT [--kill ...] --
+        <run_gpt2.py's options>
 
 RANK is the rank in the job (a newcomer that takes its place kills nothing), STEP the optimizer step (counted from 0 over the whole run),
 MOMENT one of forward (the third unit hook of the step's forward), backward (the second of its backward),
@@ -16,7 +17,8 @@ takes the time from a failure to the next completed step, and whether the run be
 at the first step after the recovery (it must be gone without waiting for a collection). With --memory each
 survivor also prints the peak memory of its process (held, and resident: ``ResidentPeaks``) in the training steps before the loss and during
 the recovery (from the loss to the next completed step), beside the training state it held (parameters, gradients, optimizer state), for
-experiments/bench_keep_going.py --memory.
+experiments/bench_keep_going.py --memory. With --hosts-after the run's rank 0 writes HOST:SLOTS into run_gpt2.py's
+--add-hosts file once optimizer step STEP is done, as a user adding a host while the run goes on.
 """
 
 import faulthandler
@@ -106,7 +108,7 @@ def damage_latest_checkpoint(directory: Path) -> None:
     print(f"rank {job_rank()}: damaged {latest}", flush=True)
 
 
-def install(kills: list[str], memory: bool) -> None:
+def install(kills: list[str], memory: bool, hosts_after: str | None) -> None:
     rank = job_rank()  # a newcomer (--grow-back) joins the job here, and kills nothing
     plan = set()
     for kill in kills:
@@ -127,6 +129,8 @@ def install(kills: list[str], memory: bool) -> None:
             print(f"rank {rank}: the run before the loss alive at the next step: {before_the_loss.pop()() is not None}",
                   flush=True)
         done = counted(run, step, position)
+        if hosts_after and position.step == int(hosts_after.split(":")[0]) and run.comm.rank == 0:
+            Path(run.config.add_hosts).write_text(hosts_after.split(":", 1)[1] + "\n")
         print(f"rank {rank}: step {position.step} done at {time.time():.3f}", flush=True)  # for the benchmark
         if peaks and peaks.phase in ("before", "after"):
             peaks.state_bytes[peaks.phase] = model_state_bytes(run.prepared.model, run.optimizer)
@@ -169,5 +173,6 @@ if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # a hung test dumps every rank's threads on SIGUSR2
     separator = sys.argv.index("--")
     ours, sys.argv = sys.argv[1:separator], [sys.argv[0], *sys.argv[separator + 1:]]
-    install([ours[index + 1] for index, word in enumerate(ours) if word == "--kill"], "--memory" in ours)
+    install([ours[index + 1] for index, word in enumerate(ours) if word == "--kill"], "--memory" in ours,
+            ours[ours.index("--hosts-after") + 1] if "--hosts-after" in ours else None)
     sys.exit(main(run_gpt2.GPT2Task, run_gpt2.GPT2RunConfig, run_gpt2.parser(), "gpt2"))

@@ -15,6 +15,11 @@ spare node's), which the survivors count first (``free_slots``). One spawn start
 one place or the other (Open MPI 5.0.11's ``MPI_Comm_spawn_multiple`` refuses a placement per
 newcomer): newcomers whose nodes differ all go to free slots.
 
+Slots can be added while the run goes on: a run given a *hosts file* (``add_hosts_from``) reads
+it at every step boundary, and where it changed while ranks are missing, the ranks agree to grow
+back before the next update (``elastic.agreement``); the spawn hands its hosts to Open MPI's
+launcher (``PMIX_ADD_HOST``), which adds them to the allocation, or raises a listed host's slots.
+
 A newcomer's program runs from the top, as the others' did. The first time it asks for the
 job (``job_comm``, which ``Communicator()`` does) it finds that it was spawned and joins: it
 merges with the survivors and takes its number. That is the survivors' ``spawn_into``, seen
@@ -24,6 +29,7 @@ from the other side; nothing else in the program needs to know.
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mpi4py import MPI
 
@@ -38,6 +44,12 @@ class _Job:
     placed: int  # the slots the job's processes took: those, and every newcomer started in a free slot since
     hosts: dict[int, str] = field(default_factory=dict)  # each rank's host, as last heard (``note_hosts``)
     replaced: list[int] = field(default_factory=list)  # the ranks this process's grow-backs filled
+    hosts_file: str | None = None  # where the user adds hosts while the run goes on (``add_hosts_from``)
+    hosts_tried: str | None = None  # its hosts as the last growth tried them (handed to the launcher, or not)
+    hosts_misread: str | None = None  # why the hosts file cannot be used, as last said (said once)
+    # Each rank's place in the sharding of the last run on every rank of the job: (its index in its shard group,
+    # the group's size). Under HYBRID_SHARD and NO_SHARD ranks at the same place hold the same state.
+    layout: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 _comm = None  # the job's communicator, once asked for; on a newcomer, once it has joined
@@ -111,13 +123,91 @@ def place_of(missing: list[int], alive: list[int]) -> str | None:
     return hosts.pop()
 
 
+def add_hosts_from(path: str | os.PathLike) -> None:
+    """Makes `path` the run's hosts file (local; the newcomers are told it): one host a line, ``HOST:SLOTS``
+    (``#`` starts a comment), the slots it gives the job. Every spawn hands them to the launcher, and a change
+    while ranks are missing makes the ranks grow back at the next step boundary (``hosts_were_added``)."""
+    job_comm()
+    _job.hosts_file = os.fspath(path)
+
+
+def added_hosts() -> str | None:
+    """The hosts file's hosts as the launcher takes them (``"nodeC:4,nodeD:4"``), or None: no hosts file, an
+    empty or missing one. Raises ``ValueError`` naming a line that is not ``HOST:SLOTS``."""
+    job_comm()
+    try:
+        text = Path(_job.hosts_file).read_text() if _job.hosts_file else ""
+    except FileNotFoundError:
+        return None
+    hosts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(":")
+        if not host or not slots.isdigit() or int(slots) < 1:
+            raise ValueError(f"{_job.hosts_file}, line {number}: {line!r} is not HOST:SLOTS (a host name, and the "
+                             "slots it gives the job, at least 1)")
+        hosts.append(f"{host}:{int(slots)}")
+    return ",".join(hosts) or None
+
+
+def hosts_were_added() -> bool:
+    """Whether the hosts file lists hosts that no growth has tried yet (local; it reads the file). A file that
+    cannot be understood is said once (to stderr) and taken as no change."""
+    job_comm()
+    if _job.hosts_file is None:
+        return False
+    try:
+        hosts = added_hosts()
+    except ValueError as bad:
+        if str(bad) != _job.hosts_misread:
+            print(f"fsdp_mpi.elastic: the hosts file is not used: {bad}", file=sys.stderr, flush=True)
+            _job.hosts_misread = str(bad)
+        return False
+    return hosts is not None and hosts != _job.hosts_tried
+
+
+def _hosts_to_add() -> str | None:
+    """``added_hosts``, None where there is no hosts file or it cannot be understood (``hosts_were_added`` says
+    so)."""
+    try:
+        return added_hosts()
+    except ValueError:
+        return None
+
+
+def hosts_tried() -> None:
+    """Notes the hosts file as it is now as tried (local): a growth into it that could not be made is not tried
+    again at every step, only once the file changes or at the next loss."""
+    job_comm()
+    _job.hosts_tried = _hosts_to_add() or _job.hosts_tried
+
+
+def job_layout(places: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """The places of the job's ranks in the sharding of a run on all of them (its index in its shard group, the
+    group's size): `places` where they name every rank of the job (kept), else those last kept. Called alike on
+    every rank (the newcomers are told it)."""
+    job_comm()
+    if set(places) == set(range(_comm.Get_size())):
+        _job.layout = dict(places)
+    return _job.layout
+
+
+def ranks_missing(mpi_comm) -> bool:
+    """Whether the job has ranks that `mpi_comm` (the ranks training) lacks: lost, and not grown back."""
+    return mpi_comm.Get_size() < job_comm().Get_size()
+
+
 def free_slots() -> int | None:
     """The slots of the allocation that no process of the job has taken: ``MPI_UNIVERSE_SIZE`` (the slots the
     launcher was given) less those taken, by the dead too (Open MPI 5.0.11 gives a dead process's slot to nobody:
     with 3 slots, 3 ranks and one of them dead, a spawn is refused); a newcomer started in a dead process's place
     takes none. None where the launcher started more processes than it has slots (it oversubscribes, and so does
-    a spawn) or MPI does not say."""
+    a spawn), where the hosts file adds hosts (the launcher counts them) or MPI does not say."""
     job_comm()
+    if _job.hosts_tried is not None or hosts_were_added():
+        return None
     # Asked only here: MPICH started without a launcher starts one to answer (and fails where none is on PATH).
     universe = MPI.COMM_WORLD.Get_attr(MPI.UNIVERSE_SIZE)
     if universe is None or _job.launched > universe:
@@ -132,6 +222,10 @@ def spawn_into(survivors, missing: list[int], place: str | None):
     newcomers could not start (the same on every survivor)."""
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())  # the newcomers run this program where it runs, with its arguments
+    hosts = survivors.bcast(_hosts_to_add() if survivors.Get_rank() == 0 else None, root=0)  # one reading
+    if hosts is not None:  # added to the allocation, or a listed host's slots raised, before the newcomers map
+        info.Set("PMIX_ADD_HOST", hosts)
+    _job.hosts_tried = hosts or _job.hosts_tried  # tried once: a refused spawn is not retried
     if place is not None:  # the dead processes' places: their slots are not given back, so beyond the host's
         info.Set("host", place)
         info.Set("map_by", ":OVERSUBSCRIBE")
