@@ -1,7 +1,7 @@
 """Intel MPI from the package index (the impi extra) as the third MPI: a run under it, and the trimmed copy of it
 that hpc/trim_impi.sh makes for a GPU machine without a package index, used as hpc/impi_env.sh sets it up. Where
 impi-rt is not installed these are deselected (tests/conftest.py); CI's third pass runs them, with the
-collectives, hangs and checkpoint tests (.ci/run)."""
+collectives, the node transport and what depends on the oldest Python (.ci/run)."""
 
 import os
 import subprocess

@@ -133,12 +133,15 @@ def add_hosts_from(path: str | os.PathLike) -> None:
 
 def added_hosts() -> str | None:
     """The hosts file's hosts as the launcher takes them (``"nodeC:4,nodeD:4"``), or None: no hosts file, an
-    empty or missing one. Raises ``ValueError`` naming a line that is not ``HOST:SLOTS``."""
+    empty or missing one. Raises ``ValueError`` naming a line that is not ``HOST:SLOTS``, or why the file cannot
+    be read."""
     job_comm()
     try:
         text = Path(_job.hosts_file).read_text() if _job.hosts_file else ""
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as unreadable:
+        raise ValueError(f"{_job.hosts_file} cannot be read ({unreadable})") from None
     hosts = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
