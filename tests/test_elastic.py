@@ -153,9 +153,11 @@ def test_a_node_lost_whole_with_no_free_slot_goes_on_shrunk_and_grows_back_once_
     """HYBRID_SHARD on 2 emulated nodes of 2 ranks, growing back, no slot to spare: both ranks of node 1 die as
     they enter step 2's agreement (where both surely get: in a backward, one may meet the other's loss first and
     live). Their newcomers would need free slots (their node is gone), so the survivors say so once and go on as
-    without growing back: node 0, left whole, from its memory. After step 3 a host is added to the hosts file
-    (this machine's, with 2 slots more than the 4 taken): at step 4's agreement the ranks grow back into it,
-    each newcomer healed by its twin, and take step 4 again on 4 ranks."""
+    without growing back: node 0, left whole, from its memory. The hosts file holds a line without its slots:
+    read at steps 2 and 3, it is said to be unusable once. After step 3 a host is written into it (this
+    machine's, with 2 slots more than the 4 taken): at step 4's agreement the ranks grow back into it, each
+    newcomer healed by its twin, and take step 4 again on 4 ranks."""
+    (tmp_path / "hosts").write_text("localhost\n")
     run = run_loop(tmp_path, 4, "--strategy", "HYBRID_SHARD", "--grow-back", "--kill", "2:2:agreement",
                    "--kill", "3:2:agreement", "--add-hosts", "4:localhost:6",
                    env={"FSDP_MPI_EMULATED_NODE_SIZE": "2"}, slots=4)
@@ -163,6 +165,8 @@ def test_a_node_lost_whole_with_no_free_slot_goes_on_shrunk_and_grows_back_once_
     assert run.stderr.count("fsdp_mpi.elastic: no newcomer can start") == 1, run.stderr[-3000:]
     assert ("fsdp_mpi.elastic: no newcomer can start in the place of rank(s) 2, 3 (2 free slot(s) needed, 0 in the "
             "allocation)") in run.stderr, run.stderr[-3000:]
+    assert run.stderr.count("fsdp_mpi.elastic: the hosts file is not used: ") == 1, run.stderr[-3000:]
+    assert f"{tmp_path / 'hosts'}, line 1: 'localhost' is not HOST:SLOTS" in run.stderr
     assert [line.split(". Noticed")[0].split(", in ")[0] for line in result["recoveries"]] == [
         "lost rank(s) 2, 3 of the job (4 training before); 2 rank(s) go on from memory (the shard groups left whole) "
         "at optimizer step 2",

@@ -13,7 +13,7 @@ asynchronous reduce-scatter (so a collective is in flight when a rank dies); --o
 memory (``CPUOffload``); --grow-back starts a newcomer in each lost rank's place (``run_elastic(grow_back=True)``):
 the newcomer runs this program with these arguments, and only its own --kill-newcomer plans apply to it.
 --add-hosts gives the run OUT/hosts as its hosts file, and rank 0 writes HOST:SLOTS into it once STEP steps are
-committed (as a user adding a host while the run goes on). RANK is
+committed (as a user adding a host while the run goes on), over what was there. RANK is
 the rank in the job, STEP the optimizer step (from 0; for save and latest, the steps the checkpoint holds), MOMENT
 one of:
 
@@ -106,7 +106,7 @@ def train(state: ElasticState, killer: "Killer", seen: dict, micro_batches: int,
         state.counters["losses"].append(comm.all_reduce_sum_float(loss_sum) / comm.world_size)
         state.counters["ranks"].append(comm.world_size)
         state.commit()
-        if hosts_added and state.step == hosts_added[0] and comm.rank == 0 and not hosts_added[1].exists():
+        if hosts_added and state.step == hosts_added[0] and comm.rank == 0:
             hosts_added[1].write_text(f"# the hosts the job may grow into\n{hosts_added[2]}\n")
         if "after_first_step" not in seen:
             seen["after_first_step"], seen["models_then"] = resources(), len(seen["models"])
