@@ -83,8 +83,11 @@ class RunFailed(Exception):
     """A launched run ended in error without any failed check: a crash, not a wrong answer."""
 
 
-# A Python traceback's last line when an `assert` (or torch.testing.assert_close) failed in a rank.
-_FAILED_CHECK = re.compile(r"^(\w+\.)*AssertionError\b", re.MULTILINE)
+# A Python traceback's last line when an `assert` (or torch.testing.assert_close) failed in a rank; or, where
+# two ranks' tracebacks interleave on one stream ("AssertionErrorAssertionError: : ..."), the line fsdp_mpi's
+# abort path writes, wherever it lands, for each rank whose check failed.
+_FAILED_CHECK = re.compile(r"^(\w+\.)*AssertionError\b|fsdp_mpi: rank \d+ raised AssertionError; aborting",
+                           re.MULTILINE)
 
 
 def check_ok(result: subprocess.CompletedProcess) -> None:
