@@ -88,21 +88,18 @@ class Recovered(Generic[Run]):
     newcomers: list[int] = field(default_factory=list)  # the ranks of the job a grow-back filled
 
     def message(self, step: int, noticed_after: float) -> str:
-        if not self.lost:  # grown back into added hosts (``agreement.GrowthAgreed``), or tried to
+        newcomers = ", ".join(map(str, self.newcomers))
+        if self.newcomers:
             source = ("memory (each newcomer's state sent by its twin)" if self.from_memory else
-                      "a checkpoint saved at this step")
+                      "the latest checkpoint" if self.lost else "a checkpoint saved at this step")
+        else:
+            source = "memory (the shard groups left whole)" if self.from_memory else "the latest checkpoint"
+        if not self.lost:  # grown back into added hosts (``agreement.GrowthAgreed``), or tried to
             if not self.newcomers:
                 return f"hosts were added, but no newcomer could start: {self.after} rank(s) go on as they were"
             return (f"hosts were added: grown back from {self.before} to {self.after} rank(s), newcomers in rank(s) "
-                    f"{', '.join(map(str, self.newcomers))}, going on from {source} at optimizer step {step}, in "
-                    f"{self.rebuild_seconds:.3f} s")
-        if self.newcomers:
-            source = ("memory (each newcomer's state sent by its twin)" if self.from_memory else
-                      "the latest checkpoint")
-            grown = f", newcomers in rank(s) {', '.join(map(str, self.newcomers))},"
-        else:
-            source = "memory (the shard groups left whole)" if self.from_memory else "the latest checkpoint"
-            grown = ""
+                    f"{newcomers}, going on from {source} at optimizer step {step}, in {self.rebuild_seconds:.3f} s")
+        grown = f", newcomers in rank(s) {newcomers}," if self.newcomers else ""
         return (f"lost rank(s) {', '.join(map(str, self.lost))} of the job ({self.before} training before); "
                 f"{self.after} rank(s){grown} go on from {source} at optimizer step {step}. "
                 f"Noticed after {noticed_after:.3f} s in a collective, shrunk in {self.shrink_seconds:.3f} s, "
