@@ -4,8 +4,8 @@
                         gradient_clip_val=1.0, accumulate_grad_batches=4)
     trainer.fit(module)            # mpiexec -n 4 python train.py
 
-The launcher starts the processes; ranks come from MPI (Lightning's
-``MPIEnvironment``) and no torch.distributed group is created: every collective,
+The launcher starts the processes; ranks are those of the strategy's communicator (all of MPI's by default;
+``CommEnvironment``) and no torch.distributed group is created: every collective,
 the strategy's own (barrier, broadcast, metric reductions) included, goes
 through fsdp_mpi's ``Communicator``, so the hang watch covers them too. The whole LightningModule is wrapped in one
 ``FullyShardedDataParallel`` root, and Lightning calls ``training_step`` and
@@ -27,30 +27,34 @@ What each Lightning feature becomes:
                          schedulers, callbacks) in ``lightning_state.pt``; resumable with
                          ``ckpt_path=`` on any number of ranks. The state file loads with
                          ``weights_only=True`` unless ``fit(..., weights_only=False)`` says otherwise
-    a lost rank          ends the job, saying why (``CANNOT_GO_ON``), even under Open MPI's ULFM:
-                         the Trainer has no way to be rebuilt on fewer ranks in the middle of
-                         ``fit``; resume with ``ckpt_path=``, or train in a loop of your own
-                         under ``fsdp_mpi.run_elastic``
+    a lost rank          ends the job, saying why (``CANNOT_GO_ON``): a Trainer cannot be rebuilt
+                         on fewer ranks in the middle of ``fit``; under Open MPI's ULFM,
+                         ``fsdp_mpi.lightning_elastic.fit_elastic`` builds a new one on the survivors
+                         (or grown back) and resumes it from the latest checkpoint, in the same job
 """
 
 import pickle
 import re
+import socket
 import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from lightning.pytorch.plugins.environments import MPIEnvironment
+from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from fsdp_mpi.files.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp_mpi.loop.clip import clip_grad_norm_
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, can_go_on
+from fsdp_mpi.elastic.agreement import end_step
 from fsdp_mpi.sharding.fully_sharded import FullyShardedDataParallel
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
 from fsdp_mpi.sharding.strategy import ShardingStrategy
@@ -58,13 +62,15 @@ from fsdp_mpi.sharding.torch_options import read_sharding_strategy
 from fsdp_mpi.sharding.wrap import ModuleWrapPolicy, as_wrap_policy
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"  # beside the shards in a checkpoint directory
-# Why a Trainer ends at a lost rank where fsdp_mpi.run_elastic goes on: what a run on the survivors would need
-# rebuilt lives in Lightning's objects (the fit loop's progress, callbacks, loggers, the samplers cut for N
-# ranks, the module's references to the wrapped model and its optimizer), and fit() has no place to do it.
-CANNOT_GO_ON = ("Lightning's Trainer cannot go on without a lost rank (its loops, callbacks, loggers and "
-                "samplers would have to be rebuilt on the survivors in the middle of fit()): the job ends. Resume "
-                "from the last checkpoint with fit(ckpt_path=...) on the ranks you have, or train in a loop of "
-                "your own under fsdp_mpi.run_elastic, which goes on")
+# Why a Trainer ends at a lost rank unless fit_elastic drives it: what a run on the survivors needs rebuilt lives
+# in Lightning's objects (the fit loop's progress, callbacks, loggers, the samplers cut for N ranks, the module's
+# references to the wrapped model and its optimizer), and fit() has no place to do it; fit_elastic builds a new
+# Trainer on the survivors instead (lightning_elastic.py).
+CANNOT_GO_ON = ("a Trainer cannot go on without a lost rank in the middle of fit() (its loops, callbacks, "
+                "loggers and samplers would have to be rebuilt on the survivors): the job ends. To go on in the "
+                "same job, build the Trainer in a function of the ranks and fit it under "
+                "fsdp_mpi.lightning_elastic.fit_elastic (Open MPI with --with-ft ulfm); or resume from the last "
+                "checkpoint with fit(ckpt_path=...) on the ranks you have")
 _PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}
 
 
@@ -115,11 +121,20 @@ class FSDPMPIPrecision(Precision):
                              f"not {precision!r} (fp16 loss scaling is not wired into Lightning here)")
         self.precision = precision
         self.sharded_module = None  # set by the strategy once it has wrapped the LightningModule
+        self.step_agreement = None  # set by a strategy that keeps going: the step's agreement, before the update
 
     @property
     def mixed_precision(self) -> MixedPrecision | None:
         dtype = _PRECISIONS[self.precision]
         return MixedPrecision(param_dtype=dtype) if dtype else None
+
+    def _after_closure(self, model, optimizer) -> None:
+        """After the step's last backward and the clipping (collectives of the step), before the update: where a
+        Trainer that keeps going ends each optimizer step in its one agreement (``elastic/agreement.py``), so
+        that the weights change on every rank or on none."""
+        super()._after_closure(model, optimizer)
+        if self.step_agreement is not None:
+            self.step_agreement()
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM) -> None:
         if clip_val <= 0:
@@ -141,6 +156,53 @@ def _as_fsdp_mpi_precision(plugin: Precision | None) -> FSDPMPIPrecision | None:
                      "'bf16-mixed'")
 
 
+class CommEnvironment(ClusterEnvironment):
+    """Lightning's view of the ranks: a ``Communicator``'s (MPI's whole world by default, the survivors of a loss
+    under ``fit_elastic``), each rank's place on its node found once from the host names (one collective, as the
+    strategy is made). No torch.distributed group is made, so there is no address or port to give."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        hosts = comm.all_gather_object(socket.gethostname())
+        here = hosts[comm.rank]
+        self._local_rank = hosts[:comm.rank].count(here)
+        self._node_rank = sorted(set(hosts)).index(here)
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True  # mpiexec or srun started them
+
+    @property
+    def main_address(self) -> str:
+        return "localhost"  # unused: no torch.distributed group
+
+    @property
+    def main_port(self) -> int:
+        return 0  # unused, as the address
+
+    @staticmethod
+    def detect() -> bool:
+        return False  # only ever given by FSDPMPIStrategy
+
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def set_world_size(self, size: int) -> None:
+        pass  # the communicator's
+
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # the communicator's
+
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    def node_rank(self) -> int:
+        return self._node_rank
+
+
 class FSDPMPIStrategy(ParallelStrategy):
     """Trains a LightningModule fully sharded over the MPI ranks.
 
@@ -151,6 +213,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         sharding_strategy: as ``FullyShardedDataParallel``'s (FULL_SHARD by default), or its name
             (``"HYBRID_SHARD"``), as Lightning's FSDPStrategy takes it.
         accumulate_without_sync: during gradient accumulation, reduce only on the step's last micro-batch.
+        comm: the ranks to train on (all of MPI's by default); ``fit_elastic`` passes its builder the survivors.
         fsdp_kwargs: passed on to ``FullyShardedDataParallel`` (e.g. ``forward_prefetch=True``).
     """
 
@@ -158,9 +221,12 @@ class FSDPMPIStrategy(ParallelStrategy):
 
     def __init__(self, auto_wrap_policy=None, sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
                  accumulate_without_sync: bool = False, accelerator=None, parallel_devices=None,
-                 cluster_environment=None, precision_plugin: FSDPMPIPrecision | None = None, **fsdp_kwargs):
+                 cluster_environment=None, precision_plugin: FSDPMPIPrecision | None = None,
+                 comm: Communicator | None = None, **fsdp_kwargs):
+        # MPI.COMM_WORLD by default, logged and watched like every collective of the layer
+        self.comm = comm if comm is not None else Communicator()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment or MPIEnvironment(),
+                         cluster_environment=cluster_environment or CommEnvironment(self.comm),
                          precision_plugin=precision_plugin)
         if isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
             auto_wrap_policy = ModuleWrapPolicy(set(auto_wrap_policy))
@@ -169,7 +235,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         self.sharding_strategy = read_sharding_strategy(sharding_strategy)
         self.accumulate_without_sync = accumulate_without_sync
         self.fsdp_kwargs = fsdp_kwargs
-        self.comm = Communicator()  # MPI.COMM_WORLD, logged and watched like every collective of the layer
+        self.keeps_going = False  # set by fit_elastic: every optimizer step ends in the ranks' agreement
 
     # ------------------------------------------------------------- where and how many
 
@@ -199,14 +265,15 @@ class FSDPMPIStrategy(ParallelStrategy):
         if self.comm.world_size != self.world_size:
             raise RuntimeError(f"MPI has {self.comm.world_size} ranks but Lightning was set up for "
                                f"{self.world_size}: pass Trainer(devices=ranks per node, num_nodes=nodes)")
-        if can_go_on() and self.comm.rank == 0:  # started to go on without a lost rank: say that this cannot
+        if can_go_on() and not self.keeps_going and self.comm.rank == 0:  # launched to go on: say how
             print(f"fsdp_mpi.lightning: {CANNOT_GO_ON}", file=sys.stderr, flush=True)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # the communicator's, after a loss too
         super().setup_environment()
 
     def on_exception(self, exception: BaseException) -> None:
         """Lightning calls this with what ended fit(): a lost rank is said plainly (then the exception ends the
-        job, as any other)."""
-        if isinstance(exception, RankLostError):
+        job, as any other), unless ``fit_elastic`` goes on."""
+        if isinstance(exception, RankLostError) and not self.keeps_going:
             print(f"fsdp_mpi.lightning: rank {self.comm.rank}: {exception}. {CANNOT_GO_ON}", file=sys.stderr,
                   flush=True)
 
@@ -218,6 +285,7 @@ class FSDPMPIStrategy(ParallelStrategy):
                                            mixed_precision=self.precision_plugin.mixed_precision,
                                            device=self.root_device, **self.fsdp_kwargs)
         self.precision_plugin.sharded_module = wrapped
+        self.precision_plugin.step_agreement = (lambda: end_step(self.comm)) if self.keeps_going else None
         return wrapped
 
     def model_to_device(self) -> None:

@@ -4,15 +4,18 @@ and its checkpoint's Lightning state loads so that it cannot run code unless the
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from mpi_launch import check_ok, run_mpi
+from mpi_launch import WORKERS, check_ok, child_env, mpiexec, only_these_slots, run_mpi
 
 pytest.importorskip("lightning")
 
 from fsdp_mpi import CheckpointError  # noqa: E402 (after the skip: fsdp_mpi.lightning imports Lightning)
+from fsdp_mpi.communication.failures.lost_ranks import ULFM_LAUNCH  # noqa: E402
 from fsdp_mpi.lightning import load_lightning_state  # noqa: E402
 
 # the strategy fills Lightning's and torch's hooks: CI runs the file on the newest torch too.
@@ -130,21 +133,85 @@ def test_the_strategy_takes_lightning_fsdp_options_and_refuses_bad_ones_when_mad
 
 
 @pytest.mark.one_rank
-def test_a_lost_rank_is_said_plainly_to_end_a_trainer(capfd, monkeypatch):
-    """Lightning's Trainer cannot be rebuilt on the survivors in the middle of fit(): the strategy says so when it
-    meets a lost rank, and as it starts a job launched to go on without one."""
-    from fsdp_mpi import RankLostError
+def test_a_lost_rank_is_said_plainly_to_end_a_trainer_unless_fit_elastic_drives_it(capfd, monkeypatch, tmp_path):
+    """A Trainer cannot be rebuilt on the survivors in the middle of fit(): the strategy says so, and how to go on
+    (fit_elastic), when it meets a lost rank, and as it starts a job launched to go on without one; under
+    fit_elastic it says neither. fit_elastic refuses what it cannot drive before anything starts."""
+    from fsdp_mpi import Communicator, RankLostError
     from fsdp_mpi.lightning import FSDPMPIStrategy
+    from fsdp_mpi.lightning_elastic import fit_elastic
 
     strategy = FSDPMPIStrategy()
     strategy.on_exception(ValueError("not a lost rank"))
     assert capfd.readouterr().err == ""
     strategy.on_exception(RankLostError("rank 0 of 2 in #7 all_gather", 0.04))
     said = capfd.readouterr().err
-    assert said.startswith("fsdp_mpi.lightning: rank 0: rank 0 of 2 in #7 all_gather. Lightning's Trainer cannot "
-                           "go on without a lost rank")
-    assert "fit(ckpt_path=...)" in said and "fsdp_mpi.run_elastic" in said
+    assert said.startswith("fsdp_mpi.lightning: rank 0: rank 0 of 2 in #7 all_gather. a Trainer cannot go on "
+                           "without a lost rank")
+    assert "fit(ckpt_path=...)" in said and "fsdp_mpi.lightning_elastic.fit_elastic" in said
     monkeypatch.setattr("fsdp_mpi.lightning.can_go_on", lambda: True)
     monkeypatch.setattr("lightning.pytorch.strategies.ParallelStrategy.setup_environment", lambda self: None)
     strategy.setup_environment()  # the part before Lightning's own (which needs a Trainer's accelerator)
-    assert "Lightning's Trainer cannot go on without a lost rank" in capfd.readouterr().err
+    assert "a Trainer cannot go on without a lost rank" in capfd.readouterr().err
+    strategy.keeps_going = True  # as fit_elastic makes it
+    strategy.setup_environment()
+    strategy.on_exception(RankLostError("rank 0 of 2 in #7 all_gather", 0.04))
+    assert capfd.readouterr().err == ""
+
+    import lightning as L
+
+    comm = Communicator()
+    trainer = lambda strategy: L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)  # noqa: E731
+    refusals = [
+        (dict(build=lambda on: (trainer(FSDPMPIStrategy(comm=on)), L.LightningModule()), checkpoint_every=0),
+         ValueError, "checkpoint_every must be at least 1"),
+        (dict(build=lambda on: None, checkpoint_every=1, hosts_file=tmp_path / "hosts"), ValueError,
+         "hosts_file .* needs grow_back=True"),
+        (dict(build=lambda on: L.LightningModule(), checkpoint_every=1), TypeError,
+         r"build\(comm\) must return \(trainer, module\) or \(trainer, module, datamodule\)"),
+        (dict(build=lambda on: (trainer(FSDPMPIStrategy()), L.LightningModule()), checkpoint_every=1), TypeError,
+         r"must train with FSDPMPIStrategy\(comm=comm, ...\) on the communicator it is given"),
+        (dict(build=lambda on: (trainer("ddp"), L.LightningModule()), checkpoint_every=1), TypeError,
+         r"FSDPMPIStrategy\(comm=comm, ...\) .*\(its strategy: DDPStrategy\)"),
+    ]
+    for arguments, error, message in refusals:
+        with pytest.raises(error, match=message):
+            fit_elastic(checkpoint_dir=tmp_path / "checkpoints", comm=comm, **arguments)
+    assert not (tmp_path / "checkpoints").exists()  # nothing was started
+
+
+@pytest.mark.open_mpi
+def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host(tmp_path):
+    """FULL_SHARD on 2 emulated nodes of 2 ranks, no slot to spare, a checkpoint every 2 steps: node 1's ranks die
+    as step 3 starts; the 2 survivors build the Trainer again and resume the step-2 checkpoint; once a host is
+    added to the hosts file (after step 4) the run grows back to 4 ranks at the next step's agreement, resuming
+    the step-4 checkpoint. Every step's loss, and the final weights, are plain torch's in one process."""
+    env = child_env(FSDP_MPI_TIMEOUT="60", FSDP_MPI_EMULATED_NODE_SIZE="2")
+    command = [mpiexec(), *ULFM_LAUNCH.split()[1:], *only_these_slots(env, 4), "-x", "FSDP_MPI_TIMEOUT", "-x",
+               "FSDP_MPI_EMULATED_NODE_SIZE", "-n", "4", sys.executable, str(WORKERS / "lightning_elastic.py"),
+               str(tmp_path), "2,3", "3", "4", "localhost:6"]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    said = run.stdout + run.stderr
+    assert run.returncode == 0 and (tmp_path / "result.json").exists(), said[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert "no newcomer can start in the place of rank(s) 2, 3 (2 free slot(s) needed, 0 in the allocation)" in said
+    assert [line.split(". Noticed")[0].split(", in ")[0] for line in result["recoveries"]] == [
+        "lost rank(s) 2, 3 of the job (4 training before); 2 rank(s) go on from the latest checkpoint at optimizer "
+        "step 2",
+        "hosts were added: grown back from 2 to 4 rank(s), newcomers in rank(s) 2, 3, going on from the latest "
+        "checkpoint at optimizer step 4"]
+    assert result["ranks"] == [4, 4, 2, 2, 4, 4]  # each step's ranks, as last taken
+    # 6 SGD steps (lr 0.1, momentum 0.9) on the whole dataset of 12 samples each step, as the reference. Each
+    # gradient is a mean over 12 samples taken in another order (on 4 or 2 ranks), so it differs by at most 12
+    # float32 roundings of its norm; momentum carries a step's gradient into later updates with total weight
+    # below 1 + 1.9 + 2.71 + 3.44 + 4.10 + 4.69 < 18, and each of the 6 updates rounds the weight once. A
+    # checkpoint round trip (resharded from 4 ranks to 2 and back) moves no bit.
+    lr, eps, parameters = 0.1, FP32_EPS, 2 * (8 * 8 + 8) + 8 + 1
+    largest_gradient = max(result["gradient_norms"])
+    weights_bound = lr * 18 * 12 * eps * largest_gradient + 6 * eps * result["scale"]
+    assert result["weight_difference"] <= weights_bound
+    # A loss differs by its own rounding (a mean of 12 squares, then of the ranks' means) and by the weights'
+    # difference times the gradient (at most sqrt(parameters) x the largest element's difference).
+    for loss, reference in zip(result["losses"], result["reference_losses"]):
+        assert abs(loss - reference) <= 16 * eps * reference + largest_gradient * parameters ** 0.5 * weights_bound
+    assert result["reference_losses"][-1] < result["reference_losses"][0] - 0.1  # it learns: every update shows

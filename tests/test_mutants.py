@@ -532,7 +532,12 @@ HYBRID_ELASTIC = ("tests/test_elastic.py::"
 GROW_BACK = "tests/test_elastic.py::test_hybrid_shard_grows_back_after_each_loss_every_newcomer_healed_by_its_twin"
 GROW_INTO_ADDED_HOSTS = ("tests/test_elastic.py::"
                          "test_a_node_lost_whole_with_no_free_slot_goes_on_shrunk_and_grows_back_once_a_host_is_added")
+LIGHTNING_ELASTIC = ("tests/test_lightning.py::"
+                     "test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host")
 ULFM_MUTANTS = {
+    "a Trainer under fit_elastic skips the step's agreement, so it never grows back into added hosts": (
+        "fsdp_mpi/lightning.py", "self.precision_plugin.step_agreement = (lambda: end_step(self.comm)) if",
+        "self.precision_plugin.step_agreement = None if", [LIGHTNING_ELASTIC]),
     "a newcomer trains from its own fresh build, its twin's state received and dropped": (
         "fsdp_mpi/elastic/recovery.py", "                plan.take(rebuilt, going_on.receive_object(twin))",
         "                going_on.receive_object(twin)", [GROW_BACK]),

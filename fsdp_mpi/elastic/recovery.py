@@ -86,12 +86,13 @@ class Recovered(Generic[Run]):
     rebuild_seconds: float
     speaker: bool  # whether this rank says what happened (the lowest survivor)
     newcomers: list[int] = field(default_factory=list)  # the ranks of the job a grow-back filled
+    saved: bool = False  # whether the state was saved at this step for the newcomers (a growth into added hosts)
 
     def message(self, step: int, noticed_after: float) -> str:
         newcomers = ", ".join(map(str, self.newcomers))
         if self.newcomers:
             source = ("memory (each newcomer's state sent by its twin)" if self.from_memory else
-                      "the latest checkpoint" if self.lost else "a checkpoint saved at this step")
+                      "a checkpoint saved at this step" if self.saved else "the latest checkpoint")
         else:
             source = "memory (the shard groups left whole)" if self.from_memory else "the latest checkpoint"
         if not self.lost:  # grown back into added hosts (``agreement.GrowthAgreed``), or tried to
@@ -125,7 +126,8 @@ class Plan(Generic[Run]):
     shard_comm: a run's shard group (``model.groups.shard``): whether it is whole decides the source.
     replica_comm: the ranks that hold the same shards as this one (``model.groups.replicas``; None under
         FULL_SHARD and SHARD_GRAD_OP, whose shards nobody else holds).
-    held: a run's committed state (picklable: a twin sends it to a newcomer).
+    held: a run's committed state (picklable: a twin sends it to a newcomer). None where the state comes back
+        only from checkpoints (a Lightning Trainer's: its loops' state lives nowhere else), whatever is replicated.
     take: puts a held state into a run built with its shard groups laid out alike (each rank in its place).
     from_checkpoint: loads the latest checkpoint into the new run; False if there is none. None: the run keeps
         no checkpoints.
@@ -143,8 +145,8 @@ class Plan(Generic[Run]):
     build: Callable[[Communicator], Run]
     shard_comm: Callable[[Run], Communicator]
     replica_comm: Callable[[Run], Communicator | None]
-    held: Callable[[Run], object]
-    take: Callable[[Run, object], None]
+    held: Callable[[Run], object] | None
+    take: Callable[[Run, object], None] | None
     from_checkpoint: Callable[[Run], bool] | None
     position: Callable[[Run], object]
     release: Callable[[Run], None]
@@ -176,8 +178,9 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run], growing: bool = False
                                                   job_ranks(replicas.mpi_comm) if replicas is not None else None))
             if grow:
                 grow = False
-                growth = _growth(groups, alive, sorted(lost), before)
-                if growing and growth.twins is None and plan.save is not None:
+                growth = _growth(groups, alive, sorted(lost), before, in_memory=plan.held is not None)
+                saved = growing and growth.twins is None and plan.save is not None
+                if saved:
                     plan.save(run)  # the newcomers load the committed state, not the last periodic save
                 job = _grown_back(survivors, growth) if growth.twins is not None or plan.from_checkpoint else None
                 if job is not None:
@@ -187,12 +190,12 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run], growing: bool = False
                     job.watch_liveness()
                     return Recovered(rebuilt, sorted(lost), before, job.world_size, growth.twins is not None,
                                      shrunk - started, time.perf_counter() - shrunk, job.rank == min(alive),
-                                     growth.newcomers)
+                                     growth.newcomers, saved)
             if growing:  # no newcomer could start: as it was, until the hosts file changes again
                 hosts_tried()
                 return Recovered(run, [], before, before, True, 0.0, time.perf_counter() - shrunk, survivors.rank == 0)
             whole = [set(shard) <= set(alive) for shard, _ in groups]
-            from_memory = replicas is not None and any(whole)
+            from_memory = plan.held is not None and replicas is not None and any(whole)
             if from_memory and not whole[survivors.rank]:
                 survivors.split(MPI.UNDEFINED)
                 return Left(sorted(lost))
@@ -230,10 +233,10 @@ def join(job: Communicator, plan: Plan[Run]) -> Recovered[Run]:
 
 
 def _growth(groups: list[tuple[list[int], list[int] | None]], alive: list[int], lost: list[int],
-            before: int) -> Growth:
+            before: int, in_memory: bool) -> Growth:
     """Who the newcomers are (every rank of the job not alive, lost now or earlier) and where their state comes
-    from: their twins (the lowest survivor holding the same shards), where every newcomer has one. `groups`: each
-    survivor's shard group and replicas, as ranks of the job."""
+    from: their twins (the lowest survivor holding the same shards), where every newcomer has one and the state
+    can move `in_memory`. `groups`: each survivor's shard group and replicas, as ranks of the job."""
     size = job_comm().Get_size()
     missing = sorted(set(range(size)) - set(alive))
     here = {survivor: (shard.index(survivor), len(shard)) for survivor, (shard, _) in zip(alive, groups)}
@@ -243,7 +246,7 @@ def _growth(groups: list[tuple[list[int], list[int] | None]], alive: list[int], 
                             for rank in replicas or []},
                          **{rank: (shard.index(rank), len(shard)) for shard, _ in groups for rank in shard}})
     twins = {}
-    if all(layout.get(survivor) == here[survivor] for survivor in alive):  # each survivor keeps its own state
+    if in_memory and all(layout.get(survivor) == here[survivor] for survivor in alive):  # each keeps its own
         for rank in missing:
             holders = [survivor for survivor in alive if here[survivor] == layout.get(rank)]
             if holders and layout[rank][1] < size:  # a shard group smaller than the job: the state is replicated

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from fsdp_mpi.communication.comm import Communicator
-from fsdp_mpi.communication.failures.job import add_hosts_from, is_newcomer, job_ranks
+from fsdp_mpi.communication.failures.job import add_hosts_from, is_newcomer, job_rank, job_ranks
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.elastic.agreement import GrowthAgreed, StepAbandoned, end_step
 from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, Recovered, abandon_the_step, collect_the_old_run,
@@ -49,6 +49,7 @@ from fsdp_mpi.elastic.state import ElasticState
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 
 Result = TypeVar("Result")
+Run = TypeVar("Run")
 
 
 class Elastic:
@@ -109,41 +110,55 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
                 from_checkpoint=(lambda run: run.load(directory(run.comm))) if directory else None,
                 position=lambda run: run.step, release=lambda run: run.optimizer.state.clear(),
                 save=(lambda run: run.save(directory(run.comm))) if directory else None, grow_back=grow_back)
-    if is_newcomer():  # started by the survivors' recovery, in a lost rank's place
-        elastic.newcomer = True
-        state = _recovered(join(comm, plan), 0.0, elastic)
-        print(f"fsdp_mpi.elastic: rank {state.comm.rank}: a newcomer in a lost rank's place, at optimizer step "
-              f"{state.step}", flush=True)
-    else:
-        state = _first_state(lambda on: _started(build(on), directory, checkpoint_every), comm, unavailable,
-                             elastic)
+
+    def start() -> ElasticState:
+        if is_newcomer():  # started by the survivors' recovery, in a lost rank's place
+            elastic.newcomer = True
+            state = recovered(join(comm, plan), 0.0, elastic, plan)
+            print(f"fsdp_mpi.elastic: rank {state.comm.rank}: a newcomer in a lost rank's place, at optimizer step "
+                  f"{state.step}", flush=True)
+            return state
+        return _first_state(lambda on: _started(build(on), directory, checkpoint_every), comm, unavailable, elastic)
+
+    return go_on_through_losses(start, train, plan, elastic, unavailable, roll_back=ElasticState.roll_back)
+
+
+def go_on_through_losses(start: Callable[[], Run], train: Callable[[Run], Result], plan: Plan[Run],
+                         elastic: Elastic, unavailable: str | None,
+                         roll_back: Callable[[Run], None] = lambda run: None) -> Result | None:
+    """`train(start())` and, after each loss anywhere in it (or hosts added to grow back into), `train` again on
+    the run that the recovery rebuilt: the one loop of ``run_elastic`` and of Lightning's ``fit_elastic``. A run
+    trains on ``run.comm``; `roll_back` puts it back at its last commit once its step is abandoned. The first run
+    is made here, so that no caller's frame keeps it alive after a recovery has replaced it. Returns `train`'s
+    result; None on a rank that left."""
+    run = start()
     while True:
         try:
-            result = train(state)
-            end_step(state.comm)  # the run's last agreement: nobody leaves while others recover
+            result = train(run)
+            end_step(run.comm)  # the run's last agreement: nobody leaves while others recover
             return result
         except RankLostError as error:
             if unavailable:
                 raise
             lost = error
-        abandon_the_step(state.comm, lost)
-        state.roll_back()
+        abandon_the_step(run.comm, lost)
+        roll_back(run)
         try:
-            outcome = recover(state, state.comm, plan, growing=isinstance(lost, GrowthAgreed))
+            outcome = recover(run, run.comm, plan, growing=isinstance(lost, GrowthAgreed))
         except CannotGoOn as failure:
             end_for_lack_of_state(failure, f"fsdp_mpi.elastic: the run cannot go on: {failure}")
         if isinstance(outcome, Left):
             elastic.left, elastic.lost_ranks = outcome, sorted(set(elastic.lost_ranks) | set(outcome.lost))
-            print(f"fsdp_mpi.elastic: rank {comm.rank}: {outcome.message(state.step)}", flush=True)
+            print(f"fsdp_mpi.elastic: rank {job_rank()}: {outcome.message(plan.position(run))}", flush=True)
             return None
-        state = _recovered(outcome, lost.waited, elastic)
+        run = recovered(outcome, lost.waited, elastic, plan)
         del outcome
         collect_the_old_run()
 
 
-def _recovered(outcome: Recovered[ElasticState], noticed_after: float, elastic: Elastic) -> ElasticState:
-    """The state a recovery (or a newcomer's join) rebuilt, what happened kept in `elastic` and said once."""
-    message = outcome.message(outcome.run.step, noticed_after)
+def recovered(outcome: Recovered[Run], noticed_after: float, elastic: Elastic, plan: Plan[Run]) -> Run:
+    """The run a recovery (or a newcomer's join) rebuilt, what happened kept in `elastic` and said once."""
+    message = outcome.message(plan.position(outcome.run), noticed_after)
     elastic.recoveries.append(message)
     elastic.lost_ranks = sorted(set(elastic.lost_ranks) | set(outcome.lost))
     if outcome.speaker:

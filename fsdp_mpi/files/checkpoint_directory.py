@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.files.checkpoint import save_checkpoint
@@ -52,8 +53,13 @@ class CheckpointDirectory:
 
     def save(self, step: int, model, optimizer, extra: dict, started_on: int) -> Path:
         """Every rank saves its shards; then rank 0 points `latest` at them and removes older checkpoints."""
+        return self.save_by(step, lambda directory: save_checkpoint(directory, model, optimizer, extra), started_on)
+
+    def save_by(self, step: int, write: Callable[[Path], None], started_on: int) -> Path:
+        """``save`` by `write` (collective: every rank writes its part of a checkpoint directory at the path it is
+        given and returns once the directory is whole, as a Lightning Trainer's ``save_checkpoint`` does)."""
         directory = self.root / f"step-{step:08d}"
-        save_checkpoint(directory, model, optimizer, extra)
+        write(directory)
         if self.comm.rank == 0:
             if not (self.root / RUN_FILE).exists():
                 self._write_durably(RUN_FILE, json.dumps({"started_on": started_on}) + "\n")
