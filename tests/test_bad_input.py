@@ -59,8 +59,11 @@ def test_a_launcher_that_started_more_tasks_than_mpi_sees_is_named(monkeypatch, 
 
 def test_an_experiment_started_as_n_one_rank_worlds_stops_before_writing(tmp_path):
     env = child_env(SLURM_STEP_NUM_TASKS="2")  # plain srun -n 2
+    # A run of one step: where the mismatch went unnoticed, it would end soon, having written a CSV.
     result = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "run_gpt2.py"), "--out-dir",
-                             str(tmp_path / "results")], env=env, capture_output=True, text=True, timeout=120)
+                             str(tmp_path / "results"), "--device", "cpu", "--epochs", "1", "--steps-per-epoch", "1",
+                             "--val-steps", "1", "--no-progress"], env=env, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 2
     assert "run_gpt2.py: error: the launcher started 2 tasks (SLURM_STEP_NUM_TASKS=2)" in result.stderr
     assert "srun --mpi=pmi2" in result.stderr and "mpiexec -n 2" in result.stderr

@@ -2,6 +2,7 @@
 input."""
 
 import csv
+import json
 import math
 import os
 import subprocess
@@ -9,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from experiment_runs import EXPERIMENTS, QUICK, launch, needs_data, read_rows
-from mpi_launch import check_ok, child_env
+from experiment_runs import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
+from mpi_launch import check_ok, child_env, run_mpi
 
 from training.results import COLUMNS, STEP_COLUMNS
 
@@ -300,9 +301,8 @@ def test_compare_rejects_bad_input(tmp_path):
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.one_mpi
-@needs_data
-@pytest.mark.parametrize("args,message", [
+# Bad input to run_gpt2.py, and what the run must say (on stderr, exit 2, nothing written).
+BAD_INPUTS = [
     (["--tokenizer", "gpt2", "--data-dir", "/nonexistent/data", "--no-download"],
      "missing data file /nonexistent/data/tokenizers/gpt2/vocab.json"),
     (["--model", "gpt3"], "invalid choice: 'gpt3'"),
@@ -326,12 +326,26 @@ def test_compare_rejects_bad_input(tmp_path):
     (["--grow-back"], "--grow-back puts the ranks back after a loss that --keep-going survives: give both"),
     (["--keep-going", "--checkpoint-dir", "unused"], "--keep-going under FULL_SHARD goes on from the latest "
      "checkpoint (no rank left holds the lost rank's shards): give it a --checkpoint-dir and --checkpoint-every N"),
-])
-def test_bad_input_fails_cleanly_without_a_csv(tmp_path, args, message):
-    result = launch("run_gpt2.py", 2, *args, "--out-dir", tmp_path, timeout=120)
-    assert result.returncode != 0
-    assert message in result.stderr and "Traceback" not in result.stderr
-    assert not list(tmp_path.glob("*.csv"))
+]
+
+
+@pytest.mark.one_mpi
+@needs_data
+def test_bad_input_fails_cleanly_without_a_csv(tmp_path):
+    """Every case of BAD_INPUTS on 2 ranks: exit code 2 on both, the message and no traceback, no CSV. The first
+    as a user launches it; all of them in one job (workers/bad_inputs.py runs the script's main per case: one
+    start of MPI, Python and torch, not one per case)."""
+    (args, message), out = BAD_INPUTS[0], tmp_path / "report.json"
+    result = launch("run_gpt2.py", 2, *args, "--out-dir", tmp_path / "launched", timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    cases = [[*args, "--out-dir", str(tmp_path / str(index))] for index, (args, _) in enumerate(BAD_INPUTS)]
+    check_ok(run_mpi("bad_inputs.py", 2, out, "run_gpt2.py", json.dumps(cases), timeout=120,
+                     env={"FSDP_MPI_DATA_DIR": str(SHARED_DATA)}))
+    report = json.loads(out.read_text())
+    assert len(report) == len(BAD_INPUTS)
+    for case, (args, message) in zip(report, BAD_INPUTS):
+        assert case["exit"] == 2 and message in case["stderr"] and "Traceback" not in case["stderr"], case
+    assert not list(tmp_path.rglob("*.csv"))
 
 
 # Imported first by every rank of a launch whose PYTHONPATH starts with its folder: torch then reports
