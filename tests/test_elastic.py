@@ -303,3 +303,40 @@ def test_the_docs_program_runs_as_written_and_a_rank_lost_in_it_changes_no_loss(
                    "latest checkpoint at optimizer step 0" in run.stdout, run.stdout[-3000:]
     assert len(losses[1]) == 8 and losses[1][-1] < losses[1][0] - 0.3  # it learns
     assert losses[3] == pytest.approx(losses[1], abs=same_loss(8) + 1e-6)  # printed to 6 decimals
+
+
+@pytest.mark.one_mpi  # reads files: no MPI library's behaviour in it
+@pytest.mark.one_rank
+def test_a_hosts_file_is_read_as_host_slots_lines_and_what_cannot_be_used_is_said_once(tmp_path, capfd):
+    """The hosts file a shrunk run grows back into: HOST:SLOTS lines with comments, handed to the launcher as one
+    list; a missing or empty file adds nothing; a bad line or a file that cannot be read is named, said once
+    while it stays so, and taken as no change; a growth tried is not tried again until the file changes. And a
+    hosts file without grow_back is refused before anything starts."""
+    import fsdp_mpi
+    from fsdp_mpi.communication.failures import job
+
+    hosts = tmp_path / "hosts"
+    job.add_hosts_from(hosts)
+    assert job.added_hosts() is None and not job.hosts_were_added()  # not written yet
+    hosts.write_text("# spares\n\n")
+    assert job.added_hosts() is None
+    hosts.write_text("nodeC:4  # a spare node\nnodeD:2\n")
+    assert job.added_hosts() == "nodeC:4,nodeD:2"
+    assert job.hosts_were_added()
+    job.hosts_tried()  # as a growth that could not be made leaves it
+    assert not job.hosts_were_added()
+    hosts.write_text("nodeC:4\nnodeD:2\nnodeE:0\n")
+    for _ in range(2):
+        assert not job.hosts_were_added()
+    said = capfd.readouterr().err
+    assert said.count("fsdp_mpi.elastic: the hosts file is not used: ") == 1, said
+    assert f"{hosts}, line 3: 'nodeE:0' is not HOST:SLOTS" in said
+    job.add_hosts_from(tmp_path)  # a directory: it cannot be read
+    assert not job.hosts_were_added()
+    assert f"{tmp_path} cannot be read (" in capfd.readouterr().err
+    hosts.write_text("nodeC:4\nnodeE:1\n")
+    job.add_hosts_from(hosts)
+    assert job.hosts_were_added()  # changed since the growth tried
+    with pytest.raises(ValueError, match="hosts_file is read to grow back into the hosts added: it needs "
+                                         "grow_back=True"):
+        fsdp_mpi.run_elastic(lambda state: None, lambda comm: None, hosts_file=hosts)
