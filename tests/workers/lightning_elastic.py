@@ -11,14 +11,16 @@ KILL_RANKS (a comma-separated list) send themselves SIGKILL as they start the tr
 are in the root unit's all-gather), as a node that dies; newcomers started in their places do not. Rank 0
 writes HOSTS into OUT/hosts (the run's hosts file) once HOSTS_STEP steps are taken. At the end, rank 0 of the
 ranks left writes OUT/result.json: each step's loss over the global batch and its number of ranks (the last
-taking of a step taken again), the recoveries, the final weights' largest difference from the reference's, and
-the reference's gradient norms and weight scale (for the bound).
+taking of a step taken again), when each taking began (step, ranks, time: the recovery times in the docs), the
+recoveries, the final weights' largest difference from the reference's, and the reference's gradient norms and
+weight scale (for the bound).
 """
 
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -53,6 +55,7 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch, _index):
         step, ranks = self.trainer.global_step, self.trainer.strategy.world_size
+        self.record["starts"].append((step, ranks, time.time()))  # when each step was (last) begun, for the docs
         if job_rank() in self.kill[0] and step == self.kill[1] and not is_newcomer():
             os.kill(os.getpid(), signal.SIGKILL)
         inputs, targets = batch
@@ -94,7 +97,7 @@ def reference() -> tuple[list[float], list[float], dict]:
 def main() -> None:
     out, kill_step, hosts_step, hosts = Path(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     kill = ({int(rank) for rank in sys.argv[2].split(",")}, kill_step)
-    record, elastic = {"losses": {}, "ranks": {}}, Elastic()
+    record, elastic = {"losses": {}, "ranks": {}, "starts": []}, Elastic()
 
     def build(comm):
         trainer = L.Trainer(strategy=FSDPMPIStrategy(comm=comm, auto_wrap_policy={nn.Sequential}),
@@ -111,6 +114,7 @@ def main() -> None:
         (out / "result.json").write_text(json.dumps({
             "losses": [record["losses"][step] for step in range(STEPS)],
             "ranks": [record["ranks"][step] for step in range(STEPS)], "recoveries": elastic.recoveries,
+            "starts": record["starts"],
             "lost_ranks": elastic.lost_ranks, "reference_losses": losses, "gradient_norms": norms,
             "weight_difference": difference,
             "scale": max(value.abs().max().item() for value in final.values())}))
