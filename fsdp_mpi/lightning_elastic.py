@@ -34,10 +34,9 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 from fsdp_mpi.communication.comm import Communicator
-from fsdp_mpi.communication.failures.job import add_hosts_from, is_newcomer
-from fsdp_mpi.communication.failures.lost_ranks import continuation_unavailable
+from fsdp_mpi.communication.failures.job import is_newcomer
 from fsdp_mpi.elastic.recovery import Plan, join
-from fsdp_mpi.elastic.runner import Elastic, go_on_through_losses, recovered
+from fsdp_mpi.elastic.runner import Elastic, go_on_through_losses, recovered, set_up
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 from fsdp_mpi.lightning import FSDPMPIStrategy
 
@@ -122,15 +121,7 @@ def fit_elastic(build: Callable[[Communicator], Built], checkpoint_dir: str | Pa
     if checkpoint_every < 1:
         raise ValueError("checkpoint_every must be at least 1: a Trainer that lost a rank resumes from the latest "
                          "checkpoint")
-    if hosts_file is not None and not grow_back:
-        raise ValueError("hosts_file is read to grow back into the hosts added: it needs grow_back=True")
-    comm = comm if comm is not None else Communicator()
-    if hosts_file is not None:
-        add_hosts_from(hosts_file)
-    elastic = elastic if elastic is not None else Elastic()
-    unavailable = continuation_unavailable()
-    if unavailable and comm.rank == 0:
-        print(f"fsdp_mpi.lightning_elastic: a lost rank will end the job: {unavailable}", flush=True)
+    comm, elastic, unavailable = set_up(comm, grow_back, hosts_file, elastic, "fsdp_mpi.lightning_elastic")
     directory = lambda on: CheckpointDirectory(checkpoint_dir, on)  # noqa: E731 (one line, as the Plan's)
     started_on = comm.world_size
     plan = Plan(build=lambda on: _built(build, on, directory(on), checkpoint_every, started_on),

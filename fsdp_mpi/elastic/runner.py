@@ -94,15 +94,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
     if checkpoint_dir is not None and checkpoint_every < 1:
         raise ValueError("checkpoint_every must be at least 1 with a checkpoint_dir: the survivors of a lost rank "
                          "under FULL_SHARD reload the latest checkpoint")
-    if hosts_file is not None and not grow_back:
-        raise ValueError("hosts_file is read to grow back into the hosts added: it needs grow_back=True")
-    comm = comm if comm is not None else Communicator()
-    if hosts_file is not None:
-        add_hosts_from(hosts_file)
-    elastic = elastic if elastic is not None else Elastic()
-    unavailable = continuation_unavailable()
-    if unavailable and comm.rank == 0:
-        print(f"fsdp_mpi.elastic: a lost rank will end the job: {unavailable}", file=sys.stderr, flush=True)
+    comm, elastic, unavailable = set_up(comm, grow_back, hosts_file, elastic, "fsdp_mpi.elastic")
     directory = (lambda on: CheckpointDirectory(checkpoint_dir, on)) if checkpoint_dir is not None else None
     plan = Plan(build=lambda on: _checkpointed(build(on), directory, checkpoint_every),
                 shard_comm=lambda run: run.model.groups.shard, replica_comm=lambda run: run.model.groups.replicas,
@@ -121,6 +113,21 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
         return _first_state(lambda on: _started(build(on), directory, checkpoint_every), comm, unavailable, elastic)
 
     return go_on_through_losses(start, train, plan, elastic, unavailable, roll_back=ElasticState.roll_back)
+
+
+def set_up(comm: Communicator | None, grow_back: bool, hosts_file: str | Path | None, elastic: Elastic | None,
+           speaker: str) -> tuple[Communicator, Elastic, str | None]:
+    """What ``run_elastic`` and ``fit_elastic`` start from: the ranks (all by default), the hosts file noted, what
+    the run goes through, and why MPI cannot report a lost rank (None where it can), said once as `speaker`."""
+    if hosts_file is not None and not grow_back:
+        raise ValueError("hosts_file is read to grow back into the hosts added: it needs grow_back=True")
+    comm = comm if comm is not None else Communicator()
+    if hosts_file is not None:
+        add_hosts_from(hosts_file)
+    unavailable = continuation_unavailable()
+    if unavailable and comm.rank == 0:
+        print(f"{speaker}: a lost rank will end the job: {unavailable}", file=sys.stderr, flush=True)
+    return comm, elastic if elastic is not None else Elastic(), unavailable
 
 
 def go_on_through_losses(start: Callable[[], Run], train: Callable[[Run], Result], plan: Plan[Run],

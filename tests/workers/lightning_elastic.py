@@ -26,20 +26,16 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from fsdp_mpi import Elastic, exit_without_finalize, full_state_dict
 from fsdp_mpi.communication.failures.job import is_newcomer, job_rank
 from fsdp_mpi.lightning import FSDPMPIStrategy
 from fsdp_mpi.lightning_elastic import fit_elastic
 
-SAMPLES, WIDTH, LR, MOMENTUM, STEPS, EVERY = 12, 8, 0.1, 0.9, 6, 2
+from lightning_strategy import LR, MOMENTUM, WIDTH, dataset  # the same regression
 
-
-def dataset() -> TensorDataset:
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(SAMPLES, WIDTH, generator=generator)
-    return TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
+SAMPLES, STEPS, EVERY = 12, 6, 2
 
 
 def network() -> nn.Sequential:
@@ -72,8 +68,8 @@ class Regression(L.LightningModule):
 
     def train_dataloader(self):
         strategy = self.trainer.strategy
-        sampler = DistributedSampler(dataset(), shuffle=False, **strategy.distributed_sampler_kwargs)
-        return DataLoader(dataset(), batch_size=SAMPLES // strategy.world_size, sampler=sampler)
+        sampler = DistributedSampler(dataset(SAMPLES), shuffle=False, **strategy.distributed_sampler_kwargs)
+        return DataLoader(dataset(SAMPLES), batch_size=SAMPLES // strategy.world_size, sampler=sampler)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
@@ -81,7 +77,7 @@ class Regression(L.LightningModule):
 
 def reference() -> tuple[list[float], list[float], dict]:
     """Plain torch in one process on the whole dataset: each step's loss, gradient norm, and the final weights."""
-    net, (inputs, targets) = network(), dataset().tensors
+    net, (inputs, targets) = network(), dataset(SAMPLES).tensors
     optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
     losses, norms = [], []
     for _ in range(STEPS):

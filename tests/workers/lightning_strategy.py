@@ -41,9 +41,9 @@ class Block(nn.Module):
         return torch.tanh(self.linear(x))
 
 
-def dataset() -> TensorDataset:
+def dataset(samples: int = SAMPLES) -> TensorDataset:
     generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(SAMPLES, WIDTH, generator=generator)
+    inputs = torch.randn(samples, WIDTH, generator=generator)
     return TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
 
 
