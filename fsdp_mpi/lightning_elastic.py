@@ -40,10 +40,6 @@ from fsdp_mpi.elastic.runner import Elastic, go_on_through_losses, recovered, se
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 from fsdp_mpi.lightning import FSDPMPIStrategy
 
-# What ``build`` returns: the Trainer and the LightningModule to fit, and optionally a LightningDataModule.
-Built = tuple
-
-
 @dataclass
 class _Fit:
     """One Trainer's fit on one set of ranks: what the recovery rebuilds after a loss."""
@@ -96,7 +92,7 @@ class _StepCheckpoints(Callback):
             self.saved = trainer.global_step
 
 
-def fit_elastic(build: Callable[[Communicator], Built], checkpoint_dir: str | Path, checkpoint_every: int, *,
+def fit_elastic(build: Callable[[Communicator], tuple], checkpoint_dir: str | Path, checkpoint_every: int, *,
                 comm: Communicator | None = None, grow_back: bool = False, hosts_file: str | Path | None = None,
                 elastic: Elastic | None = None) -> L.Trainer | None:
     """Fits the Trainer that ``build(comm)`` makes and, after each lost rank, one built again on the ranks that go
@@ -140,7 +136,7 @@ def fit_elastic(build: Callable[[Communicator], Built], checkpoint_dir: str | Pa
     return go_on_through_losses(start, _Fit.fit, plan, elastic, unavailable)
 
 
-def _built(build: Callable[[Communicator], Built], comm: Communicator, directory: CheckpointDirectory,
+def _built(build: Callable[[Communicator], tuple], comm: Communicator, directory: CheckpointDirectory,
            every: int, started_on: int) -> _Fit:
     """`build(comm)`, checked, its strategy made to keep going and its Trainer to save into `directory`."""
     made = build(comm)
