@@ -60,6 +60,20 @@ def test_a_rank_stalled_outside_mpi_is_reported_alive(tmp_path):
     assert elapsed < timeout + START_UP_SECONDS, f"took {elapsed:.0f} s"
 
 
+def test_an_error_on_a_rank_that_holds_its_model_alone_ends_the_job(tmp_path):
+    """A wrapper on a communicator of one rank in a job of several (each rank trains the whole model): rank 0's
+    uncaught exception ends the job, not only rank 0, which would leave rank 1 waiting for it forever."""
+    try:  # the watchdog off: the abort ends it, or nothing does
+        result, elapsed = run_timed("raise_alone", 2, tmp_path / "out.json", limit=START_UP_SECONDS,
+                                    **{TIMEOUT.name: "0"})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank 1 still waited for rank 0 {START_UP_SECONDS} s after the job started")
+    assert result.returncode != 0
+    assert "rank 0 fails on purpose" in result.stderr
+    assert "fsdp_mpi: rank 0 raised RuntimeError; aborting the MPI job" in result.stderr, result.stderr
+    assert elapsed < START_UP_SECONDS, f"took {elapsed:.0f} s"
+
+
 def test_verify_mode_names_the_ranks_and_units_that_diverge(tmp_path):
     result, elapsed = run_timed("unit_order", 3, tmp_path / "out.json")
     assert result.returncode != 0

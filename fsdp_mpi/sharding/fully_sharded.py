@@ -17,6 +17,7 @@ from torch import nn
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception
+from fsdp_mpi.communication.failures.job import job_comm
 from fsdp_mpi.communication.routes import report_route_once
 from fsdp_mpi.sharding.deferred_init import is_deferred, materialize_into_shards
 from fsdp_mpi.sharding.host_memory import give_back_freed_host_memory, keep_freed_host_memory_for_reuse
@@ -268,8 +269,13 @@ def _set_up_the_tree(module: nn.Module, comm: Communicator, groups: ShardGroups,
     exception ends the job, freed host memory is kept for reuse on a CPU, the route is chosen and reported,
     every rank is shown to hold the same model, rank 0's states go to every rank, and buffers take their
     dtype."""
-    if comm.world_size > 1:  # one rank: an uncaught exception ends the job by itself
+    # A rank's uncaught exception ends the job: the wrapper's ranks, or, where the wrapper's communicator is this
+    # rank alone in a job of several (each rank holding the whole model), the job's, whose other ranks would
+    # otherwise wait for it forever. A job of one rank ends by itself.
+    if comm.world_size > 1:
         abort_job_on_uncaught_exception(comm.mpi_comm)
+    elif job_comm().Get_size() > 1:
+        abort_job_on_uncaught_exception()
     computes_on = device or next(module.parameters()).device
     if computes_on.type == "cpu":
         problem = keep_freed_host_memory_for_reuse()

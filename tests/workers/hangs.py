@@ -93,6 +93,12 @@ if __name__ == "__main__":
             warnings.simplefilter("always")
             taken = list(even_batches(range([5, 3, 4, 6][comm.rank % 4]), comm))
         report = {"taken": comm.all_gather_object(taken), "warnings": [str(w.message) for w in caught]}
+    elif mode == "raise_alone":  # each rank holds its model alone; rank 0 fails while rank 1 waits for it
+        model = gpt2(comm.split(comm.rank))
+        train_step(model, 0)
+        if comm.rank == 0:
+            raise RuntimeError("rank 0 fails on purpose")
+        comm.barrier()
     elif mode == "verified":
         report = {"plain": verified_losses(False), "verified": verified_losses(True)}
     elif mode in ("kill", "forever"):
