@@ -9,6 +9,7 @@ agreement, so a run that loses ranks and goes back to its last commit or checkpo
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -140,8 +141,8 @@ def test_hybrid_shard_grows_back_after_each_loss_every_newcomer_healed_by_its_tw
         f"lost rank(s) {lost} of the job (4 training before); 4 rank(s), newcomers in rank(s) {lost}, go on from "
         f"memory (each newcomer's state sent by its twin) at optimizer step {step}" for lost, step in ((1, 2), (3, 4))]
     for rank, step in ((1, 2), (3, 4)):
-        assert f"fsdp_mpi.elastic: rank {rank}: a newcomer in a lost rank's place, at optimizer step {step}" \
-            in run.stdout, run.stdout[-3000:]
+        assert (f"fsdp_mpi.elastic: rank {rank}: a newcomer in a lost rank's place, at optimizer step {step}, on "
+                f"{socket.gethostname()}") in run.stdout, run.stdout[-3000:]
     assert result["step_ranks"] == [4] * 6
     assert_trains_as_one_process(result, one_process)
     assert_nothing_piled_up(result)

@@ -34,6 +34,7 @@ Where no slot is free at the loss, the run goes on shrunk; with a ``hosts_file``
 at the first step boundary after hosts are added to it (``agreement.GrowthAgreed``).
 """
 
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -108,7 +109,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
             elastic.newcomer = True
             state = recovered(join(comm, plan), 0.0, elastic, plan)
             print(f"fsdp_mpi.elastic: rank {state.comm.rank}: a newcomer in a lost rank's place, at optimizer step "
-                  f"{state.step}", flush=True)
+                  f"{state.step}, on {socket.gethostname()}", flush=True)
             return state
         return _first_state(lambda on: _started(build(on), directory, checkpoint_every), comm, unavailable, elastic)
 

@@ -152,6 +152,8 @@ start_slurm() {  # $1: nodes. munge (shared by all: one kernel), slurmctld on th
     # Scheduling passes every 2 s, not 60 (backfill: 30): on a small emulated cluster a job that becomes
     # eligible without an event to wake the scheduler (a requeued job's begin time) starts within seconds.
     echo "SchedulerParameters=sched_interval=2,bf_interval=2"
+    # A step whose node stopped answering is ended 5 s after its signal, not 30: the node-loss test waits for it.
+    echo "KillWait=5"
     for ((i = 0; i < k; i++)); do
       echo "NodeName=$PREFIX$i NodeAddr=$SUBNET.$((10 + i)) CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN"
     done
