@@ -181,15 +181,17 @@ def test_a_lost_rank_is_said_plainly_to_end_a_trainer_unless_fit_elastic_drives_
 
 
 @pytest.mark.open_mpi
-def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host(tmp_path):
-    """FULL_SHARD on 2 emulated nodes of 2 ranks, no slot to spare, a checkpoint every 2 steps: node 1's ranks die
-    as step 3 starts; the 2 survivors build the Trainer again and resume the step-2 checkpoint; once a host is
-    added to the hosts file (after step 4) the run grows back to 4 ranks at the next step's agreement, resuming
-    the step-4 checkpoint. Every step's loss, and the final weights, are plain torch's in one process."""
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host(strategy, tmp_path):
+    """FULL_SHARD, or HYBRID_SHARD (a shard group per node, replicated across them), on 2 emulated nodes of 2
+    ranks, no slot to spare, a checkpoint every 2 steps: node 1's ranks die as step 3 starts; the 2 survivors
+    build the Trainer again and resume the step-2 checkpoint; once a host is added to the hosts file (after step
+    4) the run grows back to 4 ranks at the next step's agreement, resuming the step-4 checkpoint. Every step's
+    loss, and the final weights, are plain torch's in one process."""
     env = child_env(FSDP_MPI_TIMEOUT="60", FSDP_MPI_EMULATED_NODE_SIZE="2")
     command = [mpiexec(), *ULFM_LAUNCH.split()[1:], *only_these_slots(env, 4), "-x", "FSDP_MPI_TIMEOUT", "-x",
                "FSDP_MPI_EMULATED_NODE_SIZE", "-n", "4", sys.executable, str(WORKERS / "lightning_elastic.py"),
-               str(tmp_path), "2,3", "3", "4", "localhost:6"]
+               str(tmp_path), strategy, "2,3", "3", "4", "localhost:6"]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     said = run.stdout + run.stderr
     assert run.returncode == 0 and (tmp_path / "result.json").exists(), said[-4000:]
@@ -201,6 +203,8 @@ def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_add
         "hosts were added: grown back from 2 to 4 rank(s), newcomers in rank(s) 2, 3, going on from the latest "
         "checkpoint at optimizer step 4"]
     assert result["ranks"] == [4, 4, 2, 2, 4, 4]  # each step's ranks, as last taken
+    # FULL_SHARD shards over every rank; HYBRID_SHARD over each node's 2, the nodes replicas of each other
+    assert result["shard_groups"] == (result["ranks"] if strategy == "FULL_SHARD" else [2] * 6)
     # 6 SGD steps (lr 0.1, momentum 0.9) on the whole dataset of 12 samples each step, as the reference. Each
     # gradient is a mean over 12 samples taken in another order (on 4 or 2 ranks), so it differs by at most 12
     # float32 roundings of its norm; momentum carries a step's gradient into later updates with total weight

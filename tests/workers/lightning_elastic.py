@@ -1,19 +1,20 @@
 """A Lightning Trainer under ``fsdp_mpi.lightning_elastic.fit_elastic`` that loses a rank, goes on shrunk and grows
 back into a host added to its hosts file, against plain torch in one process (tests/test_lightning.py).
 
-    python lightning_elastic.py OUT KILL_RANKS KILL_STEP HOSTS_STEP HOSTS
+    python lightning_elastic.py OUT STRATEGY KILL_RANKS KILL_STEP HOSTS_STEP HOSTS
 
-The module trains the same tiny regression as lightning_strategy.py, FULL_SHARD, one optimizer step per epoch:
+The module trains the same tiny regression as lightning_strategy.py, sharded by STRATEGY (FULL_SHARD,
+HYBRID_SHARD: its shard groups the nodes), one optimizer step per epoch:
 every step's global batch is the whole dataset of SAMPLES, each rank's part cut anew on the ranks of the moment
 (SAMPLES // ranks in order, as Lightning's DistributedSampler without shuffling gives), so a resumed Trainer
 continues at the same samples. A checkpoint is saved every 2 steps into OUT/checkpoints. The ranks of the job in
 KILL_RANKS (a comma-separated list) send themselves SIGKILL as they start the training step KILL_STEP (the others
 are in the root unit's all-gather), as a node that dies; newcomers started in their places do not. Rank 0
 writes HOSTS into OUT/hosts (the run's hosts file) once HOSTS_STEP steps are taken. At the end, rank 0 of the
-ranks left writes OUT/result.json: each step's loss over the global batch and its number of ranks (the last
-taking of a step taken again), when each taking began (step, ranks, time: the recovery times in the docs), the
-recoveries, the final weights' largest difference from the reference's, and the reference's gradient norms and
-weight scale (for the bound).
+ranks left writes OUT/result.json: each step's loss over the global batch, its number of ranks and the size of
+its shard groups (the last taking of a step taken again), when each taking began (step, ranks, time: the
+recovery times in the docs), the recoveries, the final weights' largest difference from the reference's, and
+the reference's gradient norms and weight scale (for the bound).
 """
 
 import json
@@ -59,6 +60,7 @@ class Regression(L.LightningModule):
         # the mean over the global batch: every rank's part has as many samples
         self.record["losses"][step] = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item()
         self.record["ranks"][step] = ranks
+        self.record["shard_group"][step] = self.trainer.strategy.model.groups.shard.world_size
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_index):
@@ -91,12 +93,14 @@ def reference() -> tuple[list[float], list[float], dict]:
 
 
 def main() -> None:
-    out, kill_step, hosts_step, hosts = Path(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    kill = ({int(rank) for rank in sys.argv[2].split(",")}, kill_step)
-    record, elastic = {"losses": {}, "ranks": {}, "starts": []}, Elastic()
+    out, strategy, kill_step, hosts_step, hosts = (Path(sys.argv[1]), sys.argv[2], int(sys.argv[4]),
+                                                   int(sys.argv[5]), sys.argv[6])
+    kill = ({int(rank) for rank in sys.argv[3].split(",")}, kill_step)
+    record, elastic = {"losses": {}, "ranks": {}, "shard_group": {}, "starts": []}, Elastic()
 
     def build(comm):
-        trainer = L.Trainer(strategy=FSDPMPIStrategy(comm=comm, auto_wrap_policy={nn.Sequential}),
+        trainer = L.Trainer(strategy=FSDPMPIStrategy(comm=comm, auto_wrap_policy={nn.Sequential},
+                                                     sharding_strategy=strategy),
                             accelerator="cpu", devices=comm.world_size, max_steps=STEPS, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         return trainer, Regression(record, kill, (hosts_step, out / "hosts", hosts))
@@ -110,6 +114,7 @@ def main() -> None:
         (out / "result.json").write_text(json.dumps({
             "losses": [record["losses"][step] for step in range(STEPS)],
             "ranks": [record["ranks"][step] for step in range(STEPS)], "recoveries": elastic.recoveries,
+            "shard_groups": [record["shard_group"][step] for step in range(STEPS)],
             "starts": record["starts"],
             "lost_ranks": elastic.lost_ranks, "reference_losses": losses, "gradient_norms": norms,
             "weight_difference": difference,
