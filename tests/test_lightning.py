@@ -181,35 +181,67 @@ def test_a_lost_rank_is_said_plainly_to_end_a_trainer_unless_fit_elastic_drives_
 
 
 @pytest.mark.open_mpi
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
-def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host(strategy, tmp_path):
-    """FULL_SHARD, or HYBRID_SHARD (a shard group per node, replicated across them), on 2 emulated nodes of 2
-    ranks, no slot to spare, a checkpoint every 2 steps: node 1's ranks die as step 3 starts; the 2 survivors
-    build the Trainer again and resume the step-2 checkpoint; once a host is added to the hosts file (after step
-    4) the run grows back to 4 ranks at the next step's agreement, resuming the step-4 checkpoint. Every step's
-    loss, and the final weights, are plain torch's in one process."""
-    env = child_env(FSDP_MPI_TIMEOUT="60", FSDP_MPI_EMULATED_NODE_SIZE="2")
-    command = [mpiexec(), *ULFM_LAUNCH.split()[1:], *only_these_slots(env, 4), "-x", "FSDP_MPI_TIMEOUT", "-x",
-               "FSDP_MPI_EMULATED_NODE_SIZE", "-n", "4", sys.executable, str(WORKERS / "lightning_elastic.py"),
-               str(tmp_path), strategy, "2,3", "3", "4", "localhost:6"]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    said = run.stdout + run.stderr
-    assert run.returncode == 0 and (tmp_path / "result.json").exists(), said[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert "no newcomer can start in the place of rank(s) 2, 3 (2 free slot(s) needed, 0 in the allocation)" in said
+def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host(tmp_path):
+    """FULL_SHARD on 2 emulated nodes of 2 ranks, no slot to spare, a checkpoint every 2 steps: node 1's ranks
+    die as step 3 starts; the 2 survivors build the Trainer again and resume the step-2 checkpoint; once a host
+    is added to the hosts file (after step 4) the run grows back to 4 ranks at the next step's agreement,
+    resuming the step-4 checkpoint. Every step's loss, and the final weights, are plain torch's in one process."""
+    run, result = fit_elastic_run(tmp_path, "FULL_SHARD", "localhost:6")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert [line.split(". Noticed")[0].split(", in ")[0] for line in result["recoveries"]] == [
         "lost rank(s) 2, 3 of the job (4 training before); 2 rank(s) go on from the latest checkpoint at optimizer "
         "step 2",
         "hosts were added: grown back from 2 to 4 rank(s), newcomers in rank(s) 2, 3, going on from the latest "
         "checkpoint at optimizer step 4"]
-    assert result["ranks"] == [4, 4, 2, 2, 4, 4]  # each step's ranks, as last taken
-    # FULL_SHARD shards over every rank; HYBRID_SHARD over each node's 2, the nodes replicas of each other
-    assert result["shard_groups"] == (result["ranks"] if strategy == "FULL_SHARD" else [2] * 6)
+    assert result["ranks"] == result["shard_groups"] == [4, 4, 2, 2, 4, 4]  # each step's, as last taken
+    assert_trains_as_one_process(result)
+
+
+@pytest.mark.open_mpi
+def test_fit_elastic_goes_on_after_a_loss_while_it_rebuilds_and_after_a_growth_that_cannot_start(tmp_path):
+    """HYBRID_SHARD (a shard group per node, the nodes replicas of each other) on 2 emulated nodes of 2 ranks:
+    node 1's ranks die as step 3 starts, and rank 1 as the survivors build their Trainer again, so the recovery
+    starts again, on rank 0 alone, from the step-2 checkpoint. A host is added after step 4, but Open MPI 5.0.11
+    refuses to start the 3 newcomers (MPI_ERR_UNKNOWN, though the hosts file makes room): the Trainer the growth
+    interrupted is built again from the step-4 checkpoint and finishes on rank 0 alone (the same Trainer
+    fitted again would find its module wrapped already). `mpirun` then exits with 213, as after any refused
+    spawn (docs/failures.md). A later Open MPI that starts them would make this run grow back: update it then."""
+    run, result = fit_elastic_run(tmp_path, "HYBRID_SHARD", "localhost:7", "1")
+    said = run.stdout + run.stderr
+    assert run.returncode == 213, said[-4000:]
+    assert "no newcomer can start in the place of rank(s) 1, 2, 3 (MPI_ERR_UNKNOWN" in said
+    assert [line.split(". Noticed")[0] for line in result["recoveries"]] == [
+        "lost rank(s) 1, 2, 3 of the job (4 training before); 1 rank(s) go on from the latest checkpoint at optimizer "
+        "step 2",
+        "hosts were added, but no newcomer could start: 1 rank(s) go on as they were, from the latest checkpoint at "
+        "optimizer step 4"]
+    assert result["ranks"] == [4, 4, 1, 1, 1, 1]
+    assert result["shard_groups"] == [2, 2, 1, 1, 1, 1]  # each node's ranks, then rank 0's own
+    assert_trains_as_one_process(result)
+
+
+def fit_elastic_run(tmp_path, strategy: str, hosts: str, *rebuild_kill: str) -> tuple[subprocess.CompletedProcess,
+                                                                                      dict]:
+    """workers/lightning_elastic.py on 2 emulated nodes of 2 ranks with no slot to spare, node 1 killed as step 3
+    starts, `hosts` written into the hosts file after step 4; its result (which must be there)."""
+    env = child_env(FSDP_MPI_TIMEOUT="60", FSDP_MPI_EMULATED_NODE_SIZE="2")
+    command = [mpiexec(), *ULFM_LAUNCH.split()[1:], *only_these_slots(env, 4), "-x", "FSDP_MPI_TIMEOUT", "-x",
+               "FSDP_MPI_EMULATED_NODE_SIZE", "-n", "4", sys.executable, str(WORKERS / "lightning_elastic.py"),
+               str(tmp_path), strategy, "2,3", "3", "4", hosts, *rebuild_kill]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    said = run.stdout + run.stderr
+    assert (tmp_path / "result.json").exists(), said[-4000:]
+    assert "no newcomer can start in the place of rank(s) 2, 3 (2 free slot(s) needed, 0 in the allocation)" in said
+    return run, json.loads((tmp_path / "result.json").read_text())
+
+
+def assert_trains_as_one_process(result: dict) -> None:
+    """Every step's loss, and the final weights, are plain torch's in one process, within the bounds below."""
     # 6 SGD steps (lr 0.1, momentum 0.9) on the whole dataset of 12 samples each step, as the reference. Each
-    # gradient is a mean over 12 samples taken in another order (on 4 or 2 ranks), so it differs by at most 12
+    # gradient is a mean over 12 samples taken in another order (on 4, 2 or 1 ranks), so it differs by at most 12
     # float32 roundings of its norm; momentum carries a step's gradient into later updates with total weight
     # below 1 + 1.9 + 2.71 + 3.44 + 4.10 + 4.69 < 18, and each of the 6 updates rounds the weight once. A
-    # checkpoint round trip (resharded from 4 ranks to 2 and back) moves no bit.
+    # checkpoint round trip (resharded from 4 ranks to 2 or 1 and back) moves no bit.
     lr, eps, parameters = 0.1, FP32_EPS, 2 * (8 * 8 + 8) + 8 + 1
     largest_gradient = max(result["gradient_norms"])
     weights_bound = lr * 18 * 12 * eps * largest_gradient + 6 * eps * result["scale"]

@@ -535,7 +535,12 @@ GROW_INTO_ADDED_HOSTS = ("tests/test_elastic.py::"
                          "test_a_node_lost_whole_with_no_free_slot_goes_on_shrunk_and_grows_back_once_a_host_is_added")
 LIGHTNING_ELASTIC = ("tests/test_lightning.py::"
                      "test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host")
+LIGHTNING_REFUSED_GROWTH = ("tests/test_lightning.py::"
+                            "test_fit_elastic_goes_on_after_a_loss_while_it_rebuilds_and_after_a_growth_that_cannot_start")
 ULFM_MUTANTS = {
+    "after a growth that cannot start, a Trainer interrupted in its fit is fitted again as it was": (
+        "fsdp_mpi/elastic/recovery.py", "as_it_was = run if plan.held is not None else _rebuild(run, survivors, False, plan, {})",
+        "as_it_was = run", [LIGHTNING_REFUSED_GROWTH]),
     "a Trainer under fit_elastic skips the step's agreement, so it never grows back into added hosts": (
         "fsdp_mpi/lightning.py", "self.precision_plugin.step_agreement = (lambda: end_step(self.comm)) if",
         "self.precision_plugin.step_agreement = None if", [LIGHTNING_ELASTIC]),

@@ -97,7 +97,8 @@ class Recovered(Generic[Run]):
             source = "memory (the shard groups left whole)" if self.from_memory else "the latest checkpoint"
         if not self.lost:  # grown back into added hosts (``agreement.GrowthAgreed``), or tried to
             if not self.newcomers:
-                return f"hosts were added, but no newcomer could start: {self.after} rank(s) go on as they were"
+                return (f"hosts were added, but no newcomer could start: {self.after} rank(s) go on as they were"
+                        + ("" if self.from_memory else f", from the latest checkpoint at optimizer step {step}"))
             return (f"hosts were added: grown back from {self.before} to {self.after} rank(s), newcomers in rank(s) "
                     f"{newcomers}, going on from {source} at optimizer step {step}, in {self.rebuild_seconds:.3f} s")
         grown = f", newcomers in rank(s) {newcomers}," if self.newcomers else ""
@@ -193,7 +194,11 @@ def recover(run: Run, comm: Communicator, plan: Plan[Run], growing: bool = False
                                      growth.newcomers, saved)
             if growing:  # no newcomer could start: as it was, until the hosts file changes again
                 hosts_tried()
-                return Recovered(run, [], before, before, True, 0.0, time.perf_counter() - shrunk, survivors.rank == 0)
+                # A run whose state only checkpoints hold (a Trainer left in the middle of its fit) cannot be
+                # taken up where the growth interrupted it: it is built again, from the latest checkpoint.
+                as_it_was = run if plan.held is not None else _rebuild(run, survivors, False, plan, {})
+                return Recovered(as_it_was, [], before, before, plan.held is not None, 0.0,
+                                 time.perf_counter() - shrunk, survivors.rank == 0)
             whole = [set(shard) <= set(alive) for shard, _ in groups]
             from_memory = plan.held is not None and replicas is not None and any(whole)
             if from_memory and not whole[survivors.rank]:

@@ -1,7 +1,7 @@
 """A Lightning Trainer under ``fsdp_mpi.lightning_elastic.fit_elastic`` that loses a rank, goes on shrunk and grows
 back into a host added to its hosts file, against plain torch in one process (tests/test_lightning.py).
 
-    python lightning_elastic.py OUT STRATEGY KILL_RANKS KILL_STEP HOSTS_STEP HOSTS
+    python lightning_elastic.py OUT STRATEGY KILL_RANKS KILL_STEP HOSTS_STEP HOSTS [REBUILD_KILL]
 
 The module trains the same tiny regression as lightning_strategy.py, sharded by STRATEGY (FULL_SHARD,
 HYBRID_SHARD: its shard groups the nodes), one optimizer step per epoch:
@@ -9,7 +9,8 @@ every step's global batch is the whole dataset of SAMPLES, each rank's part cut 
 (SAMPLES // ranks in order, as Lightning's DistributedSampler without shuffling gives), so a resumed Trainer
 continues at the same samples. A checkpoint is saved every 2 steps into OUT/checkpoints. The ranks of the job in
 KILL_RANKS (a comma-separated list) send themselves SIGKILL as they start the training step KILL_STEP (the others
-are in the root unit's all-gather), as a node that dies; newcomers started in their places do not. Rank 0
+are in the root unit's all-gather), as a node that dies; newcomers started in their places do not. The rank
+REBUILD_KILL then dies as the survivors build their Trainer again (the others are in the recovery). Rank 0
 writes HOSTS into OUT/hosts (the run's hosts file) once HOSTS_STEP steps are taken. At the end, rank 0 of the
 ranks left writes OUT/result.json: each step's loss over the global batch, its number of ranks and the size of
 its shard groups (the last taking of a step taken again), when each taking began (step, ranks, time: the
@@ -96,9 +97,12 @@ def main() -> None:
     out, strategy, kill_step, hosts_step, hosts = (Path(sys.argv[1]), sys.argv[2], int(sys.argv[4]),
                                                    int(sys.argv[5]), sys.argv[6])
     kill = ({int(rank) for rank in sys.argv[3].split(",")}, kill_step)
+    rebuild_kill = int(sys.argv[7]) if len(sys.argv) > 7 else None
     record, elastic = {"losses": {}, "ranks": {}, "shard_group": {}, "starts": []}, Elastic()
 
     def build(comm):
+        if job_rank() == rebuild_kill and comm.world_size < 4 and not is_newcomer():  # the first rebuild
+            os.kill(os.getpid(), signal.SIGKILL)
         trainer = L.Trainer(strategy=FSDPMPIStrategy(comm=comm, auto_wrap_policy={nn.Sequential},
                                                      sharding_strategy=strategy),
                             accelerator="cpu", devices=comm.world_size, max_steps=STEPS, logger=False,
