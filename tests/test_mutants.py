@@ -66,8 +66,7 @@ CONTROLLER_FAILS = "tests/test_resumable.py::test_a_controller_that_fails_now_an
 SPLIT_DROPOUT = "tests/test_dropout.py::test_a_batch_split_any_way_draws_the_masks_of_the_whole_batch"
 COMPILED_WHOLE = ("tests/test_equivalence.py::"
                   "test_a_compiled_model_trains_as_one_eager_process_in_the_graphs_of_the_unwrapped_model[3-compiled_whole]")
-COMPILED = COMPILED_WHOLE.replace("[3-compiled_whole]", "[2-compiled]")  # breaks in the model's code
-INDUCTOR = COMPILED_WHOLE.replace("[3-compiled_whole]", "[2-compiled_inductor]")  # and where one rank holds it all
+COMPILED = COMPILED_WHOLE.replace("[3-compiled_whole]", "[2-compiled]")  # breaks in the model's code, one rank
 TORCH_POLICIES = "tests/test_bad_input.py::test_torch_fsdp_wrap_policies_wrap_as_ours_and_anything_else_is_refused"
 MOVING = ("tests/test_bad_input.py::"
           "test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unless_it_changes_nothing")
@@ -432,7 +431,7 @@ MUTANTS = {
         "fsdp_mpi/sharding/fully_sharded.py", "        mark_eager_frames_for_dynamo()\n", "        pass\n",
         [COMPILED_WHOLE]),
     "compiled on one rank, the eager end of backward drops the gradients the graph gave": (
-        "fsdp_mpi/sharding/traced.py", "        handle.gradient.reduced_in_graph = True", "        pass", [INDUCTOR]),
+        "fsdp_mpi/sharding/traced.py", "        handle.gradient.reduced_in_graph = True", "        pass", [COMPILED]),
     "an eager hook that compiled code must not trace loads the compiler at its first call": (
         "fsdp_mpi/sharding/traced.py", 'if "torch._dynamo" not in sys.modules:', "if False:", [SWITCHES]),
     "compiled, the views' autograd function is not put in the graph as it is: dynamo breaks at it": (

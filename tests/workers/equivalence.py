@@ -480,13 +480,12 @@ MAIN_RUNS += [("gpt2", "adamw", "no_sync", None, None, "offload"), ("bert", "ada
 FAMILY_RUNS = [("hf_albert", "adamw", "none", None), ("hf_albert", "sgd", "no_sync", None),
                ("hf_bert_frozen", "adamw", "none", None), ("hf_bert_frozen", "sgd", "none", "bf16")]
 # Compiled whole (dynamo and AOT autograd, eager kernels) with no_sync, with bf16 and every overlap switch, on 3
-# ranks (uneven shards). On 2 ranks, dynamo's part (with the graph breaks inside a unit): each unit compiled and
-# HF's GPT-2 whole; and inductor's, apart (most of the compile time, which a change of dynamo's need not pay):
-# inductor whole, and inductor whole where each rank holds the whole model alone.
+# ranks (uneven shards). On 2 ranks each unit compiled, HF's GPT-2 whole, inductor whole, and inductor whole
+# where each rank holds the whole model alone.
 WHOLE_RUNS = [("gpt2", "sgd", "no_sync", None, "whole"), ("bert", "sgd", "none", None, "whole"),
               ("gpt2", "adamw", "sharded", "bf16", "whole", "overlap")]
-COMPILED_RUNS = [("gpt2", "adamw", "none", None, "units"), ("hf_gpt2", "sgd", "none", None, "whole")]
-INDUCTOR_RUNS = [("gpt2", "adamw", "none", None, "one_rank_whole"), ("gpt2", "adamw", "none", None, "whole_inductor")]
+COMPILED_RUNS = [("gpt2", "adamw", "none", None, "one_rank_whole"), ("gpt2", "adamw", "none", None, "units"),
+                 ("hf_gpt2", "sgd", "none", None, "whole"), ("gpt2", "adamw", "none", None, "whole_inductor")]
 # On a GPU (``--device cuda``): one model in fp32 (TF32 off) and in bf16, against one process on the same GPU.
 GPU_RUNS = [("gpt2", "adamw", "none", None), ("gpt2", "adamw", "sharded", "bf16"),
             ("gpt2", "adamw", "no_sync", "bf16", None, "offload")]
@@ -505,8 +504,8 @@ if __name__ == "__main__":
     device = take_device_argument()
     comm = Communicator()
     selected = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    named = {"families": FAMILY_RUNS, "compiled": COMPILED_RUNS, "compiled_inductor": INDUCTOR_RUNS,
-             "compiled_whole": WHOLE_RUNS, "gpu": GPU_RUNS, "nodes": NODE_RUNS}
+    named = {"families": FAMILY_RUNS, "compiled": COMPILED_RUNS, "compiled_whole": WHOLE_RUNS, "gpu": GPU_RUNS,
+             "nodes": NODE_RUNS}
     if selected is None:
         runs = MAIN_RUNS
     elif len(selected) == 1 and selected[0] in named:
@@ -514,7 +513,7 @@ if __name__ == "__main__":
     else:
         runs = [run_ for run_ in MAIN_RUNS if run_[0] in selected]
     results = {}
-    if selected == ["compiled"]:  # most of the selection's time, and what it alone checks: first
+    if selected == ["compiled"]:  # a quarter of the selection's time, and what it alone checks: first
         results["breaks_inside_a_unit"] = check_breaks_inside_a_unit(breaks_inside_a_unit(comm), comm)
     for m, o, a, p, *more in runs:  # more: compiled, then WRAP_OPTIONS' name
         compiled, options = (more + [None, None])[:2]
