@@ -18,7 +18,6 @@ micro-batches as its samples need), and dropout follows the sample, so the steps
 compute what a run without it computes.
 """
 
-import socket
 from dataclasses import dataclass
 
 from training.resume import Position, RunCheckpoints
@@ -83,8 +82,7 @@ def join_the_run(build, config, comm: Communicator):
     _going_on = comm  # a newcomer, too, ends without MPI_Finalize
     resumed_at: list[Position] = []
     outcome = recovery.join(comm, _plan(build, config, None, resumed_at))
-    print(f"--keep-going: rank {comm.rank}: a newcomer in a lost rank's place, at optimizer step "
-          f"{resumed_at[-1].step}, on {socket.gethostname()}", flush=True)
+    print(f"--keep-going: {recovery.newcomer_message(comm.rank, resumed_at[-1].step)}", flush=True)
     return outcome.run, resumed_at[-1]
 
 

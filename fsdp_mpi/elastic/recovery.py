@@ -33,6 +33,7 @@ from the same communicator.
 """
 
 import gc
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,11 @@ class Left:
     def message(self, step: int) -> str:
         return (f"left the run at optimizer step {step}: its shard group lost rank(s) "
                 f"{', '.join(map(str, self.lost))}, and the groups left whole go on")
+
+
+def newcomer_message(rank: int, step: int) -> str:
+    """What a newcomer says once it has joined: its place, its step, and the host it was started on."""
+    return f"rank {rank}: a newcomer in a lost rank's place, at optimizer step {step}, on {socket.gethostname()}"
 
 
 @dataclass

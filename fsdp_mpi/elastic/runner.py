@@ -34,7 +34,6 @@ Where no slot is free at the loss, the run goes on shrunk; with a ``hosts_file``
 at the first step boundary after hosts are added to it (``agreement.GrowthAgreed``).
 """
 
-import socket
 import sys
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -44,8 +43,8 @@ from fsdp_mpi.communication.failures.job import add_hosts_from, is_newcomer, job
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
 from fsdp_mpi.elastic.agreement import GrowthAgreed, StepAbandoned, end_step
 from fsdp_mpi.elastic.recovery import (CannotGoOn, Left, Plan, Recovered, abandon_the_step, collect_the_old_run,
-                                      end_for_lack_of_state, forget_the_interrupted_step, join, recover,
-                                      shrink_until_it_holds)
+                                      end_for_lack_of_state, forget_the_interrupted_step, join, newcomer_message,
+                                      recover, shrink_until_it_holds)
 from fsdp_mpi.elastic.state import ElasticState
 from fsdp_mpi.files.checkpoint_directory import CheckpointDirectory
 
@@ -108,8 +107,7 @@ def run_elastic(train: Callable[[ElasticState], Result], build: Callable[[Commun
         if is_newcomer():  # started by the survivors' recovery, in a lost rank's place
             elastic.newcomer = True
             state = recovered(join(comm, plan), 0.0, elastic, plan)
-            print(f"fsdp_mpi.elastic: rank {state.comm.rank}: a newcomer in a lost rank's place, at optimizer step "
-                  f"{state.step}, on {socket.gethostname()}", flush=True)
+            print(f"fsdp_mpi.elastic: {newcomer_message(state.comm.rank, state.step)}", flush=True)
             return state
         return _first_state(lambda on: _started(build(on), directory, checkpoint_every), comm, unavailable, elastic)
 
