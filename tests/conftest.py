@@ -43,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).parent / "harness"))
 sys.path.insert(0, str(Path(__file__).parent.parent / "experiments"))
 
 from mpi_launch import RunFailed  # noqa: E402  (found through the path set just above)
+from mpi_leftovers import remove_mpi_leftovers  # noqa: E402
+
+SESSION_STARTED = time.time()  # what the MPI segments left in /dev/shm are compared with at the session's end
 
 # Tests marked `one_mpi` check fsdp_mpi's own logic, not the MPI library under it (the mutants, evaluation, the
 # cost model, the benchmarks, the experiments' bookkeeping beyond a real run of each): CI runs the whole suite
@@ -206,6 +209,8 @@ def pytest_pyfunc_call(pyfuncitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's controller, once every worker has ended
+        remove_mpi_leftovers(since=SESSION_STARTED)
     from mpi4py import MPI
     if MPI.Is_initialized():
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,10 +1,12 @@
 """The test harness's own rules (conftest.py), which every other test relies on."""
 
 import json
+import mmap
 import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,40 @@ def test_a_run_cut_short_goes_on_with_the_tests_that_had_not_passed(tmp_path):
     second = run_pytest_with_conftest(tmp_path, "test_mine.py", FSDP_MPI_TESTS_PASSED=str(passed), SECOND_RUN="fixed")
     assert "1 passed, 2 deselected" in second.stdout, second.stdout + second.stderr
     assert passed.read_text().splitlines()[2:] == ["test_mine.py::test_fails"]
+
+
+LEAVES_MPI_SEGMENTS = '''
+import os
+from pathlib import Path
+
+def test_a_killed_rank_leaves_its_segments():
+    for name in os.environ["MADE_IN_SESSION"].split():
+        Path(name).touch()  # made (or changed) while the session runs, as a killed rank's MPI library does
+'''
+
+
+def test_a_session_removes_the_mpi_segments_it_left_that_nothing_maps(tmp_path):
+    """At its end the suite removes from /dev/shm the segments MPI libraries leave when a rank is killed (MPICH's
+    ``mpich_shm_*``, Open MPI's ``sm_segment.*``) that were made during the session and that no process maps:
+    not one a live process maps, not one older than the session, not a file of another name."""
+    tag = f"fsdp_mpi_harness_{os.getpid()}"
+    shm = Path("/dev/shm")
+    left, mapped, older, other = (shm / f"mpich_shm_{tag}", shm / f"sm_segment.{tag}", shm / f"mpich_shm_{tag}_old",
+                                  shm / f"{tag}_not_mpis")
+    for path in (mapped, older, other):
+        path.write_bytes(bytes(4096))
+    os.utime(older, (time.time() - 3600,) * 2)
+    try:
+        with open(mapped, "r+b") as file, mmap.mmap(file.fileno(), 4096):  # a live job's segment: this process's
+            (tmp_path / "test_segments.py").write_text(LEAVES_MPI_SEGMENTS)
+            result = run_pytest_with_conftest(tmp_path, "test_segments.py",
+                                              MADE_IN_SESSION=" ".join(map(str, (left, mapped, other))))
+            assert "1 passed" in result.stdout, result.stdout + result.stderr
+            assert not left.exists()
+            assert mapped.exists() and older.exists() and other.exists()
+    finally:
+        for path in (left, mapped, older, other):
+            path.unlink(missing_ok=True)
 
 
 RANK_REPORT = '''

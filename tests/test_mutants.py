@@ -58,6 +58,7 @@ LAUNCHER = "tests/test_bad_input.py::test_an_experiment_started_as_n_one_rank_wo
 STRATEGIES = "tests/test_strategies.py"
 EVAL_RANKS = "tests/test_eval.py::test_two_ranks_evaluate_the_whole_split_as_one_process_does"
 COST_COLLECTIVES = "tests/test_costmodel.py::test_each_strategy_issues_the_collectives_of_the_lifecycle"
+MPI_LEFTOVERS = "tests/test_harness.py::test_a_session_removes_the_mpi_segments_it_left_that_nothing_maps"
 EVAL_SIZES = "tests/test_eval.py::test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected"
 INT8_ROUND_TRIP = "tests/test_compression.py::test_int8_round_trip_is_within_half_a_step_of_each_blocks_absmax"
 CLUSTER = "tests/test_cluster.py::test_four_ranks_on_two_nodes_train_as_one_process_and_send_what_the_cost_model_says"
@@ -292,6 +293,10 @@ MUTANTS = {
     "a test run given the tests that passed before runs them again": (
         "tests/conftest.py", "left_out = {item for item in items if item.nodeid in PASSED_BEFORE}", "left_out = set()",
         ["tests/test_harness.py::test_a_run_cut_short_goes_on_with_the_tests_that_had_not_passed"]),
+    "the MPI segments a killed rank left stay in /dev/shm": (
+        "tests/harness/mpi_leftovers.py", "            path.unlink()\n", "            pass\n", [MPI_LEFTOVERS]),
+    "the session's end removes an MPI segment a live job maps": (
+        "tests/harness/mpi_leftovers.py", " or str(path) in in_use", "", [MPI_LEFTOVERS]),
     "the cost model forgets the backward all-gather": (
         "experiments/measuring/costmodel.py", "if g > 1 and regathers and not unit.is_root:", "if False:", [COST_COLLECTIVES]),
     "split communicators count their traffic nowhere": (
