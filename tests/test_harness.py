@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_launch import child_env, experiments_launcher, run_mpi
+from mpi_launch import child_env, experiments_launcher, run_mpi, warm_launcher
 
 STARTS_CUDA = '''
 import torch
@@ -121,12 +121,13 @@ sys.exit(int(sys.argv[2]) if rank == 1 else 0)
 '''
 
 
-@pytest.mark.one_mpi  # warm ranks are MPICH's Hydra's (harness/warm_ranks.py); elsewhere every rank starts cold
 def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_path):
-    """Under MPICH, a launched rank is forked from a server that imported torch: torch is loaded before its first
-    line, it runs in the launch's folder with the script's folder first on sys.path and its arguments, two ranks
-    hash strings apart (as cold ranks do), and the job ends with the exit status the script gave; a rank whose
-    GLIBC_TUNABLES differ from the servers' starts cold."""
+    """Under MPICH and Open MPI, a launched rank is forked from a server that imported torch: torch is loaded
+    before its first line, it runs in the launch's folder with the script's folder first on sys.path and its
+    arguments, two ranks hash strings apart (as cold ranks do), and the job ends with the exit status the script
+    gave; a rank whose GLIBC_TUNABLES differ from the servers' starts cold."""
+    if warm_launcher() is None:
+        pytest.skip("this launcher's ranks start cold (harness/warm_ranks.py: Intel MPI's Hydra is not tried)")
     script = tmp_path / "scripts" / "report.py"
     script.parent.mkdir()
     script.write_text(RANK_REPORT)
@@ -144,7 +145,7 @@ def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_p
         assert reports[0]["hash"] != reports[1]["hash"]
 
 
-@pytest.mark.one_mpi  # as above
+@pytest.mark.one_mpi  # bench.py's and predict.py's launcher: they are tested under the first MPI
 def test_the_experiments_launches_start_warm_as_python_m_would(tmp_path):
     """The launcher the tests give bench.py and predict.py (``$FSDP_MPI_MPIEXEC``: mpiexec through
     harness/warm_mpiexec.py) starts their ``python -m`` ranks warm, as ``python -m`` would: the module's file as

@@ -51,16 +51,34 @@ def python_command(*program: str | Path) -> list[str]:
     session (started at the first launch, and inherited by the pytest runs it starts: the mutants').
     FSDP_MPI_WARM_RANKS=0: every rank cold."""
     if os.environ.get(warm_ranks.SOCKETS_ENV) is None:
-        # MPICH's Hydra only: the launcher whose protocol warm ranks are tested under (Open MPI's ranks would
-        # start cold anyway; Intel MPI's Hydra is not tried).
-        version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=60).stdout
-        mpichs_hydra = version.startswith("HYDRA build details") and "Intel" not in version
-        servers = warm_ranks.WarmRanks(child_env()) if mpichs_hydra else None
+        launcher = warm_launcher()
+        servers = warm_ranks.WarmRanks(_as_a_rank_starts(child_env(), launcher)) if launcher else None
         _warm_ranks.append(servers)  # kept for the session: they end when it does (their stdin closes)
         os.environ[warm_ranks.SOCKETS_ENV] = os.pathsep.join(servers.sockets) if servers and servers.ready else "0"
     if os.environ[warm_ranks.SOCKETS_ENV] == "0":
         return [sys.executable, *map(str, program)]
     return [sys.executable, warm_ranks.__file__, *map(str, program)]
+
+
+def warm_launcher() -> str | None:
+    """This session's launcher where warm ranks are tested under its protocol: "hydra" (MPICH's) or "open_mpi"
+    (PRRTE); None for the others (Intel MPI's Hydra is not tried: its ranks start cold)."""
+    version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=60).stdout
+    if version.startswith("HYDRA build details") and "Intel" not in version:
+        return "hydra"
+    return "open_mpi" if "Open MPI" in version else None
+
+
+def _as_a_rank_starts(env: dict[str, str], launcher: str) -> dict[str, str]:
+    """`env` as a launched rank gets it, where that matters to how it starts (warm_ranks.READ_AT_LOAD): Open MPI's
+    launcher puts its library folder first on a rank's LD_LIBRARY_PATH, which the servers must share for its ranks
+    to start warm (asked of the launcher itself, once a session)."""
+    if launcher != "open_mpi":
+        return env
+    asked = subprocess.run([mpiexec(), "-n", "1", "printenv", "LD_LIBRARY_PATH"], capture_output=True, text=True,
+                           timeout=60, env=env)
+    ranks_path = asked.stdout.strip() if asked.returncode == 0 else env.get("LD_LIBRARY_PATH", "")
+    return {**env, "LD_LIBRARY_PATH": ranks_path} if ranks_path else env
 
 
 def experiments_launcher() -> str:

@@ -4,14 +4,15 @@ A rank of a test job spends 3-5 s of this machine's time importing torch before 
 of 3 ranks on 2 cores, 6 s), and the suite starts several hundred jobs. Here a server imports torch once, and
 mpiexec starts this file, as a client, in place of the rank's script (``mpi_launch.python_command``). The
 client hands the server its standard streams, the descriptor through which Hydra (MPICH's launcher) talks
-to the rank (``PMI_FD``), its environment, folder and arguments; the server forks the rank,
+to the rank (``PMI_FD``; Open MPI's rank finds its launcher's daemon through its environment alone), its
+environment, folder and arguments; the server forks the rank,
 which runs the script as ``python script args`` would. The client stays the launcher's process: it passes
 signals on to the rank and ends as the rank ends, with its exit status or killed by the same signal; killed
 itself, its rank is killed.
 
 Where a warm rank could differ from a cold one, the client execs ``python script`` itself: no server, a
-launcher other than MPICH's Hydra (Open MPI's ranks, whose ULFM tests watch their processes, start cold, and
-Intel MPI's, not tried: ``mpi_launch.python_command`` decides), or an
+launcher other than MPICH's Hydra and Open MPI's (Intel MPI's, not tried: ``mpi_launch.python_command``
+decides; ranks that Open MPI's ULFM spawns to grow a run back start as the run's script says), or an
 environment variable that is read while Python and torch load (``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``, ...)
 set otherwise than the server's. Ranks alternate between two servers whose strings hash differently
 (``PYTHONHASHSEED``), so that code iterating a set in hash order still differs across ranks, as it does cold.
@@ -68,13 +69,14 @@ def start_rank(script_and_args: list[str]) -> None:  # [script, args...] or ["-m
     """Never returns: the rank runs warm, in a server's child, and this process ends as it does; or cold, in
     this process (exec)."""
     sockets = os.environ.get(SOCKETS_ENV, "").split(os.pathsep)
-    rank = int(os.environ.get("PMI_RANK", "0"))
-    connection = _connect(sockets[rank % len(sockets)]) if "PMI_FD" in os.environ and sockets[0] else None
+    rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0")
+    launched = "PMI_FD" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+    connection = _connect(sockets[rank % len(sockets)]) if launched and sockets[0] else None
     if connection is None:
         _start_cold(script_and_args)
-    pmi = int(os.environ["PMI_FD"])
+    pmi = [int(os.environ["PMI_FD"])] if "PMI_FD" in os.environ else []
     request = json.dumps({"argv": script_and_args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-    socket.send_fds(connection, [_HEADER.pack(len(request)) + request], [0, 1, 2, pmi])
+    socket.send_fds(connection, [_HEADER.pack(len(request)) + request], [0, 1, 2, *pmi])
     # The client keeps its copy of the launcher's descriptor until it ends: the launcher takes its closing, with
     # no MPI_Finalize before, for a rank that died.
     replies = connection.makefile("r")
@@ -87,7 +89,8 @@ def start_rank(script_and_args: list[str]) -> None:  # [script, args...] or ["-m
         signal.signal(forwarded, lambda number, _frame: os.kill(child, number))
     ended = json.loads(replies.readline() or '{"signal": 9}')  # the server gone: as if killed
     if "signal" in ended:
-        signal.signal(ended["signal"], signal.SIG_DFL)
+        if ended["signal"] not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, nor reset
+            signal.signal(ended["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), ended["signal"])
     os._exit(ended.get("exit", 1))
 
@@ -202,12 +205,14 @@ def run_rank(request: dict, fds: list[int]) -> None:
     # interpreter's own (this server's, less its own folder and $PYTHONPATH's).
     server_extra = {os.path.abspath(p) for p in [os.path.dirname(__file__), *_python_path(os.environ)]}
     interpreters = [p for p in sys.path if os.path.abspath(p) not in server_extra]
-    stdin, stdout, stderr, pmi = fds
+    stdin, stdout, stderr, *pmi = fds
     for fd, standard in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, standard)
         os.close(fd)
-    environment = dict(request["env"], PMI_FD=str(pmi))  # Hydra's descriptor, under the number it has here
-    os.set_inheritable(pmi, True)
+    environment = dict(request["env"])
+    for fd in pmi:  # Hydra's descriptor, under the number it has here
+        environment["PMI_FD"] = str(fd)
+        os.set_inheritable(fd, True)
     os.environ.clear()
     os.environ.update(environment)
     os.chdir(request["cwd"])
