@@ -122,12 +122,12 @@ sys.exit(int(sys.argv[2]) if rank == 1 else 0)
 
 
 def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_path):
-    """Under MPICH and Open MPI, a launched rank is forked from a server that imported torch: torch is loaded
+    """Under MPICH, Open MPI and Intel MPI, a launched rank is forked from a server that imported torch: torch is loaded
     before its first line, it runs in the launch's folder with the script's folder first on sys.path and its
     arguments, two ranks hash strings apart (as cold ranks do), and the job ends with the exit status the script
     gave; a rank whose GLIBC_TUNABLES differ from the servers' starts cold."""
     if warm_launcher() is None:
-        pytest.skip("this launcher's ranks start cold (harness/warm_ranks.py: Intel MPI's Hydra is not tried)")
+        pytest.skip("this launcher's ranks start cold (harness/mpi_launch.py: warm_launcher)")
     script = tmp_path / "scripts" / "report.py"
     script.parent.mkdir()
     script.write_text(RANK_REPORT)

@@ -61,10 +61,10 @@ def python_command(*program: str | Path) -> list[str]:
 
 
 def warm_launcher() -> str | None:
-    """This session's launcher where warm ranks are tested under its protocol: "hydra" (MPICH's) or "open_mpi"
-    (PRRTE); None for the others (Intel MPI's Hydra is not tried: its ranks start cold)."""
+    """This session's launcher where warm ranks are tested under its protocol: "hydra" (MPICH's, or Intel MPI's,
+    which speaks the same to its ranks) or "open_mpi" (PRRTE); None for any other (its ranks start cold)."""
     version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=60).stdout
-    if version.startswith("HYDRA build details") and "Intel" not in version:
+    if version.startswith("HYDRA build details") or version.startswith("Intel(R) MPI Library"):
         return "hydra"
     return "open_mpi" if "Open MPI" in version else None
 

@@ -11,8 +11,8 @@ signals on to the rank and ends as the rank ends, with its exit status or killed
 itself, its rank is killed.
 
 Where a warm rank could differ from a cold one, the client execs ``python script`` itself: no server, a
-launcher other than MPICH's Hydra and Open MPI's (Intel MPI's, not tried: ``mpi_launch.python_command``
-decides; ranks that Open MPI's ULFM spawns to grow a run back start as the run's script says), or an
+launcher other than the Hydras of MPICH and Intel MPI and Open MPI's (``mpi_launch.warm_launcher`` decides;
+ranks that Open MPI's ULFM spawns to grow a run back start as the run's script says), or an
 environment variable that is read while Python and torch load (``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``, ...)
 set otherwise than the server's. Ranks alternate between two servers whose strings hash differently
 (``PYTHONHASHSEED``), so that code iterating a set in hash order still differs across ranks, as it does cold.
