@@ -53,4 +53,3 @@ def remove_mpi_leftovers(since: float, folder: Path = SHARED_MEMORY) -> list[Pat
             continue
         removed.append(path)
     return removed
-
