@@ -205,19 +205,29 @@ def test_full_shard_grows_back_from_the_checkpoint_and_a_newcomer_lost_as_it_joi
 
 
 @pytest.mark.open_mpi
-@pytest.mark.parametrize("strategy,source", [("NO_SHARD", "memory (the shard groups left whole) at optimizer step 3"),
-                                             ("SHARD_GRAD_OP", "the latest checkpoint at optimizer step 2")])
+@pytest.mark.parametrize("strategy", ["NO_SHARD", "SHARD_GRAD_OP"])
 def test_losses_with_a_reduce_scatter_in_flight_and_inside_the_shrink_with_accumulation_and_offload(
-        one_process, tmp_path, strategy, source):
-    """3 ranks, every step two micro-batches (the first under no_sync), prefetching, the reduce-scatter started
-    asynchronously, the shards in host memory: rank 2 dies in step 3's backward, and rank 1 as the survivors
-    start to shrink (rank 0 is inside MPI's shrink). Under NO_SHARD rank 0 is a whole replica and goes on from
-    memory; under SHARD_GRAD_OP it reloads step 2's checkpoint."""
+        one_process, tmp_path, strategy):
+    """3 ranks as 2 emulated nodes (ranks 0 and 1, rank 2), every step two micro-batches (the first under no_sync),
+    prefetching, the reduce-scatter started asynchronously, the shards in host memory: rank 2 dies in step 3's
+    backward, and rank 1 as the survivors start to shrink (rank 0 is inside MPI's shrink). Under NO_SHARD rank 0
+    is a whole replica, and the run grows back from memory with 1 slot to spare: rank 1's newcomer on its node's
+    host, in the dead process's place, rank 2's (its node is gone) in the free slot, two spawns in turn (the first
+    newcomer taking part in the second), each healed by rank 0 within the step. Under SHARD_GRAD_OP, not growing
+    back, rank 0 reloads step 2's checkpoint alone."""
+    grow_back = strategy == "NO_SHARD"
     run = run_loop(tmp_path, 3, "--strategy", strategy, "--checkpoint-every", 2, "--accumulate", "--overlap",
-                   "--offload", "--kill", "2:3:backward", "--kill", "1:3:shrink")
+                   "--offload", *["--grow-back"] * grow_back, "--kill", "2:3:backward", "--kill", "1:3:shrink",
+                   **({"env": {"FSDP_MPI_EMULATED_NODE_SIZE": "2"}, "slots": 4} if grow_back else {}))
     result = result_of(tmp_path, run)
+    going_on = ("3 rank(s), newcomers in rank(s) 1, 2, go on from memory (each newcomer's state sent by its twin) at "
+                "optimizer step 3" if grow_back else "1 rank(s) go on from the latest checkpoint at optimizer step 2")
     assert [line.split(". Noticed")[0] for line in result["recoveries"]] == [
-        f"lost rank(s) 1, 2 of the job (3 training before); 1 rank(s) go on from {source}"]
+        f"lost rank(s) 1, 2 of the job (3 training before); {going_on}"]
+    if grow_back:
+        assert result["step_ranks"] == [3] * 6
+        for rank in (1, 2):
+            assert f"rank {rank}: a newcomer in a lost rank's place, at optimizer step 3" in run.stdout
     assert_trains_as_one_process(result, one_process)
     assert_nothing_piled_up(result)
 
@@ -341,3 +351,17 @@ def test_a_hosts_file_is_read_as_host_slots_lines_and_what_cannot_be_used_is_sai
     with pytest.raises(ValueError, match="hosts_file is read to grow back into the hosts added: it needs "
                                          "grow_back=True"):
         fsdp_mpi.run_elastic(lambda state: None, lambda comm: None, hosts_file=hosts)
+
+
+@pytest.mark.one_mpi  # the survivors' choice of places: no MPI in it
+def test_newcomers_start_on_their_nodes_host_where_it_keeps_a_survivor_and_in_free_slots_first(monkeypatch):
+    """Each newcomer's place, from the nodes heard (host, emulated block): on the host of the node of the rank it
+    replaces where that node has a survivor (a spawn a host), else in free slots; the free slots spawned first (a
+    spawn onto a host would take them), in the same order on every survivor whatever the order of the lost."""
+    from fsdp_mpi.communication.failures import job
+
+    nodes = {0: ("a", 0), 1: ("a", 0), 2: ("b", 0), 3: ("b", 0), 4: ("c", 0), 5: ("c", 0), 6: ("a", 1), 7: (None, 0)}
+    monkeypatch.setattr(job, "node_of", nodes.get)
+    assert job.places_of([5, 3, 1, 4], [0, 2]) == [([4, 5], None), ([1], "a"), ([3], "b")]
+    assert job.places_of([1], [0]) == [([1], "a")]
+    assert job.places_of([6, 7], [0, 1]) == [([6, 7], None)]  # another block on host a, and a host never heard

@@ -201,12 +201,12 @@ def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_add
 def test_fit_elastic_goes_on_after_a_loss_while_it_rebuilds_and_after_a_growth_that_cannot_start(tmp_path):
     """HYBRID_SHARD (a shard group per node, the nodes replicas of each other) on 2 emulated nodes of 2 ranks:
     node 1's ranks die as step 3 starts, and rank 1 as the survivors build their Trainer again, so the recovery
-    starts again, on rank 0 alone, from the step-2 checkpoint. A host is added after step 4, but Open MPI 5.0.11
-    refuses to start the 3 newcomers (MPI_ERR_UNKNOWN, though the hosts file makes room): the Trainer the growth
-    interrupted is built again from the step-4 checkpoint and finishes on rank 0 alone (the same Trainer
-    fitted again would find its module wrapped already). `mpirun` then exits with 213, as after any refused
-    spawn (docs/failures.md). A later Open MPI that starts them would make this run grow back: update it then."""
-    run, result = fit_elastic_run(tmp_path, "HYBRID_SHARD", "localhost:7", "1")
+    starts again, on rank 0 alone, from the step-2 checkpoint. After step 4 the hosts file names this host with
+    no more slots than the job took (its 4, the dead ones' included): Open MPI refuses to start the newcomers of
+    the free slots (MPI_ERR_UNKNOWN), the Trainer the growth interrupted is built again from the step-4
+    checkpoint and finishes on rank 0 alone (the same Trainer fitted again would find its module wrapped
+    already). `mpirun` then exits with 213, as after any refused spawn (docs/failures.md)."""
+    run, result = fit_elastic_run(tmp_path, "HYBRID_SHARD", "localhost:4", "1")
     said = run.stdout + run.stderr
     assert run.returncode == 213, said[-4000:]
     assert "no newcomer can start in the place of rank(s) 1, 2, 3 (MPI_ERR_UNKNOWN" in said

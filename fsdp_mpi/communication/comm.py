@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from fsdp_mpi.communication import point_to_point
 from fsdp_mpi.communication.bookkeeping import Collective, Traffic, in_mpi, waiting_in_mpi
-from fsdp_mpi.communication.failures.abort import exit_without_finalize
+from fsdp_mpi.communication.failures.process_end import exit_without_finalize
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 from fsdp_mpi.communication.failures.job import job_comm, spawn_into
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
@@ -112,7 +112,7 @@ class Communicator:
                 self.watch_liveness()
             except RankLostError as lost:  # nothing trained yet, nothing to go on from: the whole job ends
                 # Every survivor meets the loss in this first collective, and ends itself: after a loss, Open
-                # MPI's launcher now and then outlived an MPI_Abort (abort.exit_without_finalize).
+                # MPI's launcher now and then outlived an MPI_Abort (process_end.exit_without_finalize).
                 sys.stderr.write(f"fsdp_mpi: rank(s) {', '.join(map(str, failed_ranks(self.mpi_comm)))} of the "
                                  f"job died as it started ({lost}): ending the job, which has nothing to go on "
                                  "from yet\n")
@@ -355,13 +355,15 @@ class Communicator:
         survivors.node_exchange_bytes = self.node_exchange_bytes
         return survivors
 
-    def grow_back(self, missing: list[int], place: str | None) -> "Communicator":
+    def grow_back(self, places: list[tuple[list[int], str | None]]) -> "Communicator":
         """After ``shrink``, on its survivors: the job grown back, a newcomer running this program started in each
-        of `missing`'s places (ranks of the job; on `place`'s host, None: in free slots) and the survivors in
-        theirs, with this one's settings; from now on the job (``failures/job.py``). Collective over these ranks,
-        and the newcomers'. Raises ``MPI.Exception`` on every rank alike where a newcomer could not start."""
-        with in_mpi(self, f"start {len(missing)} newcomer(s) and merge", collective=False):
-            job = spawn_into(self.mpi_comm, missing, place)
+        lost rank's place, as `places` says (ranks of the job, and the host they start on; None: in free slots,
+        ``failures/job.places_of``), and the survivors in theirs, with this one's settings; from now on the job
+        (``failures/job.py``). Collective over these ranks, and the newcomers'. Raises ``MPI.Exception`` on every
+        rank alike where a newcomer could not start."""
+        newcomers = sum(len(ranks) for ranks, _ in places)
+        with in_mpi(self, f"start {newcomers} newcomer(s) and merge", collective=False):
+            job = spawn_into(self.mpi_comm, places)
         grown = Communicator(job, force_staging=self.force_staging, cuda_aware=self.cuda_awareness,
                              node_transport=self.node_transport, two_level=self.two_level, timeout=self.timeout,
                              verify=self.verify)

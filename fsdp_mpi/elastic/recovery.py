@@ -44,9 +44,9 @@ from mpi4py import MPI
 from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
-from fsdp_mpi.communication.failures.abort import exit_without_finalize
+from fsdp_mpi.communication.failures.process_end import exit_without_finalize
 from fsdp_mpi.communication.failures.job import (free_slots, hosts_tried, job_comm, job_layout, job_rank,
-                                                 job_ranks, place_of)
+                                                 job_ranks, places_of)
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError
 from fsdp_mpi.elastic.agreement import StepAbandoned, end_step
 from fsdp_mpi.sharding.host_memory import give_back_freed_host_memory
@@ -121,7 +121,8 @@ class Growth:
     lost: list[int]  # the ranks lost, numbered as in the job
     before: int  # ranks training before the loss
     newcomers: list[int]  # the ranks of the job the newcomers fill
-    place: str | None  # the host they start on, in the dead processes' places; None: in free slots
+    places: list[tuple[list[int], str | None]]  # where they start: (ranks, the host, in the dead processes' places;
+    # None: in free slots), as ``places_of`` says
     twins: dict[int, int] | None  # each newcomer's twin, which sends it its state; None: the latest checkpoint
 
 
@@ -262,7 +263,7 @@ def _growth(groups: list[tuple[list[int], list[int] | None]], alive: list[int], 
             holders = [survivor for survivor in alive if here[survivor] == layout.get(rank)]
             if holders and layout[rank][1] < size:  # a shard group smaller than the job: the state is replicated
                 twins[rank] = min(holders)
-    return Growth(lost, before, missing, place_of(missing, alive), twins if len(twins) == len(missing) else None)
+    return Growth(lost, before, missing, places_of(missing, alive), twins if len(twins) == len(missing) else None)
 
 
 def _grown_back(survivors: Communicator, growth: Growth) -> Communicator | None:
@@ -271,11 +272,11 @@ def _grown_back(survivors: Communicator, growth: Growth) -> Communicator | None:
     refused spawn), or MPI refused."""
     # Rank 0's count for all: the hosts file it reads may change while the others would read it.
     free = survivors.all_gather_object(free_slots() if survivors.rank == 0 else None)[0]
-    needed = len(growth.newcomers)
+    needed = sum(len(ranks) for ranks, host in growth.places if host is None)
     try:
-        if growth.place is None and free is not None and free < needed:
+        if free is not None and free < needed:
             raise CannotGrow(f"{needed} free slot(s) needed, {free} in the allocation")
-        return survivors.grow_back(growth.newcomers, growth.place)
+        return survivors.grow_back(growth.places)
     except (CannotGrow, MPI.Exception) as refused:
         if survivors.rank == 0:
             why = refused.Get_error_string() if isinstance(refused, MPI.Exception) else str(refused)

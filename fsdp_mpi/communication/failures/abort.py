@@ -8,8 +8,6 @@ the launcher (mpiexec, srun) to kill every rank of the job. ``MPI_Abort`` skips
 registers with ``before_abort`` too.
 """
 
-import ctypes
-import os
 import sys
 import threading
 import time
@@ -18,6 +16,7 @@ from mpi4py import MPI
 
 from fsdp_mpi.communication.failures.job import is_newcomer, job_comm, replaced_ranks
 from fsdp_mpi.communication.failures.lost_ranks import can_go_on, failed_ranks
+from fsdp_mpi.communication.failures.process_end import exit_without_finalize
 
 # MPI_Abort kills every rank at once and launchers drop output still in flight, so a
 # rank waits this long after printing its traceback; ranks failing together all get heard.
@@ -59,29 +58,6 @@ def _the_job_lost_a_rank() -> bool:
         return can_go_on() and (is_newcomer() or bool(replaced_ranks() or failed_ranks(MPI.COMM_WORLD)))
     except MPI.Exception:
         return False
-
-
-def exit_without_finalize(code: int):
-    """Ends this process with `code` at once, its output flushed, without ``MPI_Finalize`` or ``MPI_Abort``: after
-    a lost rank, Open MPI 5.0.11's finalize now and then waits forever (a survivor hung there once in about twelve
-    6-rank runs), and so does its launcher after an ``MPI_Abort`` (once in two 3-rank runs where a rank died as
-    the job started); a ULFM job is content with processes that end without either, each survivor ending
-    itself. Not so the job of a grow-back's newcomers (Open MPI 5.0.11's launcher reports such an end as an
-    improper one, and ``mpirun`` fails): a newcomer first tells the launcher that it ends on purpose."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if is_newcomer():
-        _tell_the_launcher_this_process_ends()
-    os._exit(code)
-
-
-def _tell_the_launcher_this_process_ends() -> None:
-    """``PMIx_Finalize``: the launcher's part of ``MPI_Finalize``, which ends nothing shared with the other ranks
-    (so it cannot wait for a lost one). Nothing where the process has no PMIx library loaded."""
-    with open("/proc/self/maps") as maps:
-        library = next((line.split()[-1] for line in maps if "/libpmix.so" in line), None)
-    if library is not None:
-        ctypes.CDLL(library).PMIx_Finalize(None, ctypes.c_size_t(0))
 
 
 def abort_job_on_uncaught_exception(mpi_comm=None) -> None:

@@ -8,12 +8,14 @@ survivors' part). From then on that communicator is the job, on survivors and ne
 alike: ranks are numbered in it (in messages, logs and emulated nodes), and
 ``Communicator()`` means it.
 
-Where the newcomers start: on the host of the ranks they replace where their node still has
-a survivor (in the dead processes' places: Open MPI gives a dead process's slot to nobody, so
-they are placed beyond the host's slots, unbound), else in free slots of the allocation (a
-spare node's), which the survivors count first (``free_slots``). One spawn starts them all, in
-one place or the other (Open MPI 5.0.11's ``MPI_Comm_spawn_multiple`` refuses a placement per
-newcomer): newcomers whose nodes differ all go to free slots.
+Where the newcomers start: each on the host of the rank it replaces where that rank's node still
+has a survivor (in the dead processes' places: Open MPI gives a dead process's slot to nobody,
+so they are placed beyond the host's slots, unbound), else in free slots of the allocation (a
+spare node's), which the survivors count first (``free_slots``). One spawn starts the newcomers
+of one place (``places_of``), and the spawns follow each other: the newcomers of the first take
+part in the second, and so on (Open MPI 5.0.11's ``MPI_Comm_spawn_multiple``, one call for
+all, refuses a placement per newcomer). Ranks lost on several hosts at once are so each
+replaced on its own host.
 
 Slots can be added while the run goes on: a run given a *hosts file* (``add_hosts_from``) reads
 it at every step boundary, and where it changed while ranks are missing, the ranks agree to grow
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from fsdp_mpi.communication.failures.process_end import exit_without_finalize
 from fsdp_mpi.communication.settings import EMULATED_NODE_SIZE, read_count
 
 
@@ -113,14 +116,18 @@ def place_on_node(rank: int) -> tuple[int, int]:
     return mates.index(rank), len(mates)
 
 
-def place_of(missing: list[int], alive: list[int]) -> str | None:
-    """Where the newcomers replacing the dead ranks `missing` start: the host of their nodes, where every one of
-    those nodes is on that host and has one of the ranks `alive`; None: in free slots."""
-    nodes = {node_of(rank) for rank in missing}
-    hosts = {host for host, _ in nodes}
-    if len(hosts) != 1 or None in hosts or not nodes <= {node_of(rank) for rank in alive}:
-        return None
-    return hosts.pop()
+def places_of(missing: list[int], alive: list[int]) -> list[tuple[list[int], str | None]]:
+    """Where the newcomers replacing the dead ranks `missing` start, as (the ranks, the host) for each place: a
+    rank whose node has one of the ranks `alive` on the host heard, on that host; the others in free slots
+    (None). The free slots first: a spawn onto a host takes its free slots before it goes beyond them, and would
+    leave none for the newcomers that need them. Then hosts in name order, ranks in order: alike on every
+    survivor."""
+    alive_nodes = {node_of(rank) for rank in alive}
+    places: dict[str | None, list[int]] = {}
+    for rank in sorted(missing):
+        node = node_of(rank)
+        places.setdefault(node[0] if node[0] is not None and node in alive_nodes else None, []).append(rank)
+    return [(places[host], host) for host in sorted(places, key=lambda host: (host is not None, host or ""))]
 
 
 def add_hosts_from(path: str | os.PathLike) -> None:
@@ -218,41 +225,58 @@ def free_slots() -> int | None:
     return max(0, universe - _job.placed)
 
 
-def spawn_into(survivors, missing: list[int], place: str | None):
-    """The job renewed with a newcomer in each of `missing`'s places (ranks of the job), started on `place`'s
-    host in the dead processes' places (None: in free slots), the survivors of `survivors` (an mpi4py
-    communicator) keeping theirs; made the job. Collective over `survivors`. Raises ``MPI.Exception`` where the
-    newcomers could not start (the same on every survivor)."""
-    info = MPI.Info.Create()
-    info.Set("wdir", os.getcwd())  # the newcomers run this program where it runs, with its arguments
+def spawn_into(survivors, places: list[tuple[list[int], str | None]]):
+    """The job renewed with a newcomer in each lost rank's place, as `places` (``places_of``) says: (ranks of the
+    job, the host they start on in the dead processes' places; None: in free slots); the survivors of `survivors`
+    (an mpi4py communicator) keep theirs; made the job. Collective over `survivors`. Raises ``MPI.Exception``
+    where newcomers could not start (the same on every survivor; those already started leave)."""
     hosts = survivors.bcast(_hosts_to_add() if survivors.Get_rank() == 0 else None, root=0)  # one reading
-    if hosts is not None:  # added to the allocation, or a listed host's slots raised, before the newcomers map
-        info.Set("PMIX_ADD_HOST", hosts)
     _job.hosts_tried = hosts or _job.hosts_tried  # tried once: a refused spawn is not retried
-    if place is not None:  # the dead processes' places: their slots are not given back, so beyond the host's
-        info.Set("host", place)
-        info.Set("map_by", ":OVERSUBSCRIBE")
-        info.Set("bind_to", "none")
-    try:
-        newcomers = survivors.Spawn(sys.executable, args=sys.orig_argv[1:], maxprocs=len(missing), info=info)
-    finally:
-        info.Free()
-    merged = newcomers.Merge(high=False)  # survivors first, in their order
-    _job.placed += len(missing) if place is None else 0
-    merged.bcast((missing, _job), root=0)
-    return _become(merged.Split(0, job_rank()), missing)
+    merged = _spawn_each(survivors, places, hosts)
+    return _become(merged.Split(0, job_rank()), [rank for ranks, _ in places for rank in ranks])
+
+
+def _spawn_each(spawning, places: list[tuple[list[int], str | None]], hosts: str | None):
+    """`spawning` (an intracommunicator) merged with the newcomers of each place in turn, each spawn's newcomers
+    taking part in the next; `hosts` handed to the launcher with the first (``PMIX_ADD_HOST``, the hosts file's
+    hosts added to the allocation, or a listed host's slots raised, before the newcomers map). Collective over
+    `spawning`."""
+    for index, (missing, place) in enumerate(places):
+        info = MPI.Info.Create()
+        info.Set("wdir", os.getcwd())  # the newcomers run this program where it runs, with its arguments
+        if hosts is not None and index == 0:
+            info.Set("PMIX_ADD_HOST", hosts)
+        if place is not None:  # the dead processes' places: their slots are not given back, so beyond the host's
+            info.Set("host", place)
+            info.Set("map_by", ":OVERSUBSCRIBE")
+            info.Set("bind_to", "none")
+        try:
+            newcomers = spawning.Spawn(sys.executable, args=sys.orig_argv[1:], maxprocs=len(missing), info=info)
+        finally:
+            info.Free()
+        spawning = newcomers.Merge(high=False)  # the spawning ranks first, in their order
+        _job.placed += len(missing) if place is None else 0
+        spawning.bcast((missing, _job, places[index + 1:]), root=0)
+    return spawning
 
 
 def _join():
     """A newcomer's half of ``spawn_into``: the survivors' job, with this process in the place it was spawned
-    to fill."""
+    to fill (after the spawns of the places that follow its own, in which it takes part). A spawn refused
+    there ends it, as the survivors go on without."""
     global _job
     parent = MPI.Comm.Get_parent()
     parent.Set_errhandler(MPI.ERRORS_RETURN)  # a loss meanwhile is an error to handle, not the end of the job
     merged = parent.Merge(high=True)
-    missing, _job = merged.bcast(None, root=0)
+    missing, _job, later = merged.bcast(None, root=0)
     mine = missing[merged.Get_rank() - parent.Get_remote_size()]
     _job.replaced = []
+    try:
+        merged = _spawn_each(merged, later, None)
+    except MPI.Exception as refused:
+        print(f"fsdp_mpi.elastic: the newcomer in rank {mine}'s place leaves: the newcomers after it could not "
+              f"start ({refused.Get_error_string()})", file=sys.stderr, flush=True)
+        exit_without_finalize(0)
     return _become(merged.Split(0, mine), [mine])
 
 
