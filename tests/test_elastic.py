@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_launch import WORKERS, RunFailed, child_env, mpiexec, only_these_slots
+from mpi_launch import WORKERS, RunFailed, child_env, mpiexec, only_these_slots, python_command
 
 ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]  # as failures/lost_ranks.ULFM_LAUNCH says
 
@@ -37,13 +37,15 @@ def run_loop(out, nprocs: int, *options, env: dict | None = None,
     processes this machine may run in the job, newcomers included (None: as many as asked for, as CI's
     oversubscribing policy lets Open MPI)."""
     out.mkdir(exist_ok=True)
-    env = child_env(FSDP_MPI_TIMEOUT="60", **(env or {}))  # a survivor left waiting: the watchdog's report
+    rank = python_command(WORKERS / "elastic_loop.py")  # warm: its newcomers start as the script says, cold
+    # After python_command (see mpi_launch.run_mpi); a survivor left waiting: the watchdog's report.
+    env = child_env(FSDP_MPI_TIMEOUT="60", **(env or {}))
     exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE") if name in env
                 for word in ("-x", name)]
     if slots is not None:
         exported += only_these_slots(env, slots)
-    command = [mpiexec(), *(ULFM if nprocs > 1 else []), *exported, "-n", str(nprocs), sys.executable,
-               str(WORKERS / "elastic_loop.py"), str(out), *map(str, options)]
+    command = [mpiexec(), *(ULFM if nprocs > 1 else []), *exported, "-n", str(nprocs), *rank, str(out),
+               *map(str, options)]
     try:
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as hung:
@@ -234,7 +236,7 @@ def test_losses_with_a_reduce_scatter_in_flight_and_inside_the_shrink_with_accum
 
 @pytest.mark.open_mpi
 def test_every_survivor_ends_the_step_in_one_agreement_and_a_real_error_after_a_loss_stays_an_error():
-    command = [mpiexec(), *ULFM, "-n", "3", sys.executable, str(WORKERS / "lost_ranks.py")]
+    command = [mpiexec(), *ULFM, "-n", "3", *python_command(WORKERS / "lost_ranks.py")]
     run = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
     assert sorted(line for line in run.stdout.splitlines() if "protocol holds" in line) == [
         "rank 0: protocol holds", "rank 1: protocol holds"], run.stdout[-3000:] + run.stderr[-3000:]
@@ -245,7 +247,7 @@ def test_every_survivor_ends_the_step_in_one_agreement_and_a_real_error_after_a_
 
 @pytest.mark.open_mpi
 def test_a_rank_lost_before_its_first_message_ends_the_job_at_once_naming_it():
-    command = [mpiexec(), *ULFM, "-n", "3", sys.executable, str(WORKERS / "lost_ranks.py"), "early"]
+    command = [mpiexec(), *ULFM, "-n", "3", *python_command(WORKERS / "lost_ranks.py"), "early"]
     started = time.monotonic()
     run = subprocess.run(command, env=child_env(FSDP_MPI_TIMEOUT="600"), capture_output=True, text=True,
                          timeout=120)

@@ -114,6 +114,7 @@ from mpi4py import MPI
 
 rank = MPI.COMM_WORLD.Get_rank()
 report = {"warm": warm, "hash": hash("fsdp_mpi"), "folder": os.getcwd(), "argv": sys.argv[1:],
+          "interpreter_argv": sys.orig_argv,
           "program": sys.argv[0], "first_on_path": sys.path[0]}
 Path(sys.argv[1], f"{rank}.json").write_text(json.dumps(report))
 MPI.COMM_WORLD.Barrier()
@@ -124,7 +125,7 @@ sys.exit(int(sys.argv[2]) if rank == 1 else 0)
 def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_path):
     """Under MPICH, Open MPI and Intel MPI, a launched rank is forked from a server that imported torch: torch is loaded
     before its first line, it runs in the launch's folder with the script's folder first on sys.path and its
-    arguments, two ranks hash strings apart (as cold ranks do), and the job ends with the exit status the script
+    arguments (sys.orig_argv too), two ranks hash strings apart (as cold ranks do), and the job ends with the exit status the script
     gave; a rank whose GLIBC_TUNABLES differ from the servers' starts cold."""
     if warm_launcher() is None:
         pytest.skip("this launcher's ranks start cold (harness/mpi_launch.py: warm_launcher)")
@@ -142,6 +143,8 @@ def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_p
         assert {report["folder"] for report in reports} == {str(tmp_path)}
         assert {report["first_on_path"] for report in reports} == {str(script.parent)}
         assert reports[0]["argv"] == [str(out), str(exit_status)]
+        # What a grow-back's spawn runs again (failures/job.py): the interpreter's command line, as cold.
+        assert reports[0]["interpreter_argv"] == [sys.executable, str(script), str(out), str(exit_status)]
         assert reports[0]["hash"] != reports[1]["hash"]
 
 

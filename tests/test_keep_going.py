@@ -11,11 +11,10 @@ end where an unbroken one ends; for 16-bit runs, with no bound, the same run res
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 from experiment_runs import EXPERIMENTS, SHARED_DATA, launch, needs_data, read_rows
-from mpi_launch import WORKERS, RunFailed, child_env, mpiexec, only_these_slots
+from mpi_launch import WORKERS, RunFailed, child_env, mpiexec, only_these_slots, python_command
 from test_experiments import SAME_TRAINING
 
 from fsdp_mpi import continuation_unavailable
@@ -47,6 +46,7 @@ def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None
     (RANK:STEP:MOMENT). `slots`: the processes the job may run, newcomers included (None: as many as asked for,
     as CI's oversubscribing policy lets Open MPI). `hosts_after`: STEP:HOST:SLOTS, written into the --add-hosts
     file once that step is done."""
+    rank = python_command(WORKERS / "keep_going.py")  # warm: its newcomers start as the script says, cold
     env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA), FSDP_MPI_TIMEOUT=WATCHDOG_SECONDS, **(env or {}))
     exported = [word for name in ("FSDP_MPI_TIMEOUT", "FSDP_MPI_EMULATED_NODE_SIZE", "FSDP_MPI_DATA_DIR")
                 if name in env for word in ("-x", name)]
@@ -54,8 +54,7 @@ def run_killing(nprocs: int, kills: list[str], *options, env: dict | None = None
         exported += only_these_slots(env, slots)
     killing = [word for kill in kills for word in ("--kill", kill)] + (["--hosts-after", hosts_after] if hosts_after
                                                                        else [])
-    command = [mpiexec(), *ULFM, *exported, "-n", str(nprocs), sys.executable, str(WORKERS / "keep_going.py"),
-               *killing, "--", *RUN, *(["--keep-going"] if keep_going else []), *map(str, options)]
+    command = [mpiexec(), *ULFM, *exported, "-n", str(nprocs), *rank, *killing, "--", *RUN, *(["--keep-going"] if keep_going else []), *map(str, options)]
     try:
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=EXPERIMENTS)
     except subprocess.TimeoutExpired as hung:  # say where it hung: the survivors' last lines

@@ -5,12 +5,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from mpi_launch import WORKERS, check_ok, child_env, mpiexec, only_these_slots, run_mpi
+from mpi_launch import WORKERS, check_ok, child_env, mpiexec, only_these_slots, python_command, run_mpi
 
 pytest.importorskip("lightning")
 
@@ -224,10 +223,10 @@ def fit_elastic_run(tmp_path, strategy: str, hosts: str, *rebuild_kill: str) -> 
                                                                                       dict]:
     """workers/lightning_elastic.py on 2 emulated nodes of 2 ranks with no slot to spare, node 1 killed as step 3
     starts, `hosts` written into the hosts file after step 4; its result (which must be there)."""
-    env = child_env(FSDP_MPI_TIMEOUT="60", FSDP_MPI_EMULATED_NODE_SIZE="2")
+    rank = python_command(WORKERS / "lightning_elastic.py")  # warm: its newcomers start as the script says, cold
+    env = child_env(FSDP_MPI_TIMEOUT="60", FSDP_MPI_EMULATED_NODE_SIZE="2")  # after python_command (run_mpi)
     command = [mpiexec(), *ULFM_LAUNCH.split()[1:], *only_these_slots(env, 4), "-x", "FSDP_MPI_TIMEOUT", "-x",
-               "FSDP_MPI_EMULATED_NODE_SIZE", "-n", "4", sys.executable, str(WORKERS / "lightning_elastic.py"),
-               str(tmp_path), strategy, "2,3", "3", "4", hosts, *rebuild_kill]
+               "FSDP_MPI_EMULATED_NODE_SIZE", "-n", "4", *rank, str(tmp_path), strategy, "2,3", "3", "4", hosts, *rebuild_kill]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     said = run.stdout + run.stderr
     assert (tmp_path / "result.json").exists(), said[-4000:]

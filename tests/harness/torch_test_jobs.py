@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpi_launch import WORKERS, child_env, mpiexec
+from mpi_launch import WORKERS, child_env, mpiexec, python_command
 
 RUNNER = WORKERS / "torch_test_base.py"
 
@@ -44,7 +44,7 @@ def run_test_base(backend: str, nprocs: int, work: Path, tests: list[str] = (), 
     out = work / "out"
     first, outcomes = None, Outcomes()
     while True:
-        command = [mpiexec(), "-n", str(nprocs), sys.executable, str(RUNNER), backend, str(temp), str(out),
+        command = [mpiexec(), "-n", str(nprocs), *python_command(RUNNER), backend, str(temp), str(out),
                    *(["--from", first] if first else []), *tests]
         outcomes.jobs += 1
         log = work / f"job-{outcomes.jobs}.log"  # a file, not a pipe: a job never waits for its reader

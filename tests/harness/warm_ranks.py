@@ -12,7 +12,8 @@ itself, its rank is killed.
 
 Where a warm rank could differ from a cold one, the client execs ``python script`` itself: no server, a
 launcher other than the Hydras of MPICH and Intel MPI and Open MPI's (``mpi_launch.warm_launcher`` decides;
-ranks that Open MPI's ULFM spawns to grow a run back start as the run's script says), or an
+ranks that Open MPI's ULFM spawns to grow a run back start as the run's script says: a warm rank's
+``sys.orig_argv``, which the spawn runs again, is the script's), or an
 environment variable that is read while Python and torch load (``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``, ...)
 set otherwise than the server's. Ranks alternate between two servers whose strings hash differently
 (``PYTHONHASHSEED``), so that code iterating a set in hash order still differs across ranks, as it does cold.
@@ -222,6 +223,7 @@ def run_rank(request: dict, fds: list[int]) -> None:
     first = os.getcwd() if as_module else os.path.dirname(os.path.abspath(script))
     sys.path[:] = [first, *_python_path(environment), *interpreters]
     sys.argv = [script, *arguments]  # runpy puts the module's file first, as `python -m` does
+    sys.orig_argv = [sys.executable, *request["argv"]]  # as the interpreter had it (ULFM's newcomers run it again)
     if "numpy.random" in sys.modules:  # seeded once, in the server: each rank draws its own, as cold
         sys.modules["numpy.random"].seed()
     try:
