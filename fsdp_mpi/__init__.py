@@ -22,9 +22,9 @@ from fsdp_mpi.communication.bookkeeping import CollectiveMismatchError
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import Compression
 from fsdp_mpi.communication.failures.abort import abort_job_on_uncaught_exception
-from fsdp_mpi.communication.failures.process_end import exit_without_finalize
 from fsdp_mpi.communication.failures.job import is_newcomer
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable
+from fsdp_mpi.communication.failures.process_end import exit_without_finalize
 from fsdp_mpi.sharding.fully_sharded import FSDP, FullyShardedDataParallel
 from fsdp_mpi.sharding.lifecycle import TrainingState
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision

@@ -23,12 +23,12 @@ from mpi4py import MPI
 
 from fsdp_mpi.communication import point_to_point
 from fsdp_mpi.communication.bookkeeping import Collective, Traffic, in_mpi, waiting_in_mpi
-from fsdp_mpi.communication.failures.process_end import exit_without_finalize
 from fsdp_mpi.communication.failures.collective_log import PROCESS_LOG
 from fsdp_mpi.communication.failures.job import job_comm, spawn_into
 from fsdp_mpi.communication.failures.launcher import check_launcher_agrees
 from fsdp_mpi.communication.failures.liveness import Liveness
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, continuation_unavailable, failed_ranks
+from fsdp_mpi.communication.failures.process_end import exit_without_finalize
 from fsdp_mpi.communication.machinery.in_flight import InFlight
 from fsdp_mpi.communication.machinery.mpi_library import CudaAwareness, cuda_awareness
 from fsdp_mpi.communication.machinery.placement import split_by_node
