@@ -3,7 +3,8 @@
 # Both first create or reuse a virtual environment and install into it what is missing: a CPU build of
 # torch only where no torch is importable (a torch already there, a CUDA build say, is kept), then this
 # project with an MPI from PyPI. A stamp file in the environment, newer than setup.cfg and pyproject.toml,
-# says the install is done: a second `make run` installs nothing.
+# says the install is done: a second `make run` installs nothing. make test-env: only make test's install (CI
+# prepares one environment while another's tests run).
 # Settings, each described in this Makefile: make run VENV=... MPI=... PYTHON=... TORCH=... TORCH_INDEX=...
 # RUN_ARGS=... ; make test PYTEST_ARGS=...
 
@@ -59,7 +60,7 @@ INSTALL_TORCH := if $(BIN)/python -c "import torch" 2>/dev/null; then \
 	    inside or print(f'torch {torch.__version__} is outside the range CI tests ({oldest} to {newest}): pip ' \
 	                    'replaces an older one (setup.cfg), a newer one is kept and may work')" $(TESTED_TORCH)
 
-.PHONY: help run test
+.PHONY: help run test test-env
 help:
 	@sed -n '/^$$/q;s/^# \{0,1\}//p' Makefile
 
@@ -73,6 +74,8 @@ run: $(RUN_STAMP)
 
 test: $(TEST_STAMP)
 	$(IN_VENV) python -m pytest -rs $(PYTEST_ARGS)
+
+test-env: $(TEST_STAMP)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

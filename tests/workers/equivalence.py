@@ -381,7 +381,8 @@ def breaks_inside_a_unit(comm: Communicator) -> dict:
     model's own code breaks the graph inside a unit: two printing blocks and a head (one unit per block), with
     dynamo's defaults, under ``nested_graph_breaks``, and inside a compiled function that calls the model (the
     root traced inline, not around the graph); and HF's GPT-2 with its loss left unnamed (it warns through
-    ``logging`` in the root's forward, a break), two steps, with the defaults."""
+    ``logging`` in the root's forward, a break), two steps, with the defaults. Fails (on rank 0) as soon as a case
+    ends where wrapping added a break to the model's own, or where it broke nowhere (then it tests nothing)."""
     found = {}
     torch.manual_seed(0)
     printing = PrintingBlocks()
@@ -394,6 +395,7 @@ def breaks_inside_a_unit(comm: Communicator) -> dict:
         model, wrap_classes, loss_of, steps = cases[case]
         wrapped = FullyShardedDataParallel(copy.deepcopy(model), comm=comm,
                                            auto_wrap_policy=ModuleWrapPolicy(wrap_classes))
+        graphs = {}
         with torch._dynamo.config.patch(nested_graph_breaks=nested):
             for form, candidate in (("unwrapped", model), ("wrapped", wrapped)):
                 torch._dynamo.reset()
@@ -402,17 +404,11 @@ def breaks_inside_a_unit(comm: Communicator) -> dict:
                         lambda m, compiled=torch.compile(candidate, backend="aot_eager"): loss_of(compiled))
                 for _ in range(steps):
                     step(candidate).backward()
-                found.setdefault(case + ("/nested" if nested else "") + ("/function" if in_function else ""),
-                                 {})[form] = dynamo_graphs()
-    return found
-
-
-def check_breaks_inside_a_unit(found: dict, comm: Communicator) -> dict:
-    """Fails (on rank 0) where wrapping adds a break to the model's own, or where a case broke nowhere (then it
-    tests nothing). Returns `found`."""
-    if comm.rank == 0:
-        for case, graphs in found.items():
-            assert graphs["wrapped"]["breaks"] == graphs["unwrapped"]["breaks"] > 0, (case, graphs)
+                graphs[form] = dynamo_graphs()
+        name = case + ("/nested" if nested else "") + ("/function" if in_function else "")
+        found[name] = graphs
+        if comm.rank == 0:
+            assert graphs["wrapped"]["breaks"] == graphs["unwrapped"]["breaks"] > 0, (name, graphs)
     return found
 
 
@@ -499,12 +495,12 @@ WRAP_OPTIONS = {"SHARD_GRAD_OP": {"sharding_strategy": ShardingStrategy.SHARD_GR
                 "offload": {"cpu_offload": CPUOffload(offload_params=True)}}
 
 if __name__ == "__main__":
-    # argv: output path, then optionally a name in `named` (those runs), or model names (their
-    # main runs); --device cuda anywhere: on the GPU.
+    # argv: output path, then optionally a name in `named` (those runs; "breaks": none, where dynamo breaks the
+    # graph inside a unit), or model names (their main runs); --device cuda anywhere: on the GPU.
     device = take_device_argument()
     comm = Communicator()
     selected = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    named = {"families": FAMILY_RUNS, "compiled": COMPILED_RUNS, "compiled_whole": WHOLE_RUNS, "gpu": GPU_RUNS,
+    named = {"families": FAMILY_RUNS, "breaks": [], "compiled": COMPILED_RUNS, "compiled_whole": WHOLE_RUNS, "gpu": GPU_RUNS,
              "nodes": NODE_RUNS}
     if selected is None:
         runs = MAIN_RUNS
@@ -513,8 +509,8 @@ if __name__ == "__main__":
     else:
         runs = [run_ for run_ in MAIN_RUNS if run_[0] in selected]
     results = {}
-    if selected == ["compiled"]:  # a quarter of the selection's time, and what it alone checks: first
-        results["breaks_inside_a_unit"] = check_breaks_inside_a_unit(breaks_inside_a_unit(comm), comm)
+    if selected == ["breaks"]:
+        results["breaks_inside_a_unit"] = breaks_inside_a_unit(comm)
     for m, o, a, p, *more in runs:  # more: compiled, then WRAP_OPTIONS' name
         compiled, options = (more + [None, None])[:2]
         wrap = WRAP_OPTIONS[options] if options else {}
