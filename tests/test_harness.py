@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from mpi_launch import child_env, experiments_launcher, run_mpi, warm_launcher
+from warm_ranks import CLIENT as WARM_CLIENT
 
 STARTS_CUDA = '''
 import torch
@@ -143,8 +144,10 @@ def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_p
         assert {report["folder"] for report in reports} == {str(tmp_path)}
         assert {report["first_on_path"] for report in reports} == {str(script.parent)}
         assert reports[0]["argv"] == [str(out), str(exit_status)]
-        # What a grow-back's spawn runs again (failures/job.py): the interpreter's command line, as cold.
-        assert reports[0]["interpreter_argv"] == [sys.executable, str(script), str(out), str(exit_status)]
+        # What a grow-back's spawn runs again (failures/job.py): the command line the rank's process was started
+        # with, the client's where it runs warm, so that its newcomers start as the run's ranks did.
+        client = [WARM_CLIENT] if not tunables else []
+        assert reports[0]["interpreter_argv"] == [sys.executable, *client, str(script), str(out), str(exit_status)]
         assert reports[0]["hash"] != reports[1]["hash"]
 
 

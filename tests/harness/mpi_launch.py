@@ -57,7 +57,7 @@ def python_command(*program: str | Path) -> list[str]:
         os.environ[warm_ranks.SOCKETS_ENV] = os.pathsep.join(servers.sockets) if servers and servers.ready else "0"
     if os.environ[warm_ranks.SOCKETS_ENV] == "0":
         return [sys.executable, *map(str, program)]
-    return [sys.executable, warm_ranks.__file__, *map(str, program)]
+    return [sys.executable, warm_ranks.CLIENT, *map(str, program)]
 
 
 def warm_launcher() -> str | None:

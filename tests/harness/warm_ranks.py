@@ -11,12 +11,13 @@ signals on to the rank and ends as the rank ends, with its exit status or killed
 itself, its rank is killed.
 
 Where a warm rank could differ from a cold one, the client execs ``python script`` itself: no server, a
-launcher other than the Hydras of MPICH and Intel MPI and Open MPI's (``mpi_launch.warm_launcher`` decides;
-ranks that Open MPI's ULFM spawns to grow a run back start as the run's script says: a warm rank's
-``sys.orig_argv``, which the spawn runs again, is the script's), or an
+launcher other than the Hydras of MPICH and Intel MPI and Open MPI's (``mpi_launch.warm_launcher`` decides), or an
 environment variable that is read while Python and torch load (``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``, ...)
 set otherwise than the server's. Ranks alternate between two servers whose strings hash differently
 (``PYTHONHASHSEED``), so that code iterating a set in hash order still differs across ranks, as it does cold.
+A warm rank's ``sys.orig_argv`` is the command line its client was started with (``python <this file> script
+args``), as a cold rank's is the one it was started with: the ranks that Open MPI's ULFM spawns to grow a run
+back run it again, so they start as clients too, warm where the run's ranks are.
 
 Nothing of the repository is imported by the servers (the mutants run copies of it): each rank imports the
 code of the script's own checkout.
@@ -41,6 +42,7 @@ PRELOADED = ("torch",)
 READ_AT_LOAD = ("GLIBC_TUNABLES", "LD_", "MALLOC_", "OMP_", "MKL_", "KMP_", "PYTHONMALLOC", "PYTHONOPTIMIZE",
                 "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "TORCH_")
 _HEADER = struct.Struct("!Q")
+CLIENT = os.path.abspath(__file__)  # what mpiexec starts in place of `python script args`
 
 
 def _read_at_load(environment: dict) -> dict:
@@ -223,7 +225,7 @@ def run_rank(request: dict, fds: list[int]) -> None:
     first = os.getcwd() if as_module else os.path.dirname(os.path.abspath(script))
     sys.path[:] = [first, *_python_path(environment), *interpreters]
     sys.argv = [script, *arguments]  # runpy puts the module's file first, as `python -m` does
-    sys.orig_argv = [sys.executable, *request["argv"]]  # as the interpreter had it (ULFM's newcomers run it again)
+    sys.orig_argv = [sys.executable, CLIENT, *request["argv"]]  # the client's (ULFM's newcomers run it again)
     if "numpy.random" in sys.modules:  # seeded once, in the server: each rank draws its own, as cold
         sys.modules["numpy.random"].seed()
     try:
