@@ -111,10 +111,11 @@ import json, os, sys
 from pathlib import Path
 
 warm = "torch" in sys.modules  # a cold rank has imported nothing yet
+compiler = "torch._dynamo" in sys.modules
 from mpi4py import MPI
 
 rank = MPI.COMM_WORLD.Get_rank()
-report = {"warm": warm, "hash": hash("fsdp_mpi"), "folder": os.getcwd(), "argv": sys.argv[1:],
+report = {"warm": warm, "compiler": compiler, "hash": hash("fsdp_mpi"), "folder": os.getcwd(), "argv": sys.argv[1:],
           "interpreter_argv": sys.orig_argv,
           "program": sys.argv[0], "first_on_path": sys.path[0]}
 Path(sys.argv[1], f"{rank}.json").write_text(json.dumps(report))
@@ -124,29 +125,30 @@ sys.exit(int(sys.argv[2]) if rank == 1 else 0)
 
 
 def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_path):
-    """Under MPICH, Open MPI and Intel MPI, a launched rank is forked from a server that imported torch: torch is loaded
-    before its first line, it runs in the launch's folder with the script's folder first on sys.path and its
-    arguments (sys.orig_argv too), two ranks hash strings apart (as cold ranks do), and the job ends with the exit status the script
-    gave; a rank whose GLIBC_TUNABLES differ from the servers' starts cold."""
+    """Under MPICH, Open MPI and Intel MPI, a launched rank is forked from a server that imported torch and its
+    compiler: both are loaded before its first line, it runs in the launch's folder with the script's folder first
+    on sys.path and its arguments (sys.orig_argv too), two ranks hash strings apart (as cold ranks do), and the job
+    ends with the exit status the script gave; a rank whose GLIBC_TUNABLES (read by the C library) or
+    TORCHINDUCTOR_CACHE_DIR (looked up by torch's compiler as it loads) differ from the servers' starts cold."""
     if warm_launcher() is None:
         pytest.skip("this launcher's ranks start cold (harness/mpi_launch.py: warm_launcher)")
     script = tmp_path / "scripts" / "report.py"
     script.parent.mkdir()
     script.write_text(RANK_REPORT)
-    for tunables, exit_status in (("", 3), ("glibc.malloc.mmap_threshold=65536", 0)):
+    for differing, exit_status in (({}, 3), ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, 0),
+                                   ({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}, 5)):
         out = tmp_path / f"out{exit_status}"
         out.mkdir()
-        result = run_mpi(script, 2, out, exit_status, env={"GLIBC_TUNABLES": tunables} if tunables else None,
-                         cwd=tmp_path)
+        result = run_mpi(script, 2, out, exit_status, env=differing, cwd=tmp_path)
         assert result.returncode == exit_status, result.stderr[-2000:]
         reports = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
-        assert [report["warm"] for report in reports] == [not tunables] * 2
+        assert [(report["warm"], report["compiler"]) for report in reports] == [(not differing,) * 2] * 2
         assert {report["folder"] for report in reports} == {str(tmp_path)}
         assert {report["first_on_path"] for report in reports} == {str(script.parent)}
         assert reports[0]["argv"] == [str(out), str(exit_status)]
         # What a grow-back's spawn runs again (failures/job.py): the command line the rank's process was started
         # with, the client's where it runs warm, so that its newcomers start as the run's ranks did.
-        client = [WARM_CLIENT] if not tunables else []
+        client = [WARM_CLIENT] if not differing else []
         assert reports[0]["interpreter_argv"] == [sys.executable, *client, str(script), str(out), str(exit_status)]
         assert reports[0]["hash"] != reports[1]["hash"]
 

@@ -1,9 +1,10 @@
 """Ranks started warm: forked from a process that has imported torch, where each would import it afresh.
 
 A rank of a test job spends 3-5 s of this machine's time importing torch before its first line of work (a job
-of 3 ranks on 2 cores, 6 s), and the suite starts several hundred jobs. Here a server imports torch once, and
-mpiexec starts this file, as a client, in place of the rank's script (``mpi_launch.python_command``). The
-client hands the server its standard streams, the descriptor through which Hydra (MPICH's launcher) talks
+of 3 ranks on 2 cores, 6 s), and 1.3-1.9 s more where it makes its first torch optimizer, whose methods load
+torch's compiler (dynamo, and sympy with it); the suite starts several hundred jobs. Here a server imports both
+once, and mpiexec starts this file, as a client, in place of the rank's script (``mpi_launch.python_command``).
+The client hands the server its standard streams, the descriptor through which Hydra (MPICH's launcher) talks
 to the rank (``PMI_FD``; Open MPI's rank finds its launcher's daemon through its environment alone), its
 environment, folder and arguments; the server forks the rank,
 which runs the script as ``python script args`` would. The client stays the launcher's process: it passes
@@ -12,8 +13,10 @@ itself, its rank is killed.
 
 Where a warm rank could differ from a cold one, the client execs ``python script`` itself: no server, a
 launcher other than the Hydras of MPICH and Intel MPI and Open MPI's (``mpi_launch.warm_launcher`` decides), or an
-environment variable that is read while Python and torch load (``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``, ...)
-set otherwise than the server's. Ranks alternate between two servers whose strings hash differently
+environment variable that is read while Python, torch and its compiler load (``GLIBC_TUNABLES``,
+``OMP_NUM_THREADS``, ``TORCHINDUCTOR_CACHE_DIR``, ...) set otherwise than the server's. A rank that must start
+without the compiler loaded (one that checks what fsdp_mpi loads) is started cold: ``FSDP_MPI_WARM_RANKS=0`` in
+its launch's environment. Ranks alternate between two servers whose strings hash differently
 (``PYTHONHASHSEED``), so that code iterating a set in hash order still differs across ranks, as it does cold.
 A warm rank's ``sys.orig_argv`` is the command line its client was started with (``python <this file> script
 args``), as a cold rank's is the one it was started with: the ranks that Open MPI's ULFM spawns to grow a run
@@ -36,17 +39,14 @@ import tempfile
 from pathlib import Path
 
 SOCKETS_ENV = "FSDP_MPI_WARM_RANKS"  # the servers' sockets, os.pathsep-separated; "0": every rank starts cold
-PRELOADED = ("torch",)
-# Read by the loader, the C libraries or torch while they load: a rank whose value differs starts cold.
+PRELOADED = ("torch", "torch._dynamo")  # the second: what torch.optim.Optimizer's first construction loads
+# Read by the loader, the C libraries or torch while they load: a rank whose value differs starts cold, as does
+# one whose value differs for a variable that Python code looked up while the server imported PRELOADED (``Load``).
 # (PYTHONHASHSEED: the servers' own; a rank that sets it starts cold.)
 READ_AT_LOAD = ("GLIBC_TUNABLES", "LD_", "MALLOC_", "OMP_", "MKL_", "KMP_", "PYTHONMALLOC", "PYTHONOPTIMIZE",
-                "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "TORCH_")
+                "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "TORCH_", "TQDM_")
 _HEADER = struct.Struct("!Q")
 CLIENT = os.path.abspath(__file__)  # what mpiexec starts in place of `python script args`
-
-
-def _read_at_load(environment: dict) -> dict:
-    return {name: value for name, value in environment.items() if name.startswith(READ_AT_LOAD)}
 
 
 class WarmRanks:
@@ -74,7 +74,7 @@ def start_rank(script_and_args: list[str]) -> None:  # [script, args...] or ["-m
     sockets = os.environ.get(SOCKETS_ENV, "").split(os.pathsep)
     rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0")
     launched = "PMI_FD" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
-    connection = _connect(sockets[rank % len(sockets)]) if launched and sockets[0] else None
+    connection = _connect(sockets[rank % len(sockets)]) if launched and sockets[0] not in ("", "0") else None
     if connection is None:
         _start_cold(script_and_args)
     pmi = [int(os.environ["PMI_FD"])] if "PMI_FD" in os.environ else []
@@ -116,8 +116,7 @@ def _connect(path: str) -> socket.socket | None:
 
 
 def serve(path: str) -> None:
-    for name in PRELOADED:
-        __import__(name)
+    loaded = Load(PRELOADED)
     repository = Path(__file__).resolve().parents[2]
     own = tuple(str(repository / folder) + os.sep for folder in ("fsdp_mpi", "models", "experiments", "tests"))
     early = sorted(name for name, module in sys.modules.items() if name not in ("__main__", "__mp_main__")
@@ -145,11 +144,42 @@ def serve(path: str) -> None:
         connection, _ = listener.accept()
         if os.fork() == 0:
             listener.close()
-            handle(connection)  # never returns: the handler exits, the rank it forks ends as python does
+            handle(connection, loaded)  # never returns: the handler exits, the rank it forks ends as python does
         connection.close()
 
 
-def handle(connection: socket.socket) -> None:
+class Load:
+    """The server's import of `modules`, and what of its environment it read: the variables that Python code
+    looked up in ``os.environ`` meanwhile (by ``[]``, ``get``, ``in`` or ``os.getenv``: torch's and its
+    compiler's settings, sympy's, the temporary folder), which modules read as they load and keep. A module
+    that goes through every variable for those it wants (tqdm, imported by torch, for its TQDM_ settings) is
+    named in READ_AT_LOAD instead: noting every variable it passes would start every rank cold."""
+
+    def __init__(self, modules):
+        self.before, self.looked_up, look_up = dict(os.environ), set(), os._Environ.__getitem__
+
+        def noting(environment, name):
+            if sys._getframe(1).f_code.co_name != "__iter__":  # not a walk through every variable (above)
+                self.looked_up.add(name)
+            return look_up(environment, name)
+
+        os._Environ.__getitem__ = noting
+        try:
+            for name in modules:
+                __import__(name)
+        finally:
+            os._Environ.__getitem__ = look_up
+        self.after = dict(os.environ)  # with what the libraries set as they loaded (the compiler: its cache folder)
+
+    def read_alike(self, environment: dict) -> bool:
+        """Whether `environment` has the server's values for what the loaders, the C libraries and the Python
+        code read as they loaded (READ_AT_LOAD's and the variables looked up): as the server started, or as the
+        libraries set them themselves (a program that has loaded torch's compiler passes its cache folder on)."""
+        read = {*self.looked_up, *(name for name in (*environment, *self.before) if name.startswith(READ_AT_LOAD))}
+        return all(environment.get(name) in (self.before.get(name), self.after.get(name)) for name in read)
+
+
+def handle(connection: socket.socket, loaded: Load) -> None:
     """Never returns (a handler, forked per rank): forks the rank, tells the client its process id, waits for it
     or for the client's end (then kills it), and tells the client how it ended. The rank leaves by SystemExit,
     through this frame and the server's, so that its interpreter ends as a cold one does."""
@@ -161,7 +191,7 @@ def handle(connection: socket.socket) -> None:
         while len(payload) < length:
             payload += connection.recv(length - len(payload))
         request = json.loads(payload)
-        if not _same_start(request["env"]):
+        if not _same_start(request["env"], loaded):
             connection.sendall(b'{"cold": true}\n')
             os._exit(0)
         child = os.fork()
@@ -189,15 +219,16 @@ def handle(connection: socket.socket) -> None:
         os._exit(0)
 
 
-def _same_start(environment: dict) -> bool:
-    """Whether a rank in `environment` would start as this server did: the same variables read while Python and
-    torch load, no PYTHONHASHSEED of its own, and no sitecustomize or usercustomize in a folder its PYTHONPATH
-    adds (site imports them as the interpreter starts, which a forked rank never does)."""
-    added = [folder for folder in _python_path(environment) if folder not in _python_path(os.environ)]
+def _same_start(environment: dict, loaded: Load) -> bool:
+    """Whether a rank in `environment` would start as this server did: the same variables read while Python, torch
+    and its compiler load (``Load.read_alike``), no PYTHONHASHSEED of its own, and no sitecustomize or
+    usercustomize in a folder its PYTHONPATH adds (site imports them as the interpreter starts, which a forked
+    rank never does)."""
+    added = [folder for folder in _python_path(environment) if folder not in _python_path(loaded.before)]
     customized = any(os.path.exists(os.path.join(folder, f"{name}.py"))
                      for folder in added for name in ("sitecustomize", "usercustomize"))
     return (not customized and "PYTHONHASHSEED" not in environment
-            and _read_at_load(environment) == _read_at_load(dict(os.environ)))
+            and loaded.read_alike(environment))
 
 
 def run_rank(request: dict, fds: list[int]) -> None:
