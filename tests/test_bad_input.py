@@ -74,6 +74,22 @@ class Block(nn.Sequential):
     """A unit of its own under the wrap policy below."""
 
 
+class Metric(nn.Module):
+    """A module whose ``_apply`` takes other arguments, as torchmetrics' ``Metric._apply(fn, exclude_state)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(1))
+        self.excluded = None
+
+    def _apply(self, fn, exclude_state=()):
+        self.excluded = exclude_state
+        return super()._apply(fn)
+
+    def forward(self, x):
+        return x
+
+
 CHANGES = {"half()": lambda m: m.half(), "double()": lambda m: m.double(), "to(float64)": lambda m: m.to(torch.float64),
            "to_empty()": lambda m: m.to_empty(device="cpu")}
 
@@ -85,7 +101,7 @@ def test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unles
     and dtype it is on, or a module without parameters), they pass, and the model still trains."""
     torch.manual_seed(0)
     wrapped = FullyShardedDataParallel(
-        nn.Sequential(nn.Linear(3, 4), Block(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 1)),
+        nn.Sequential(nn.Linear(3, 4), Block(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 1), Metric()),
         auto_wrap_policy=ModuleWrapPolicy({Block}))
     root_part, nested, nested_part = wrapped.module[0], wrapped.module[1], wrapped.module[1].module[0]
     not_refused = []
@@ -101,6 +117,9 @@ def test_moving_or_casting_a_wrapped_model_or_any_module_inside_is_refused_unles
     assert not_refused == []
     relu = nested.module[1]
     assert relu.half() is relu  # nothing of a unit's below it
+    # A module inside a unit whose _apply takes other arguments is called as it expects, from the wrapper down.
+    metric = wrapped.module[3]
+    assert wrapped.to("cpu") is wrapped and metric.excluded == ()
     assert all(p.dtype == torch.float32 for p in wrapped.parameters())
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     x, y = torch.randn(8, 3), torch.randn(8, 1)

@@ -29,9 +29,10 @@ def refuse_moving_or_casting(modules: list[nn.Module], handles: list[FlatParamHa
         module._apply = types.MethodType(_apply_unless_it_parts_shards, module)
 
 
-def _apply_unless_it_parts_shards(module: nn.Module, fn, recurse: bool = True):
+def _apply_unless_it_parts_shards(module: nn.Module, fn, *args, **kwargs):
     """``nn.Module._apply`` (what ``.to()`` and its kin call with `fn`), after checking every shard under
-    `module` against `fn`."""
+    `module` against `fn`. The rest of the call is passed on as it came: a subclass may take other arguments
+    (torchmetrics' ``Metric._apply(fn, exclude_state)``)."""
     below = set(module.modules())
     for handle in module.__dict__[_HANDLES_ATTRIBUTE]:
         if any(use.owner in below for slot in handle.slots for use in slot.uses):
@@ -41,4 +42,4 @@ def _apply_unless_it_parts_shards(module: nn.Module, fn, recurse: bool = True):
                     f"{type(module).__name__} is sharded in place: moving or casting it after wrapping would part "
                     "its parameters from their shards. Move it before wrapping, or pass device= to "
                     "FullyShardedDataParallel; compute in another dtype with mixed_precision=MixedPrecision(...)")
-    return type(module)._apply(module, fn, recurse)
+    return type(module)._apply(module, fn, *args, **kwargs)
