@@ -288,6 +288,10 @@ class Communicator:
     def barrier(self) -> None:
         self._pickled("barrier", self.mpi_comm.Barrier, alone=None)
 
+    def holds_the_ranks_of(self, other: "Communicator") -> bool:
+        """Whether `other` holds the same processes in the same order (MPI's identical or congruent)."""
+        return MPI.Comm.Compare(self.mpi_comm, other.mpi_comm) in (MPI.IDENT, MPI.CONGRUENT)
+
     def split(self, color: int | None) -> "Communicator | None":
         """A communicator over the ranks that pass the same `color` (None: the ranks of this node), in rank
         order, with this one's settings; None for a rank that passes ``MPI.UNDEFINED``. A group of one rank is

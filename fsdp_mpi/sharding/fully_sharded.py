@@ -88,7 +88,8 @@ class FullyShardedDataParallel(nn.Module):
     ):
         super().__init__()
         if isinstance(module, FullyShardedDataParallel) or UNIT_ATTRIBUTE in getattr(module, "__dict__", {}):
-            raise ValueError("this module is already wrapped by FullyShardedDataParallel; wrap it only once")
+            raise ValueError("this module is already wrapped by FullyShardedDataParallel; wrap it only once "
+                             "(FullyShardedDataParallel.of_sharded(module) wraps a sharded root again)")
         sharding_strategy = read_sharding_strategy(sharding_strategy)
         mixed_precision = read_mixed_precision(mixed_precision)
         _check_compression(compression, mixed_precision)
@@ -124,16 +125,56 @@ class FullyShardedDataParallel(nn.Module):
                                                 _groups=_groups)
 
             apply_wrap_policy(module, auto_wrap_policy, wrap_nested, FullyShardedDataParallel)
-        self.add_module(WRAPPED_MODULE, module)
-        self._unit = ShardedUnit(module, comm, _groups, sharding_strategy, overlap, mixed_precision, device,
-                                 compression, cpu_offload)
-        self.register_forward_pre_hook(self._gather_traced, prepend=True, with_kwargs=True)
-        self.register_forward_hook(self._release_traced)
+        self._hold(module, ShardedUnit(module, comm, _groups, sharding_strategy, overlap, mixed_precision, device,
+                                       compression, cpu_offload))
         if deferred and not nested_in_wrap:
             materialize_into_shards(module, self._unit.context.units, param_init_fn, comm, sync_module_states)
         if not nested_in_wrap:
             _reserve_node_memory(self._unit.context.units, _groups)
             give_back_freed_host_memory()  # the model's full parameters, which the shards replaced
+
+    @staticmethod
+    def is_sharded(module: nn.Module) -> bool:
+        """Whether an earlier ``FullyShardedDataParallel`` sharded `module` as its root (see ``of_sharded``)."""
+        unit = module.__dict__.get(UNIT_ATTRIBUTE)
+        return unit is not None and unit.is_root
+
+    @classmethod
+    def of_sharded(cls, module: nn.Module, *, comm: Communicator | None = None,
+                   sharding_strategy: ShardingStrategy | None = None,
+                   mixed_precision: MixedPrecision | None = None) -> "FullyShardedDataParallel":
+        """A wrapper for `module`, which an earlier ``FullyShardedDataParallel`` sharded as its root (that wrapper
+        may be gone): the same unit, shards and groups, nothing gathered or copied. What a framework that sets
+        the same model up more than once calls: a Lightning Trainer's ``test()`` after its ``fit()``.
+
+        A model is not sharded again in place: the settings given must be those it was sharded with (ValueError
+        naming what differs); `comm` must hold the same ranks.
+        """
+        if not cls.is_sharded(module):
+            raise ValueError(f"{type(module).__name__} is not the root of a sharded model: wrap it with "
+                             "FullyShardedDataParallel(module, ...)")
+        unit = module.__dict__[UNIT_ATTRIBUTE]
+        differences = []
+        if comm is not None and not comm.holds_the_ranks_of(unit.comm):
+            differences.append(f"ranks: {unit.comm.world_size}, not these {comm.world_size}")
+        if sharding_strategy is not None and read_sharding_strategy(sharding_strategy) != unit.sharding_strategy:
+            differences.append(f"sharding_strategy: {unit.sharding_strategy.name}, not "
+                               f"{read_sharding_strategy(sharding_strategy).name}")
+        if mixed_precision is not None and read_mixed_precision(mixed_precision) != unit.mixed_precision:
+            differences.append(f"mixed_precision: {unit.mixed_precision}, not {read_mixed_precision(mixed_precision)}")
+        if differences:
+            raise ValueError(f"{type(module).__name__} was sharded with other settings ({'; '.join(differences)}); "
+                             "a sharded model keeps its own: build the model anew to shard it otherwise")
+        wrapper = cls.__new__(cls)
+        nn.Module.__init__(wrapper)
+        wrapper._hold(module, unit)
+        return wrapper
+
+    def _hold(self, module: nn.Module, unit: ShardedUnit) -> None:
+        self.add_module(WRAPPED_MODULE, module)
+        self._unit = unit
+        self.register_forward_pre_hook(self._gather_traced, prepend=True, with_kwargs=True)
+        self.register_forward_hook(self._release_traced)
 
     @property
     def forward(self):
