@@ -38,6 +38,8 @@ from fsdp_mpi.loop.grad_scaler import ShardedGradScaler
 from fsdp_mpi.loop.sample_dropout import SampleDropout, SampleKeys, use_sample_dropout
 from fsdp_mpi.loop.step_in_backward import step_in_backward
 from fsdp_mpi.files.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from fsdp_mpi.files.optimizer_state import (OptimizerStateError, full_optimizer_state_dict,
+                                           load_full_optimizer_state_dict)
 from fsdp_mpi.files.pretrained import PretrainedError, export_pretrained, load_pretrained
 from fsdp_mpi.elastic.agreement import StepAbandoned
 from fsdp_mpi.elastic.runner import Elastic, run_elastic
@@ -54,6 +56,7 @@ __all__ = [
     "ElasticState",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "OptimizerStateError",
     "PretrainedError",
     "RankLostError",
     "SampleDropout",
@@ -72,8 +75,10 @@ __all__ = [
     "exit_without_finalize",
     "is_newcomer",
     "export_pretrained",
+    "full_optimizer_state_dict",
     "full_state_dict",
     "load_checkpoint",
+    "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "load_pretrained",
     "run_elastic",

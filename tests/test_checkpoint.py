@@ -89,12 +89,20 @@ def test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run(tmp_path):
 @pytest.mark.one_mpi  # the checkpoint files' logic, whatever MPI moves the bytes
 def test_reshard_3_to_2_with_dropout_loads_every_bit_and_trains_on(tmp_path):
     """Fewer ranks than saved, and not a divisor of them, with dropout on: the parameters and the optimizer
-    state load bit for bit (saved again at once), and the run goes on from the saved step."""
-    train(tmp_path, "three", 3, 6, "--save-at", 3)
+    state load bit for bit (saved again at once), and the run goes on from the saved step.
+
+    The same state whole (``full_state_dict``, ``full_optimizer_state_dict``: a one-file checkpoint's, as
+    Lightning's) is the consolidated checkpoint, bit for bit, AdamW's two parameter groups included; loaded on
+    the 2 ranks (``load_full_optimizer_state_dict``), it gives them the same shards as the sharded load."""
+    train(tmp_path, "three", 3, 6, "--save-at", 3, "--full-at-save")
     two = train(tmp_path, "two", 2, 6, "--resume", tmp_path / "three" / "ckpt", "--save-after-load",
-                tmp_path / "two" / "loaded")
-    assert_same_state(consolidate_checkpoint(tmp_path / "three" / "ckpt"),
-                      consolidate_checkpoint(tmp_path / "two" / "loaded"))
+                tmp_path / "two" / "loaded", "--reload-full", tmp_path / "three" / "ckpt-full.pt")
+    saved = consolidate_checkpoint(tmp_path / "three" / "ckpt")
+    assert_same_state(saved, consolidate_checkpoint(tmp_path / "two" / "loaded"))
+    full = torch.load(tmp_path / "three" / "ckpt-full.pt", weights_only=True)
+    assert_same_state(saved, full)
+    assert all(state.keys() == {"step", "exp_avg", "exp_avg_sq"} for state in full["optimizer"]["state"].values())
+    assert_same_state(saved, consolidate_checkpoint(tmp_path / "two" / "loaded-full"))
     assert list(two) == [3, 4, 5] and all(math.isfinite(loss) for loss in two.values())  # on from the saved step
 
 

@@ -1,4 +1,6 @@
-"""Files on disk: sharded checkpoints, and Hugging Face checkpoints read into shards and exported.
+"""Files on disk: sharded checkpoints, the optimizer's state whole or in pieces, and Hugging Face checkpoints
+read into shards and exported.
 
-Read in this order: safetensors_file -> durable -> checkpoint -> checkpoint_directory -> pretrained. Imports the sharding and communication layers.
+Read in this order: safetensors_file -> durable -> optimizer_state -> checkpoint -> checkpoint_directory ->
+pretrained. Imports the sharding and communication layers.
 """

@@ -39,6 +39,7 @@ from torch import nn
 
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.files.durable import file_info, prepare_empty, replace_directory, sha256, write_durably
+from fsdp_mpi.files.optimizer_state import OptimizerStateError, split_optimizer_state, state_for_views
 from fsdp_mpi.files.safetensors_file import write_safetensors
 from fsdp_mpi.sharding.state_dict import ShardedParameter, model_comm, persistent_buffers, sharded_parameters
 
@@ -74,14 +75,14 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     replicas = params[0].handle.replicas
     writes_elements = replicas is None or replicas.rank == 0
     temporary = directory.with_name(directory.name + ".tmp")
-    _on_every_rank(comm, lambda: prepare_empty(temporary) if comm.rank == 0 else None)
+    on_every_rank(comm, lambda: prepare_empty(temporary) if comm.rank == 0 else None)
 
     tensors = {f"param/{p.names[0]}": p.view.detach() for p in params}
     optimizer_state = None
     if optimizer is not None:
-        per_element, optimizer_state = _split_optimizer_state(optimizer, params)
+        per_element, optimizer_state = on_every_rank(comm, lambda: split_optimizer_state(optimizer, params))
         tensors.update(per_element)
-    written = comm.all_gather_object(_on_every_rank(
+    written = comm.all_gather_object(on_every_rank(
         comm, lambda: write_safetensors(temporary / rank_file(comm.rank), tensors if writes_elements else {})))
     scalar_states = comm.all_gather_object(optimizer_state and optimizer_state["scalars"])
     rng_states = comm.all_gather_object(_rng_states())
@@ -111,36 +112,8 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         }
         write_durably(temporary / INDEX, json.dumps(index, indent=1).encode())
         replace_directory(temporary, directory)
-    _on_every_rank(comm, lambda: finish_on_rank_0() if comm.rank == 0 else None)
+    on_every_rank(comm, lambda: finish_on_rank_0() if comm.rank == 0 else None)
     return directory
-
-
-def _split_optimizer_state(optimizer, params: list[ShardedParameter]):
-    """Per-element optimizer state as tensors to write; groups and scalar state (by name) for state.pt."""
-    name_of = {id(p.view): p.names[0] for p in params}
-    view_of = {p.names[0]: p.view for p in params}
-    ordered = [param for group in optimizer.param_groups for param in group["params"]]
-    strangers = [i for i, param in enumerate(ordered) if id(param) not in name_of]
-    if strangers:
-        raise CheckpointError(f"the optimizer holds {len(strangers)} parameters that are not the wrapped model's "
-                              "sharded views; build it from model.parameters() after wrapping")
-    saved = optimizer.state_dict()
-    tensors, scalars, keys = {}, {}, {}
-    for index, state in saved["state"].items():
-        name = name_of[id(ordered[index])]
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == view_of[name].shape:
-                tensors[f"optim/{name}/{key}"] = value
-                keys.setdefault(name, []).append(key)
-            elif isinstance(value, (int, float, bool)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
-                scalars.setdefault(name, {})[key] = value.cpu() if isinstance(value, torch.Tensor) else value
-            else:
-                raise CheckpointError(f"optimizer state {key!r} of {name} is neither one value per element nor a "
-                                      f"scalar ({type(value).__name__} {getattr(value, 'shape', '')}); it cannot be "
-                                      "sharded")
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [name_of[id(ordered[i])] for i in group["params"]]} for group in saved["param_groups"]]
-    return tensors, {"param_groups": groups, "scalars": scalars, "keys": keys}
 
 
 # ----------------------------------------------------------------- loading
@@ -157,14 +130,14 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     """
     params = sharded_parameters(model)
     comm = model_comm(model)
-    reader = _on_every_rank(comm, lambda: CheckpointReader(directory))
-    _on_every_rank(comm, lambda: reader.check_fits(params, optimizer is not None))
+    reader = on_every_rank(comm, lambda: CheckpointReader(directory))
+    on_every_rank(comm, lambda: reader.check_fits(params, optimizer is not None))
     # Read everything first, so that a bad file changes nothing.
-    values = _on_every_rank(comm, lambda: [reader.read(p.names[0], *p.handle.part_held(p.slot)) for p in params])
-    state = _on_every_rank(comm, lambda: reader.state())
+    values = on_every_rank(comm, lambda: [reader.read(p.names[0], *p.handle.part_held(p.slot)) for p in params])
+    state = on_every_rank(comm, lambda: reader.state())
     optimizer_state = None
     if optimizer is not None:
-        optimizer_state = _on_every_rank(comm, lambda: _optimizer_state_dict(reader, optimizer, params, state))
+        optimizer_state = on_every_rank(comm, lambda: _state_for_views(reader, optimizer, params, state))
     with torch.no_grad():
         for param, value in zip(params, values):
             param.view.copy_(value)
@@ -192,35 +165,13 @@ def _set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def _optimizer_state_dict(reader: "CheckpointReader", optimizer, params: list[ShardedParameter], state: dict) -> dict:
-    """The optimizer's ``state_dict()`` for this rank's views, assembled from the checkpoint by name."""
+def _state_for_views(reader: "CheckpointReader", optimizer, params: list[ShardedParameter], state: dict) -> dict:
+    """The optimizer's ``state_dict()`` for this rank's views, read from the checkpoint by name."""
     saved = state.get("optimizer")
     if saved is None:
         raise CheckpointError(f"{reader.directory}: holds no optimizer state")
-    name_of = {id(p.view): p for p in params}
-    ordered = [param for group in optimizer.param_groups for param in group["params"]]
-    if len(optimizer.param_groups) != len(saved["param_groups"]):
-        raise CheckpointError(f"the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
-                              f"{len(saved['param_groups'])}")
-    groups, position = [], 0
-    for number, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
-        names = [name_of[id(param)].names[0] for param in group["params"]]
-        if set(names) != set(saved_group["params"]):
-            raise CheckpointError(f"parameter group {number} holds other parameters than in the checkpoint: "
-                                  + ", ".join(sorted(set(names) ^ set(saved_group["params"]))[:10]))
-        groups.append({**saved_group, "params": list(range(position, position + len(names)))})
-        position += len(names)
-    states = {}
-    for index, param in enumerate(ordered):
-        sharded = name_of[id(param)]
-        name = sharded.names[0]
-        keys = reader.index["optimizer_keys"].get(name, [])
-        if name not in saved["scalars"] and not keys:
-            continue  # never stepped
-        start, stop = sharded.handle.part_held(sharded.slot)
-        states[index] = {**saved["scalars"].get(name, {}),
-                         **{key: reader.read(name, start, stop, state_key=key) for key in keys}}
-    return {"state": states, "param_groups": groups}
+    return state_for_views(optimizer, params, {**saved, "keys": reader.index["optimizer_keys"]},
+                           lambda name, start, stop, key: reader.read(name, start, stop, state_key=key))
 
 
 class CheckpointReader:
@@ -334,7 +285,7 @@ def _listing(names: list[str], most: int = 8) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _on_every_rank(comm: Communicator, work):
+def on_every_rank(comm: Communicator, work):
     """Runs `work` on this rank; if it fails on any rank, raises CheckpointError on every rank, naming each failure.
 
     Checkpoint errors (a full disk, a corrupted file) often happen on one rank
@@ -342,7 +293,7 @@ def _on_every_rank(comm: Communicator, work):
     """
     try:
         result, failure = work(), None
-    except (CheckpointError, OSError) as error:
+    except (CheckpointError, OptimizerStateError, OSError) as error:
         result, failure = None, str(error)
     ranks_by_failure = {}
     for rank, text in enumerate(comm.all_gather_object(failure)):

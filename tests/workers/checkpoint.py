@@ -1,6 +1,7 @@
 """Sharded checkpoints, deferred initialisation and Hugging Face export (run under mpiexec).
 
-    checkpoint.py OUT train DIR STOP [--save-at K] [--resume FROM] [--save-after-load TO] [--dropout P]
+    checkpoint.py OUT train DIR STOP [--save-at K [--full-at-save]] [--resume FROM] [--save-after-load TO
+                  [--reload-full FILE]] [--dropout P] [--offload]
     checkpoint.py OUT crash DIR          rank 1 dies while writing the second checkpoint
     checkpoint.py OUT mismatch DIR       a GPT-2 checkpoint loaded into BERT
     checkpoint.py OUT deferred           meta-device models against eager ones
@@ -21,7 +22,8 @@ import torch
 from common import gpt_batch, local_part, write_json
 
 from fsdp_mpi import (CheckpointError, Communicator, CPUOffload, FullyShardedDataParallel, ModuleWrapPolicy,
-                      export_pretrained, full_state_dict, load_checkpoint, load_pretrained, save_checkpoint)
+                      export_pretrained, full_optimizer_state_dict, full_state_dict, load_checkpoint,
+                      load_full_optimizer_state_dict, load_full_state_dict, load_pretrained, save_checkpoint)
 from fsdp_mpi.files.safetensors_file import SafetensorsWriter
 from fsdp_mpi_models.bert import BertForPreTraining, BertLayer, bert_config
 from fsdp_mpi_models.gpt2 import GPT2Block, GPT2LMHeadModel, checkpoint_key_to_name, config_to_hf, gpt2_config
@@ -71,6 +73,11 @@ def train(args, comm) -> dict:
         step = extra["step"]
         if args.save_after_load:
             save_checkpoint(args.save_after_load, model, optimizer, extra=extra)
+        if args.reload_full:  # the same state again, from its full form on every rank, saved again
+            full = torch.load(args.reload_full, weights_only=True)
+            load_full_state_dict(model, full["model"])
+            load_full_optimizer_state_dict(model, optimizer, full["optimizer"])
+            save_checkpoint(args.save_after_load + "-full", model, optimizer, extra=extra)
     losses = {}
     while step < args.stop:
         losses[step] = train_step(model, optimizer, scheduler, comm, step)
@@ -78,6 +85,10 @@ def train(args, comm) -> dict:
         if step == args.save_at:
             save_checkpoint(os.path.join(args.dir, "ckpt"), model, optimizer,
                             extra={"step": step, "scheduler": scheduler.state_dict()})
+            if args.full_at_save:  # the same state whole, gathered to rank 0: what a one-file checkpoint holds
+                full = {"model": full_state_dict(model), "optimizer": full_optimizer_state_dict(model, optimizer)}
+                if comm.rank == 0:
+                    torch.save(full, os.path.join(args.dir, "ckpt-full.pt"))
     save_checkpoint(os.path.join(args.dir, "final"), model, optimizer, extra={"step": step})
     return {"losses": losses}
 
@@ -225,6 +236,10 @@ if __name__ == "__main__":
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume")
     parser.add_argument("--save-after-load")
+    parser.add_argument("--full-at-save", action="store_true",
+                        help="beside the checkpoint, DIR/ckpt-full.pt: full_state_dict and full_optimizer_state_dict")
+    parser.add_argument("--reload-full", help="after the resume, load this full state and save it to "
+                                              "SAVE_AFTER_LOAD-full")
     parser.add_argument("--dropout", type=float, default=GPT2.dropout)
     parser.add_argument("--offload", action="store_true", help="the shards and optimizer state in host memory")
     arguments = parser.parse_args()
