@@ -22,10 +22,11 @@ What each Lightning feature becomes:
     accumulate_grad_batches  gradients reduce-scattered after every micro-batch (1/N of
                          them kept); ``accumulate_without_sync=True`` keeps them whole and
                          unreduced until the last micro-batch instead
-    checkpoints          a directory per checkpoint: every rank's shards of the model and
-                         optimizer (``save_checkpoint``) and Lightning's own state (loops,
-                         schedulers, callbacks) in ``lightning_state.pt``; resumable with
-                         ``ckpt_path=`` on any number of ranks. The state file loads with
+    checkpoints          Lightning's own file, the whole weights and optimizer state gathered to
+                         rank 0 (``state_dict_type="full"``, the default, as Lightning's FSDPStrategy),
+                         or a directory: every rank's shards (``save_checkpoint``) and Lightning's own
+                         state (loops, schedulers, callbacks) in ``lightning_state.pt`` ("sharded");
+                         either resumable with ``ckpt_path=`` on any number of ranks, and loaded with
                          ``weights_only=True`` unless ``fit(..., weights_only=False)`` says otherwise
     a lost rank          ends the job, saying why (``CANNOT_GO_ON``): a Trainer cannot be rebuilt
                          on fewer ranks in the middle of ``fit``; under Open MPI's ULFM,
@@ -42,20 +43,25 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from fsspec.utils import get_protocol
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from fsdp_mpi.files.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fsdp_mpi.files.checkpoint import CheckpointError, load_checkpoint, on_every_rank, save_checkpoint
+from fsdp_mpi.files.optimizer_state import full_optimizer_state_dict, load_full_optimizer_state_dict
 from fsdp_mpi.loop.clip import clip_grad_norm_
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, can_go_on
 from fsdp_mpi.elastic.agreement import end_step
 from fsdp_mpi.sharding.fully_sharded import FullyShardedDataParallel
+from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
 from fsdp_mpi.sharding.strategy import ShardingStrategy
 from fsdp_mpi.sharding.torch_options import read_sharding_strategy
@@ -85,7 +91,8 @@ def load_lightning_state(path: str | Path, weights_only: bool | None = None, war
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing; a checkpoint of FSDPMPIStrategy is a directory holding it")
+        raise CheckpointError(f"{path}: missing; a checkpoint of FSDPMPIStrategy is one file, or a directory of "
+                              f"shards holding {LIGHTNING_STATE_FILE}")
     safe = weights_only is not False
     if not safe and warn:
         warnings.warn(f"{path}: loading with weights_only=False, as asked: unpickling it runs any code the file "
@@ -156,6 +163,11 @@ def _as_fsdp_mpi_precision(plugin: Precision | None) -> FSDPMPIPrecision | None:
                      "'bf16-mixed'")
 
 
+def _is_local(path) -> bool:
+    """Whether `path` names this machine's files, not a URL (``s3://...``) that fsspec reads."""
+    return get_protocol(str(path)) in ("file", "local")
+
+
 class CommEnvironment(ClusterEnvironment):
     """Lightning's view of the ranks: a ``Communicator``'s (MPI's whole world by default, the survivors of a loss
     under ``fit_elastic``), each rank's place on its node found once from the host names (one collective, as the
@@ -213,6 +225,11 @@ class FSDPMPIStrategy(ParallelStrategy):
         sharding_strategy: as ``FullyShardedDataParallel``'s (FULL_SHARD by default), or its name
             (``"HYBRID_SHARD"``), as Lightning's FSDPStrategy takes it.
         accumulate_without_sync: during gradient accumulation, reduce only on the step's last micro-batch.
+        state_dict_type: how checkpoints are written, as Lightning's FSDPStrategy takes it. ``"full"`` (the
+            default): one file, Lightning's own, with the whole weights and optimizer state by name, gathered to
+            rank 0 a unit at a time: ``LightningModule.load_from_checkpoint`` reads it without fsdp_mpi.
+            ``"sharded"``: a directory, every rank writing its shards at once (``save_checkpoint``), for models
+            whose whole state rank 0's memory or one writer cannot carry. Either resumes on any number of ranks.
         comm: the ranks to train on (all of MPI's by default); ``fit_elastic`` passes its builder the survivors.
         fsdp_kwargs: passed on to ``FullyShardedDataParallel`` (e.g. ``forward_prefetch=True``).
     """
@@ -220,7 +237,8 @@ class FSDPMPIStrategy(ParallelStrategy):
     strategy_name = "fsdp_mpi"
 
     def __init__(self, auto_wrap_policy=None, sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
-                 accumulate_without_sync: bool = False, accelerator=None, parallel_devices=None,
+                 accumulate_without_sync: bool = False, state_dict_type: str = "full", accelerator=None,
+                 parallel_devices=None,
                  cluster_environment=None, precision_plugin: FSDPMPIPrecision | None = None,
                  comm: Communicator | None = None, **fsdp_kwargs):
         # MPI.COMM_WORLD by default, logged and watched like every collective of the layer
@@ -234,8 +252,12 @@ class FSDPMPIStrategy(ParallelStrategy):
         self.auto_wrap_policy = None if auto_wrap_policy is None else as_wrap_policy(auto_wrap_policy)
         self.sharding_strategy = read_sharding_strategy(sharding_strategy)
         self.accumulate_without_sync = accumulate_without_sync
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', not {state_dict_type!r}")
+        self.state_dict_type = state_dict_type
         self.fsdp_kwargs = fsdp_kwargs
         self.keeps_going = False  # set by fit_elastic: every optimizer step ends in the ranks' agreement
+        self._shards_to_load: Path | None = None  # a directory checkpoint whose shards load after sharding
 
     # ------------------------------------------------------------- where and how many
 
@@ -276,17 +298,46 @@ class FSDPMPIStrategy(ParallelStrategy):
         if isinstance(exception, RankLostError) and not self.keeps_going:
             print(f"fsdp_mpi.lightning: rank {self.comm.rank}: {exception}. {CANNOT_GO_ON}", file=sys.stderr,
                   flush=True)
+        super().on_exception(exception)
 
     # ------------------------------------------------------------- the model
 
     def _setup_model(self, model):
-        wrapped = FullyShardedDataParallel(model, comm=self.comm, auto_wrap_policy=self.auto_wrap_policy,
-                                           sharding_strategy=self.sharding_strategy,
-                                           mixed_precision=self.precision_plugin.mixed_precision,
-                                           device=self.root_device, **self.fsdp_kwargs)
+        """Shards the LightningModule, or, where an earlier setup sharded it (``test()`` after ``fit()``, or
+        another Trainer's), wraps its shards again: the same weights, sharded as this strategy says."""
+        mixed_precision = self.precision_plugin.mixed_precision
+        if not any(True for _ in model.parameters()):
+            return model  # nothing to shard: it runs as it is, on every rank
+        if FullyShardedDataParallel.is_sharded(model):
+            wrapped = FullyShardedDataParallel.of_sharded(model, comm=self.comm,
+                                                          sharding_strategy=self.sharding_strategy,
+                                                          mixed_precision=mixed_precision or MixedPrecision())
+        else:
+            wrapped = FullyShardedDataParallel(model, comm=self.comm, auto_wrap_policy=self.auto_wrap_policy,
+                                               sharding_strategy=self.sharding_strategy,
+                                               mixed_precision=mixed_precision, device=self.root_device,
+                                               **self.fsdp_kwargs)
         self.precision_plugin.sharded_module = wrapped
         self.precision_plugin.step_agreement = (lambda: end_step(self.comm)) if self.keeps_going else None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if self._shards_to_load is not None and not (fitting and self.lightning_restore_optimizer):
+            load_checkpoint(self._shards_to_load, wrapped)  # no optimizer's to restore with them
+            self._shards_to_load = None
         return wrapped
+
+    def setup_optimizers(self, trainer) -> None:
+        """Lightning's, then a check that every optimizer steps the sharded parameters: one built before the model
+        was sharded (from the module's parameters then) would step tensors that no longer train, silently."""
+        super().setup_optimizers(trainer)
+        views = {id(param) for param in self.lightning_module.parameters()}
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, _MockOptimizer):  # configure_optimizers gave none
+                continue
+            strangers = sum(id(param) not in views for group in optimizer.param_groups for param in group["params"])
+            if strangers:
+                raise ValueError(f"{type(optimizer).__name__} holds {strangers} parameters that are not the sharded "
+                                 "model's: build the optimizer inside configure_optimizers, from self.parameters() "
+                                 "(the model is sharded by then), not before the Trainer sets the model up")
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
@@ -295,6 +346,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         """Lightning's teardown less its move of the model and the optimizer's state to the CPU (how it frees a
         GPU after fit): a sharded module refuses to be moved (sharding/in_place.py), so its shards and their
         optimizer state stay on the device, as Lightning's own FSDPStrategy leaves them."""
+        self._shards_to_load = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -318,13 +370,17 @@ class FSDPMPIStrategy(ParallelStrategy):
         return self.comm.broadcast_object(obj, root=src)
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
-        """Sums (or averages, Lightning's default) a tensor over the ranks, e.g. a metric logged with sync_dist."""
+        """Averages (Lightning's default), sums, or takes the largest or smallest of a tensor over the ranks,
+        element by element: a metric logged with ``sync_dist=True`` (and its ``reduce_fx``)."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
         op = str(reduce_op).lower().rsplit(".", 1)[-1]
-        if op not in ("mean", "avg", "sum"):
-            raise ValueError(f"FSDPMPIStrategy reduces by sum or mean, not {reduce_op!r}")
-        total = sum(self.comm.all_gather_object(tensor.detach().to("cpu", torch.float64)))  # in rank order
+        if op not in ("mean", "avg", "sum", "max", "min"):
+            raise ValueError(f"FSDPMPIStrategy reduces by mean, sum, max or min, not {reduce_op!r}")
+        every = torch.stack(self.comm.all_gather_object(tensor.detach().cpu()))  # (ranks, *shape), in rank order
+        if op in ("max", "min"):
+            return getattr(every, op)(dim=0).values.to(tensor.device)
+        total = every.to(torch.float64).sum(dim=0)
         total = total.to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
         return total / self.world_size if op in ("mean", "avg") else total
 
@@ -334,45 +390,92 @@ class FSDPMPIStrategy(ParallelStrategy):
             raise ValueError("FSDPMPIStrategy.all_gather does not carry gradients (sync_grads=True)")
         return torch.stack(self.comm.all_gather_object(tensor.detach().cpu())).to(tensor.device)
 
-    # ------------------------------------------------------------- checkpoints, sharded
+    # ------------------------------------------------------------- checkpoints: one file, or shards
 
     @property
-    def restore_checkpoint_after_setup(self) -> bool:  # shards load into the wrapped model and built optimizer
-        return True
+    def restore_checkpoint_after_setup(self) -> bool:
+        """False, as for one device: Lightning restores before the model is sharded, passing on the user's
+        `weights_only` (it drops it for strategies that restore after setup) and calling the hooks in its usual
+        order. A file's weights load into the module, which sharding then cuts; a directory's shards load once
+        the model is sharded (``_setup_model``), or in ``fit`` with the optimizer's, once it is built."""
+        return False
+
+    def _saves_shards(self) -> bool:
+        """Whether a checkpoint is a directory of shards: "sharded", once there are shards to write."""
+        return self.state_dict_type == "sharded" and FullyShardedDataParallel.is_sharded(self.lightning_module)
 
     def lightning_module_state_dict(self) -> dict:
-        return {}  # the weights are saved as shards by save_checkpoint
+        """One file: the unsharded weights under the LightningModule's names, on rank 0 (every rank gathers)."""
+        if self._saves_shards():
+            return {}
+        if not FullyShardedDataParallel.is_sharded(self.lightning_module):  # before setup: the module's own
+            return super().lightning_module_state_dict()
+        return full_state_dict(self.lightning_module, rank0_only=True)
 
     def optimizer_state(self, optimizer) -> dict:
-        return {}  # as the weights
+        """One file: the whole optimizer state by parameter name, on rank 0 (``full_optimizer_state_dict``)."""
+        if self._saves_shards():
+            return {}
+        if not FullyShardedDataParallel.is_sharded(self.lightning_module) or isinstance(optimizer, _MockOptimizer):
+            return super().optimizer_state(optimizer)
+        return full_optimizer_state_dict(self.lightning_module, optimizer, rank0_only=True)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        """Writes a checkpoint directory at `filepath`: the shards, then (rank 0) Lightning's own state."""
+        """One file: rank 0 writes Lightning's checkpoint at `filepath`. Shards: a directory at `filepath`, the
+        shards (every rank), then Lightning's own state (rank 0). A failure on any rank is raised on every rank."""
+        if not self._saves_shards():
+            on_every_rank(self.comm, lambda: self.checkpoint_io.save_checkpoint(
+                checkpoint, filepath, storage_options=storage_options) if self.is_global_zero else None)
+            return
+        if not _is_local(filepath):
+            raise ValueError(f"{filepath}: state_dict_type='sharded' writes a directory on this machine's files; "
+                             "'full' writes one file wherever fsspec can")
         save_checkpoint(filepath, self.model, self._the_optimizer())
-        if self.is_global_zero:
-            state = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
-            torch.save(state, Path(filepath) / LIGHTNING_STATE_FILE)
-        self.barrier()
+        state = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+        on_every_rank(self.comm, lambda: torch.save(state, Path(filepath) / LIGHTNING_STATE_FILE)
+                      if self.is_global_zero else None)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """Loads the shards into the wrapped model and its optimizer; returns Lightning's own state.
+        """Lightning's checkpoint: a file (whichever ``state_dict_type`` wrote it, on any number of ranks, or
+        Lightning without fsdp_mpi), or a directory of shards, whose shards load later (see
+        ``restore_checkpoint_after_setup``).
 
-        The state is read first (as `weights_only` says, see ``load_lightning_state``), so that a refused file
-        leaves the model untouched; rank 0 alone warns about an unsafe load.
+        Lightning's state is read as `weights_only` says (``load_lightning_state``), before anything of the
+        model changes; rank 0 alone warns about an unsafe load.
         """
-        state = load_lightning_state(Path(checkpoint_path) / LIGHTNING_STATE_FILE, weights_only,
-                                     warn=self.is_global_zero)
-        optimizer = self._the_optimizer()
-        load_checkpoint(checkpoint_path, self.model, optimizer)
-        return {**state, "state_dict": {}, "optimizer_states": [{}] if optimizer else []}
+        if not _is_local(checkpoint_path):  # a URL, to fsspec: Lightning's own reading of one file
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(checkpoint_path)
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        if path.is_file():
+            return load_lightning_state(path, weights_only, warn=self.is_global_zero)
+        state = load_lightning_state(path / LIGHTNING_STATE_FILE, weights_only, warn=self.is_global_zero)
+        self._shards_to_load = path
+        return {**state, "state_dict": {}, "optimizer_states": []}
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        pass  # load_checkpoint put the shards in place
+        """A file's weights into the module, or into its shards where an earlier setup sharded it."""
+        module = self.lightning_module
+        if not checkpoint["state_dict"]:
+            return  # a directory: its shards load once the model is sharded
+        if FullyShardedDataParallel.is_sharded(module):
+            load_full_state_dict(module, checkpoint["state_dict"], strict=strict)
+        else:
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        pass  # as the model's
+        """A directory's shards of the model and its optimizer; or a file's whole optimizer states, each rank
+        keeping its pieces."""
+        if self._shards_to_load is not None:
+            load_checkpoint(self._shards_to_load, self.model, self._the_optimizer())
+            self._shards_to_load = None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if state:
+                load_full_optimizer_state_dict(self.model, optimizer, state)
 
     def _the_optimizer(self):
         if len(self.optimizers) > 1:
-            raise ValueError("FSDPMPIStrategy checkpoints at most one optimizer")
+            raise ValueError("FSDPMPIStrategy(state_dict_type='sharded') checkpoints at most one optimizer; "
+                             "'full' checkpoints any number")
         return self.optimizers[0] if self.optimizers else None

@@ -138,7 +138,8 @@ def fit_elastic(build: Callable[[Communicator], tuple], checkpoint_dir: str | Pa
 
 def _built(build: Callable[[Communicator], tuple], comm: Communicator, directory: CheckpointDirectory,
            every: int, started_on: int) -> _Fit:
-    """`build(comm)`, checked, its strategy made to keep going and its Trainer to save into `directory`."""
+    """`build(comm)`, checked, its strategy made to keep going and its Trainer to save into `directory`, sharded
+    (every rank writes its part at once, and ``CheckpointDirectory`` keeps directories)."""
     made = build(comm)
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise TypeError(f"build(comm) must return (trainer, module) or (trainer, module, datamodule), not {made!r}")
@@ -148,5 +149,6 @@ def _built(build: Callable[[Communicator], tuple], comm: Communicator, directory
         raise TypeError("build(comm)'s Trainer must train with FSDPMPIStrategy(comm=comm, ...) on the communicator "
                         f"it is given (its strategy: {type(strategy).__name__})")
     strategy.keeps_going = True
+    strategy.state_dict_type = "sharded"
     trainer.callbacks.append(_StepCheckpoints(directory, every, started_on))
     return _Fit(comm, trainer, module, datamodule)

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from fsdp_mpi.lightning import load_lightning_state  # noqa: E402
 pytestmark = pytest.mark.torch_range
 
 FP32_EPS = torch.finfo(torch.float32).eps
+HOST_SUITE = os.path.join(os.path.dirname(__file__), "host_suites", "lightning")  # Lightning's own tests, by hand
 
 
 def test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_precision(tmp_path):
@@ -44,17 +46,41 @@ def test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_p
     assert report["moves_to_cpu"] == 0
     # Lightning's own collectives go through MPI: ranks hold 1.0 and 2.0.
     assert (report["reduce_sum"], report["reduce_mean"], report["all_gather"]) == (3.0, 1.5, [1.0, 2.0])
+    assert report["reduce_max_min"] == [2.0, 1.0]  # sync_dist=True with reduce_fx="max" or "min"
+    # An optimizer built before the model was sharded would step tensors that no longer train: refused by name.
+    assert report["early_optimizer"] and re.match(r"SGD holds 6 parameters that are not the sharded model's: build "
+                                                  r"the optimizer inside configure_optimizers", report["early_optimizer"])
     assert report["broadcast"] == "from 1"
-    # Resumed from the checkpoint after step 2 (shards, momentum, loops), offloaded: bit for bit the run that went on.
-    assert report["resumed_global_step"] == 4 and report["resumed_difference"] == 0.0
-    # Lightning's weights_only reaches the state file: by default a state holding more than tensors and plain
-    # values (here a path object) is refused on every rank, naming the file; weights_only=False loads it, and
-    # rank 0 alone warns.
-    for refusal in report["default_refusals"]:
-        assert refusal and re.match(r".*with-a-path\.ckpt/lightning_state\.pt: refused: .*PurePosixPath.*"
-                                    r"weights_only=False", refusal), refusal
-    assert report["unsafe_notes"] == ["trusted", "trusted"]
-    assert report["unsafe_warnings"] == [1, 0]
+    # Resumed from each run's checkpoint after its first epoch (weights, momentum, loops), from Lightning's one
+    # file offloaded and from shards: bit for bit the run that went on.
+    for kind in ("full", "sharded"):
+        assert report[f"{kind}_resumed_global_step"] == 4 and report[f"{kind}_resumed_difference"] == 0.0
+    # The one file (state_dict_type "full", the default) is Lightning's own: LightningModule.load_from_checkpoint
+    # in one process, without fsdp_mpi, gives the trained weights, and the momentum in it, cut where each rank's
+    # shards are, is theirs: bit for bit (gathering moves bits, it computes nothing).
+    assert report["full_checkpoint_is_a_file"] and report["full_loaded_difference"] == 0.0
+    assert report["full_optimizer_is_the_shards"] == [True, True]
+    # Lightning's weights_only reaches the state's loading, from a file or a directory: by default a state
+    # holding more than tensors and plain values (here a path object) is refused on every rank, naming the
+    # file; weights_only=False loads it, and rank 0 alone warns.
+    for kind, state_file in (("full", r"with-a-path-full\.ckpt"),
+                             ("sharded", r"with-a-path-sharded\.ckpt/lightning_state\.pt")):
+        for refusal in report[f"{kind}_refusals"]:
+            assert refusal and re.match(rf".*{state_file}: refused: .*PurePosixPath.*weights_only=False",
+                                        refusal), refusal
+        assert report[f"{kind}_unsafe_notes"] == ["trusted", "trusted"]
+        assert report[f"{kind}_unsafe_warnings"] == [1, 0]
+        # fit(ckpt_path=..., weights_only=False) reaches it too (Lightning drops it for a strategy that restores
+        # after setup, so this one restores before).
+        assert report[f"{kind}_trusted_resume"] == 4
+    # validate() after fit() on the same module wraps its shards again: it logs the loss that the trained
+    # shards give outside Lightning (the same forward on the same samples; Lightning's sums and the reduction's
+    # cast to float32 round it at most a few times) and leaves the weights; a Trainer asking for other
+    # settings is refused, naming them.
+    assert abs(report["validated_loss"] - report["outside_lightning_loss"]) <= 4 * eps * report["validated_loss"]
+    assert report["validated_weights_kept"]
+    assert report["settings_refusal"] and re.match(r"Regression was sharded with other settings \(mixed_precision: "
+                                                   r".*bfloat16", report["settings_refusal"]), report["settings_refusal"]
     # precision="bf16-mixed" becomes fsdp_mpi's MixedPrecision: blocks compute in bf16 over fp32 masters.
     assert report["precision_plugin"] == report["bf16_plugin"] == "FSDPMPIPrecision"
     assert report["bf16_compute_dtypes"] == ["torch.bfloat16"]
@@ -129,6 +155,39 @@ def test_the_strategy_takes_lightning_fsdp_options_and_refuses_bad_ones_when_mad
         FSDPMPIStrategy(sharding_strategy="ZERO3")
     with pytest.raises(TypeError, match="auto_wrap_policy must be"):
         FSDPMPIStrategy(auto_wrap_policy="Linear")
+    with pytest.raises(ValueError, match="state_dict_type must be 'full' or 'sharded', not 'SHARDED_STATE_DICT'"):
+        FSDPMPIStrategy(state_dict_type="SHARDED_STATE_DICT")
+
+
+@pytest.mark.one_rank
+def test_the_plugin_for_lightnings_own_tests_puts_the_strategy_where_lightning_would_choose_one_device():
+    """tests/host_suites/lightning: with the plugin configured, a Trainer left to choose on one CPU gets
+    FSDPMPIStrategy; one that names its strategy keeps it."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from fsdp_mpi.lightning import FSDPMPIStrategy
+    sys.path.insert(0, str(HOST_SUITE))
+    import fsdp_mpi_in_place_of_auto
+
+    fsdp_mpi_in_place_of_auto.pytest_configure(None)
+    assert isinstance(L.Trainer(accelerator="cpu", devices=1, logger=False).strategy, FSDPMPIStrategy)
+    assert isinstance(L.Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(), logger=False).strategy,
+                      DDPStrategy)
+
+
+def test_every_lightning_test_listed_as_failing_by_design_has_its_reason_once():
+    """by_design.txt, which run_lightning_tests.py holds each failure of Lightning's tests against: every entry
+    is a test of Lightning's with a reason (its own or the next one's), and no entry is there twice."""
+    sys.path.insert(0, str(HOST_SUITE))
+    import run_lightning_tests
+
+    entries = [line.partition("  # ")[0].strip() for line in run_lightning_tests.BY_DESIGN.read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    reasons = run_lightning_tests.by_design()
+    assert len(entries) > 50 and sorted(entries) == sorted(reasons), set(entries) ^ set(reasons)
+    assert all(re.fullmatch(r"tests_pytorch(\.\w+)+::\w+(\[.*\])?", entry) for entry in entries), entries
+    assert all(reasons.values())
 
 
 @pytest.mark.one_rank

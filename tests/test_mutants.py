@@ -48,6 +48,7 @@ WRAPPED = "tests/test_memory.py::test_a_wrapped_model_gives_its_full_parameters_
 DEFERRED = "tests/test_checkpoint.py::test_deferred_initialisation_equals_eager_construction_bit_for_bit[2]"
 RESHARD = "tests/test_checkpoint.py::test_reshard_2_to_3_to_1_keeps_every_bit_and_continues_the_run"
 RESUME = "tests/test_checkpoint.py::test_resume_on_the_same_ranks_continues_bit_for_bit"
+RESHARD_FEWER = "tests/test_checkpoint.py::test_reshard_3_to_2_with_dropout_loads_every_bit_and_trains_on"
 DAMAGE = "tests/test_checkpoint.py::test_a_damaged_file_is_named[corrupt]"
 UNEVEN = "tests/test_hangs.py::test_uneven_steps_end_with_the_watchdog_report_after_the_timeout"
 WATCHDOG = "tests/test_hangs.py::test_the_watchdog_reports_a_collective_that_outlasts_its_timeout"
@@ -526,6 +527,14 @@ MUTANTS = {
         "fsdp_mpi/communication/comm.py", "        if buffer.numel() == 0:\n            return\n", "", [COLLECTIVES_2X2]),
     "a download is written without its check": (
         "experiments/corpora/files.py", "    wrong = PINS[relative].mismatch(payload)", "    wrong = None", [DOWNLOAD]),
+    "a one-file checkpoint's optimizer state has each rank's pieces back to front": (
+        "fsdp_mpi/files/optimizer_state.py", "shard[p.slot.shard_start:p.slot.shard_stop].copy_(piece)",
+        "shard[p.slot.shard_start:p.slot.shard_stop].copy_(piece.flip(0))", [RESHARD_FEWER]),
+    "a fitted module set up again by a Trainer asking for other settings trains on with its old ones": (
+        "fsdp_mpi/sharding/fully_sharded.py", "        if differences:\n", "        if False:\n", [LIGHTNING]),
+    "the Lightning strategy restores after setup, where Lightning drops the user's weights_only": (
+        "fsdp_mpi/lightning.py", 'once it is built."""\n        return False', 'once it is built."""\n        return True',
+        [LIGHTNING]),
     "Lightning's teardown moves the sharded model to the CPU": (
         "fsdp_mpi/lightning.py", "        self.cluster_environment.teardown()", "        super().teardown()", [LIGHTNING]),
     "a crashed node the controller still lists ends the job": (

@@ -5,8 +5,9 @@ on 2 ranks, 8 per rank per step: a DistributedSampler without shuffling gives ra
 the samples r, r + 2, ..., so each step's global batch is the whole dataset, and the
 reference trains on it in one process. One step per epoch also keeps a resumed run
 on the same data whichever batch of an epoch Lightning resumes at.
-A checkpoint is also loaded through the strategy as Lightning would, to see that
-Lightning's weights_only reaches the state file's loading.
+Checkpoints are written both ways (Lightning's one file, the default, and shards), resumed, and
+loaded through the strategy as Lightning would, to see that Lightning's weights_only reaches the
+state's loading; the one file also loads in Lightning alone. The fitted module is validated again.
 Writes a JSON report.
 """
 
@@ -24,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_mpi import CheckpointError, Compression, CPUOffload, full_state_dict
+from fsdp_mpi.sharding.state_dict import sharded_parameters
 from fsdp_mpi.lightning import LIGHTNING_STATE_FILE, FSDPMPIPrecision, FSDPMPIStrategy
 
 SAMPLES, PER_RANK, WIDTH, LR, MOMENTUM = 16, 8, 8, 0.1, 0.9
@@ -67,6 +69,13 @@ class Regression(L.LightningModule):
         inputs, targets = batch
         # Under bf16-mixed the root unit casts the whole batch, targets too: both sides in fp32 (docs/api.md)
         return nn.functional.mse_loss(self.net(inputs).float(), targets.float())
+
+    def forward(self, inputs):
+        return self.net(inputs)
+
+    def validation_step(self, batch, _index):
+        inputs, targets = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(inputs), targets), sync_dist=True)  # mean of ranks'
 
     def train_dataloader(self):
         """Lightning would put in a shuffling DistributedSampler; this one keeps the order (from the strategy's
@@ -112,16 +121,19 @@ def max_difference(weights: dict, expected: dict) -> float:
     return max(float((weights[name] - expected[name]).abs().max()) for name in expected)
 
 
-def weights_only_handed_on(strategy: FSDPMPIStrategy, checkpoint: str) -> dict:
-    """Loads a copy of `checkpoint` whose Lightning state also holds a path object (harmless, but more than a
-    weights_only load builds) through the strategy, as Lightning would: with its default weights_only and with
-    weights_only=False. Each rank's refusal message, and what the unsafe load gave and warned, in rank order."""
+def weights_only_handed_on(strategy: FSDPMPIStrategy, checkpoint: str, kind: str) -> dict:
+    """Loads a copy of `checkpoint` (a file, or a directory of shards) whose Lightning state also holds a path
+    object (harmless, but more than a weights_only load builds) through the strategy, as Lightning would: with its
+    default weights_only and with weights_only=False. Each rank's refusal message, and what the unsafe load gave
+    and warned, in rank order, under `kind`_..."""
     comm = MPI.COMM_WORLD
-    copy = Path(checkpoint).with_name("with-a-path.ckpt")
+    source = Path(checkpoint)
+    copy = source.with_name(f"with-a-path-{kind}.ckpt")
+    state_file = copy / LIGHTNING_STATE_FILE if source.is_dir() else copy
     if comm.Get_rank() == 0:
-        shutil.copytree(checkpoint, copy)
-        state = torch.load(copy / LIGHTNING_STATE_FILE, weights_only=True)
-        torch.save({**state, "note": PurePosixPath("trusted")}, copy / LIGHTNING_STATE_FILE)
+        shutil.copytree(source, copy) if source.is_dir() else shutil.copy2(source, copy)
+        state = torch.load(state_file, weights_only=True)
+        torch.save({**state, "note": PurePosixPath("trusted")}, state_file)
     comm.Barrier()
     try:
         strategy.load_checkpoint(copy)
@@ -132,47 +144,116 @@ def weights_only_handed_on(strategy: FSDPMPIStrategy, checkpoint: str) -> dict:
         warnings.simplefilter("always")
         note = str(strategy.load_checkpoint(copy, weights_only=False)["note"])
     unsafe_warnings = sum("weights_only=False" in str(warning.message) for warning in caught)
-    return {"default_refusals": comm.allgather(refusal), "unsafe_notes": comm.allgather(note),
-            "unsafe_warnings": comm.allgather(unsafe_warnings)}
+    # Through a Trainer, as a user resumes: Lightning hands fit's weights_only on to the strategy.
+    trusting = trainer(4, FSDPMPIStrategy(auto_wrap_policy={Block}, state_dict_type=kind))
+    try:
+        trusting.fit(Regression(), ckpt_path=copy, weights_only=False)
+        trusted = trusting.global_step
+    except CheckpointError as error:
+        trusted = str(error)
+    return {f"{kind}_refusals": comm.allgather(refusal), f"{kind}_unsafe_notes": comm.allgather(note),
+            f"{kind}_unsafe_warnings": comm.allgather(unsafe_warnings), f"{kind}_trusted_resume": trusted}
+
+
+def file_optimizer_is_the_shards(checkpoint: str, strategy: FSDPMPIStrategy) -> bool:
+    """Whether the momentum in a one-file checkpoint, cut where this rank's shards are, is theirs bit for bit."""
+    saved = torch.load(checkpoint, weights_only=True)["optimizer_states"][0]["state"]
+    optimizer = strategy.optimizers[0]
+    return all(torch.equal(saved[p.names[0]]["momentum_buffer"].reshape(-1)[slice(*p.handle.part_held(p.slot))],
+                           optimizer.state[p.view]["momentum_buffer"])
+               for p in sharded_parameters(strategy.model))
+
+
+def validated_again(fitted: L.Trainer, module: Regression) -> dict:
+    """The fitted Trainer validates the same module (its second setup wraps the shards again): the loss it logs,
+    the same loss computed through the wrapped model outside Lightning, and whether the weights stayed; a
+    Trainer asking for other settings (bf16) is refused."""
+    comm = MPI.COMM_WORLD
+    before = trained_weights(module, fitted)
+    data = dataset()
+    loader = DataLoader(data, batch_size=PER_RANK, sampler=DistributedSampler(
+        data, shuffle=False, **fitted.strategy.distributed_sampler_kwargs))
+    logged = float(fitted.validate(module, loader, verbose=False)[0]["val_loss"])
+    inputs, targets = (tensor[comm.Get_rank()::comm.Get_size()] for tensor in data.tensors)
+    with torch.no_grad():
+        local = float(nn.functional.mse_loss(fitted.strategy.model(inputs), targets))
+    after = trained_weights(module, fitted)
+    try:
+        trainer(1, precision="bf16-mixed").validate(module, loader, verbose=False)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return {"validated_loss": logged, "outside_lightning_loss": sum(comm.allgather(local)) / comm.Get_size(),
+            "validated_weights_kept": comm.Get_rank() != 0 or max_difference(after, before) == 0.0,
+            "settings_refusal": refusal}
+
+
+def optimizer_built_before_sharding() -> str | None:
+    """What fit says of an optimizer that configure_optimizers hands over ready-made, built from the module's
+    parameters before the Trainer sharded it (it would step tensors that no longer train)."""
+    module = Regression()
+    early = torch.optim.SGD(module.parameters(), lr=LR)
+    module.configure_optimizers = lambda: early
+    try:
+        trainer(1).fit(module)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def main(out_path: str, checkpoint_dir: str) -> None:
     comm = MPI.COMM_WORLD
-    report = {}
-    for name, clip in (("unclipped", None), ("clipped", 0.05)):
+    report, finals, strategies = {}, {}, {}
+    # The unclipped run checkpoints in Lightning's one file ("full", the default), the clipped one in shards.
+    for name, clip, kind in (("unclipped", None, "full"), ("clipped", 0.05, "sharded")):
         module = Regression()
-        saving = ModelCheckpoint(checkpoint_dir, filename="{epoch}", save_top_k=-1) if clip is None else None
-        fitted = trainer(4, gradient_clip_val=clip, callbacks=[saving] if saving else None,
-                         enable_checkpointing=saving is not None)
+        saving = ModelCheckpoint(f"{checkpoint_dir}/{kind}", filename="{epoch}", save_top_k=-1)
+        fitted = trainer(4, FSDPMPIStrategy(auto_wrap_policy={Block}, state_dict_type=kind),
+                         gradient_clip_val=clip, callbacks=[saving], enable_checkpointing=True)
         fitted.fit(module)
-        weights = trained_weights(module, fitted)
+        finals[name] = weights = trained_weights(module, fitted)
+        strategies[name] = fitted.strategy
         if comm.Get_rank() == 0:
             expected, norms = reference(4, clip)
             report[f"{name}_max_difference"] = max_difference(weights, expected)
             report[f"{name}_gradient_norms"] = norms
             report[f"{name}_scale"] = max(float(t.abs().max()) for t in expected.values())
         if name == "unclipped":
-            uninterrupted = weights
-            strategy = fitted.strategy
+            report.update(validated_again(fitted, module))
+    strategy = strategies["unclipped"]
     report["precision_plugin"] = type(strategy.precision_plugin).__name__
     report["moves_to_cpu"] = Regression.moves_to_cpu  # after two fits (on a GPU such a move is refused)
     value = torch.tensor([comm.Get_rank() + 1.0])
     report["reduce_sum"] = float(strategy.reduce(value, reduce_op="sum"))
     report["reduce_mean"] = float(strategy.reduce(value))
+    report["reduce_max_min"] = [float(strategy.reduce(value, reduce_op=op)) for op in ("max", "min")]
     report["all_gather"] = strategy.all_gather(value).flatten().tolist()
     report["broadcast"] = strategy.broadcast(f"from {comm.Get_rank()}", src=comm.Get_size() - 1)
+    report["early_optimizer"] = optimizer_built_before_sharding()
 
-    # Resume from the checkpoint that the first run's ModelCheckpoint wrote after its first epoch (2 of its
-    # 4 steps) in a fresh Trainer, offloaded (on a CPU the same path, its copies free): the same weights as the
-    # run that went on.
-    resumed = trainer(4, FSDPMPIStrategy(auto_wrap_policy={Block}, cpu_offload=CPUOffload(offload_params=True)))
-    module = Regression()
-    resumed.fit(module, ckpt_path=f"{checkpoint_dir}/epoch=0.ckpt")
-    weights = trained_weights(module, resumed)
-    report["resumed_global_step"] = resumed.global_step
+    # The one-file checkpoint after the last step: Lightning's own loader reads it in one process, without
+    # fsdp_mpi, as the trained weights; its optimizer state, cut where each rank's shards are, is theirs.
+    last = f"{checkpoint_dir}/full/epoch=3.ckpt"
+    report["full_checkpoint_is_a_file"] = Path(last).is_file()
     if comm.Get_rank() == 0:
-        report["resumed_difference"] = max_difference(weights, uninterrupted)
-    report.update(weights_only_handed_on(resumed.strategy, f"{checkpoint_dir}/epoch=0.ckpt"))
+        loaded = Regression.load_from_checkpoint(last).state_dict()
+        report["full_loaded_difference"] = max_difference({name.removeprefix("net."): tensor
+                                                           for name, tensor in loaded.items()}, finals["unclipped"])
+    report["full_optimizer_is_the_shards"] = comm.allgather(file_optimizer_is_the_shards(last, strategy))
+
+    # Resume each run from the checkpoint its ModelCheckpoint wrote after its first epoch in a fresh Trainer,
+    # the one-file one offloaded (on a CPU the same path, its copies free): the same weights as the run that
+    # went on.
+    for name, clip, kind, options in (("unclipped", None, "full", {"cpu_offload": CPUOffload(offload_params=True)}),
+                                      ("clipped", 0.05, "sharded", {"state_dict_type": "sharded"})):
+        resumed = trainer(4, FSDPMPIStrategy(auto_wrap_policy={Block}, **options), gradient_clip_val=clip)
+        module = Regression()
+        resumed.fit(module, ckpt_path=f"{checkpoint_dir}/{kind}/epoch=0.ckpt")
+        weights = trained_weights(module, resumed)
+        report[f"{kind}_resumed_global_step"] = resumed.global_step
+        if comm.Get_rank() == 0:
+            report[f"{kind}_resumed_difference"] = max_difference(weights, finals[name])
+        report.update(weights_only_handed_on(resumed.strategy, f"{checkpoint_dir}/{kind}/epoch=0.ckpt", kind))
 
     module = Regression()
     Block.compute_dtypes.clear()
