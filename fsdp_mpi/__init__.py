@@ -37,6 +37,7 @@ from fsdp_mpi.loop.even_batches import even_batches
 from fsdp_mpi.loop.grad_scaler import ShardedGradScaler
 from fsdp_mpi.loop.sample_dropout import SampleDropout, SampleKeys, use_sample_dropout
 from fsdp_mpi.loop.step_in_backward import step_in_backward
+from fsdp_mpi.loop.stop_signals import STOPPED_WITH_CHECKPOINT, StopSignals
 from fsdp_mpi.files.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_mpi.files.optimizer_state import (OptimizerStateError, full_optimizer_state_dict,
                                            load_full_optimizer_state_dict)
@@ -65,6 +66,8 @@ __all__ = [
     "ShardedGradScaler",
     "ShardingStrategy",
     "StepAbandoned",
+    "STOPPED_WITH_CHECKPOINT",
+    "StopSignals",
     "SizeBasedWrapPolicy",
     "TrainingState",
     "abort_job_on_uncaught_exception",

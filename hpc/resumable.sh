@@ -15,7 +15,7 @@
 # takes a node out of the job only after SlurmdTimeout: so when a launch failed on the same nodes, the nodes
 # are asked to answer (one srun step on each); if one does not, the controller is polled until it drops it.
 
-STOPPED_WITH_CHECKPOINT=3                  # the experiments' exit code for it (experiments/training/resume.py)
+STOPPED_WITH_CHECKPOINT=3                  # the experiments' exit code for it (fsdp_mpi/loop/stop_signals.py)
 MAX_REQUEUES="${MAX_REQUEUES:-20}"         # a bound, should each allocation end before the run gets anywhere
 SCONTROL_TRIES="${SCONTROL_TRIES:-5}"      # a failing scontrol is tried this many times,
 SCONTROL_RETRY_SECONDS="${SCONTROL_RETRY_SECONDS:-5}"  # this far apart

@@ -489,7 +489,7 @@ MUTANTS = {
         "(directory.read_started_on() if is_newcomer() else directory.started_on()) or started_on", "started_on",
         [OTHER_RANKS]),
     "a rank that stopped with its checkpoint dies of the SIGTERM that srun sends as the first rank exits": (
-        "experiments/training/resume.py", "            signal.signal(stop_signal, signal.SIG_IGN)", "            pass",
+        "fsdp_mpi/loop/stop_signals.py", "            signal.signal(stop_signal, signal.SIG_IGN)", "            pass",
         [STOPPED_BY_A_SIGNAL]),
     "a rank's share of a step starts at the step's first sample whatever its rank": (
         "experiments/training/sampling.py", "mine = order[first + rank:last:world]", "mine = order[first:last:world]",

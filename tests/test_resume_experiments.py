@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from experiment_runs import EXPERIMENTS, QUICK, SHARED_DATA, launch, needs_data, read_rows
-from mpi_launch import check_ok, mpiexec
+from mpi_launch import check_ok, child_env, mpiexec
 from training.resume import FORMAT, STOPPED_WITH_CHECKPOINT, STOPPED_WITHOUT_CHECKPOINT, ResumeError, RunCheckpoints
 from test_checkpoint import assert_same_parameters_and_optimizer_state
 
@@ -34,11 +34,12 @@ STOP_LINE = re.compile(r"stopped by SIGUSR1 after optimizer step (\d+) of (\d+)"
 
 
 class Started:
-    """An experiment on 2 ranks, started without waiting; its output goes to files (an unread pipe could block it)."""
+    """An experiment on 2 ranks, started without waiting; its output goes to files (an unread pipe could block it).
+    Its ranks import this checkout's fsdp_mpi (child_env), as a mutant's copy needs."""
 
     def __init__(self, script: str, out: Path, *args):
         self.script = script
-        env = dict(os.environ, OMP_NUM_THREADS="1", FSDP_MPI_DATA_DIR=str(SHARED_DATA), PYTHONUNBUFFERED="1")
+        env = child_env(FSDP_MPI_DATA_DIR=str(SHARED_DATA))
         self.stdout, self.stderr = out / "stdout.txt", out / "stderr.txt"
         with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:
             self.process = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(EXPERIMENTS / script),

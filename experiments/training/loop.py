@@ -20,12 +20,12 @@ from training.options import RunConfig
 from training.recipe import optimizer_and_schedule
 from training.recorder import RunRecorder
 from training.results import model_state_bytes
-from training.resume import EpochTally, Position, ResumeError, RunCheckpoints, StopSignals, Stopped
+from training.resume import EpochTally, Position, ResumeError, RunCheckpoints, Stopped
 from training.sampling import Batching, MicroBatch, epoch_steps, seed_step, total_optimizer_steps
 from training.saved_run import save_trained
 from training.strategies import Prepared, build_model, compression_from_option, full_state_dict_on_rank0, prepare
 
-from fsdp_mpi import (Communicator, CPUOffload, RankLostError, SampleKeys, ShardingStrategy,
+from fsdp_mpi import (Communicator, CPUOffload, RankLostError, SampleKeys, ShardingStrategy, StopSignals,
                       continuation_unavailable, is_newcomer, step_in_backward)
 from fsdp_mpi.communication.failures.job import add_hosts_from
 from fsdp_mpi.elastic import recovery

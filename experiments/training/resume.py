@@ -21,18 +21,17 @@ as many micro-batches as its samples need. Checkpoints are taken only between
 optimizer steps, never inside gradient accumulation.
 
 SIGTERM and SIGUSR1 (which SLURM can send ahead of a time limit: hpc/) only set a
-flag. After every optimizer step the ranks take the maximum of their flags, so a
-signal that reached only some ranks stops all of them after the same step.
+flag (``fsdp_mpi.loop.stop_signals``). After every optimizer step the ranks take the maximum of their flags, so a
+signal that reached only some ranks stops all of them after the same step; the run then exits with
+STOPPED_WITH_CHECKPOINT (3: run again with --resume; hpc/ requeues).
 """
 
-import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_mpi import load_checkpoint
+from fsdp_mpi import STOPPED_WITH_CHECKPOINT, load_checkpoint
 from fsdp_mpi.files.checkpoint_directory import LATEST, CheckpointDirectory
 
-STOPPED_WITH_CHECKPOINT = 3  # stopped by a signal and checkpointed: run again with --resume (hpc/ requeues)
 STOPPED_WITHOUT_CHECKPOINT = 4  # stopped by a signal without --checkpoint-dir: there is nothing to resume from
 FORMAT = 4  # of the run state below; 2: per-step losses; 3: global batches, per-step seeds; 4: each step's loss
 # summed over the ranks, on every rank. Others: refused
@@ -45,36 +44,6 @@ MAY_CHANGE_ON_RESUME = frozenset({"checkpoint_dir", "checkpoint_every", "resume"
 class ResumeError(Exception):
     """A checkpoint that this run cannot continue from (other options, or more ranks than its global batch has
     samples)."""
-
-
-class StopSignals:
-    """Notes SIGTERM and SIGUSR1 on this rank; the training loop asks after every optimizer step."""
-
-    def __init__(self):
-        self.received = 0  # the last signal's number, 0 if none
-
-    def install(self) -> "StopSignals":
-        for number in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(number, self._note)
-        return self
-
-    def _note(self, number: int, _frame) -> None:
-        self.received = number
-
-    def agreed(self, all_reduce_max) -> signal.Signals | None:
-        """The signal that some rank received (the highest-numbered), or None. Every rank calls it after each step.
-
-        Once the ranks agree to stop, later stop signals are ignored: the first rank to exit with
-        STOPPED_WITH_CHECKPOINT makes srun (``--kill-on-bad-exit``) send SIGTERM to the others, and a rank that
-        is finalizing by then has no handler left (Python restores the default, death, as it finalizes; an
-        ignored signal stays ignored), so the launcher's exit code would say killed, not stopped.
-        """
-        number = int(all_reduce_max(float(self.received)))
-        if not number:
-            return None
-        for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(stop_signal, signal.SIG_IGN)
-        return signal.Signals(number)
 
 
 @dataclass

@@ -21,13 +21,13 @@ from training.choices import TORCH_DISTRIBUTED
 from training.keep_going import Left, survivors
 from training.loop import train
 from training.options import RunConfig, UsageError, check_checkpoint_options, check_config
-from training.resume import ResumeError, StopSignals
+from training.resume import ResumeError
 from training.startup import (allow_tf32, announce_devices, communicator_for_the_run, pick_device,
                               set_up_rank_0_first)
 from training.strategies import node_placement, torch_backend
 
-from fsdp_mpi import (CheckpointError, Communicator, abort_job_on_uncaught_exception, exit_without_finalize,
-                      is_newcomer)
+from fsdp_mpi import (CheckpointError, Communicator, StopSignals, abort_job_on_uncaught_exception,
+                      exit_without_finalize, is_newcomer)
 from fsdp_mpi.communication.failures.job import place_on_node
 from fsdp_mpi_models.checkpoint import PretrainedCheckpointError
 
