@@ -28,6 +28,10 @@ What each Lightning feature becomes:
                          state (loops, schedulers, callbacks) in ``lightning_state.pt`` ("sharded");
                          either resumable with ``ckpt_path=`` on any number of ranks, and loaded with
                          ``weights_only=True`` unless ``fit(..., weights_only=False)`` says otherwise
+    SLURM auto-requeue   as Lightning's (its SLURMEnvironment's requeue_signal, SIGUSR1 by default): the
+                         signal noted where it lands, and after the optimizer step whose end finds it on
+                         any rank every rank saves hpc_ckpt_N.ckpt, rank 0 requeues the job, and the run
+                         exits with code 3; the requeued job resumes from that file (lightning_requeue.py)
     a lost rank          ends the job, saying why (``CANNOT_GO_ON``): a Trainer cannot be rebuilt
                          on fewer ranks in the middle of ``fit``; under Open MPI's ULFM,
                          ``fsdp_mpi.lightning_elastic.fit_elastic`` builds a new one on the survivors
@@ -60,6 +64,7 @@ from fsdp_mpi.loop.clip import clip_grad_norm_
 from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.failures.lost_ranks import RankLostError, can_go_on
 from fsdp_mpi.elastic.agreement import end_step
+from fsdp_mpi.lightning_requeue import RequeueAfterTheStep
 from fsdp_mpi.sharding.fully_sharded import FullyShardedDataParallel
 from fsdp_mpi.sharding.state_dict import full_state_dict, load_full_state_dict
 from fsdp_mpi.sharding.mixed_precision import MixedPrecision
@@ -258,6 +263,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         self.fsdp_kwargs = fsdp_kwargs
         self.keeps_going = False  # set by fit_elastic: every optimizer step ends in the ranks' agreement
         self._shards_to_load: Path | None = None  # a directory checkpoint whose shards load after sharding
+        self._requeue: RequeueAfterTheStep | None = None  # SLURM's auto-requeue, while a fit trains
 
     # ------------------------------------------------------------- where and how many
 
@@ -291,6 +297,11 @@ class FSDPMPIStrategy(ParallelStrategy):
             print(f"fsdp_mpi.lightning: {CANNOT_GO_ON}", file=sys.stderr, flush=True)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # the communicator's, after a loss too
         super().setup_environment()
+
+    def on_train_start(self) -> None:
+        """Lightning's SLURM auto-requeue, where its SLURMEnvironment asks for it: after an optimizer step, the same
+        on every rank (lightning_requeue.py)."""
+        self._requeue = RequeueAfterTheStep.added_to(self.lightning_module.trainer, self.comm)
 
     def on_exception(self, exception: BaseException) -> None:
         """Lightning calls this with what ended fit(): a lost rank is said plainly (then the exception ends the
@@ -347,6 +358,9 @@ class FSDPMPIStrategy(ParallelStrategy):
         GPU after fit): a sharded module refuses to be moved (sharding/in_place.py), so its shards and their
         optimizer state stay on the device, as Lightning's own FSDPStrategy leaves them."""
         self._shards_to_load = None
+        if self._requeue is not None:
+            self._requeue.close()
+            self._requeue = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -92,6 +92,17 @@ def test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_p
     # gradients change the update by a few hundredths of lr x gradient; not at all would mean no compression,
     # and a broken codec (a scale ignored) moves the weights by their own size.
     assert 0 < report["compressed_difference"] < 0.05 * report["compressed_scale"]
+    # SLURM's auto-requeue, as Lightning's SLURMEnvironment asks for it in a batch job: the signal reached rank 1
+    # alone, before step 2's first micro-batch of two. Both ranks stopped after that step, not inside it (their
+    # agreement, at the step's end), saved Lightning's hpc_ckpt_1,
+    # rank 0 alone asked scontrol to requeue the job, and fit ended with STOPPED_WITH_CHECKPOINT on both, the signal
+    # handled again as before. The requeued job's Trainer, given no checkpoint, resumed from the file by itself
+    # and ended bit for bit as the run never stopped.
+    assert report["requeue_exit_codes"] == [report["stopped_with_checkpoint"]] * 2 == [3, 3]
+    assert report["requeue_stopped_after"] == [2, 2]
+    assert report["requeue_files"] == ["hpc_ckpt_1.ckpt"] and report["requeue_calls"] == ["requeue 4242"]
+    assert report["requeue_handler_restored"] == [True, True]
+    assert report["requeue_resumed_global_step"] == 4 and report["requeue_resumed_difference"] == 0.0
 
 
 class RunsCodeWhenUnpickled:

@@ -488,6 +488,12 @@ MUTANTS = {
         "experiments/training/loop.py",
         "(directory.read_started_on() if is_newcomer() else directory.started_on()) or started_on", "started_on",
         [OTHER_RANKS]),
+    "a Lightning requeue saves inside gradient accumulation, losing a step's first micro-batches": (
+        "fsdp_mpi/lightning_requeue.py",
+        "        if pl_module.automatic_optimization and trainer.fit_loop.epoch_loop._should_accumulate():",
+        "        if False:", [LIGHTNING]),
+    "every rank asks scontrol to requeue the job under Lightning": (
+        "fsdp_mpi/lightning_requeue.py", "        if self.comm.rank == 0:", "        if True:", [LIGHTNING]),
     "a rank that stopped with its checkpoint dies of the SIGTERM that srun sends as the first rank exits": (
         "fsdp_mpi/loop/stop_signals.py", "            signal.signal(stop_signal, signal.SIG_IGN)", "            pass",
         [STOPPED_BY_A_SIGNAL]),

@@ -8,23 +8,26 @@ on the same data whichever batch of an epoch Lightning resumes at.
 Checkpoints are written both ways (Lightning's one file, the default, and shards), resumed, and
 loaded through the strategy as Lightning would, to see that Lightning's weights_only reaches the
 state's loading; the one file also loads in Lightning alone. The fitted module is validated again.
+Last, a batch job's requeue signal stops the run after a step and the requeued Trainer resumes it.
 Writes a JSON report.
 """
 
 import json
+import os
 import shutil
+import signal
 import sys
 import warnings
 from pathlib import Path, PurePosixPath
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from mpi4py import MPI
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from fsdp_mpi import CheckpointError, Compression, CPUOffload, full_state_dict
+from fsdp_mpi import STOPPED_WITH_CHECKPOINT, CheckpointError, Compression, CPUOffload, full_state_dict
 from fsdp_mpi.sharding.state_dict import sharded_parameters
 from fsdp_mpi.lightning import LIGHTNING_STATE_FILE, FSDPMPIPrecision, FSDPMPIStrategy
 
@@ -55,6 +58,7 @@ def network() -> nn.Sequential:
 
 
 class Regression(L.LightningModule):
+    per_rank = PER_RANK  # samples in a rank's batch: a micro-batch where the Trainer accumulates
     moves_to_cpu = 0  # calls of .cpu(): Lightning's teardown makes one unless the strategy keeps the shards in place
 
     def __init__(self):
@@ -82,7 +86,7 @@ class Regression(L.LightningModule):
         num_replicas and rank)."""
         data = dataset()
         sampler = DistributedSampler(data, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
-        return DataLoader(data, batch_size=PER_RANK, sampler=sampler)
+        return DataLoader(data, batch_size=self.per_rank, sampler=sampler)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
@@ -201,6 +205,57 @@ def optimizer_built_before_sharding() -> str | None:
     return None
 
 
+class SignalRankOneInStepTwo(Callback):
+    """SLURM's warning as it may land: on one rank only, in the middle of a step (before its first micro-batch)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 1 and batch_idx == 0 and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def requeued_after_a_signal(root: str) -> dict:
+    """Lightning's SLURM auto-requeue under the strategy, in a batch job as sbatch describes it (SLURM_JOB_ID,
+    SLURM_NTASKS, a job name) with an ``scontrol`` on PATH that notes its arguments, each step accumulating two
+    micro-batches: the requeue signal reaches rank 1 alone before step 2's first (of 4 steps); what each rank's
+    fit ended with and after which step, the requeue calls, the files saved; then the requeued job's Trainer,
+    given no checkpoint, resumes by itself: its last step and its weights' difference from the same run never
+    stopped. Last in the worker: it leaves SLURM's variables set."""
+    comm = MPI.COMM_WORLD
+    Regression.per_rank = PER_RANK // 2
+    never_stopped, module = trainer(4, accumulate_grad_batches=2), Regression()
+    never_stopped.fit(module)
+    expected = trained_weights(module, never_stopped)
+    folder = Path(root) / "requeue"
+    calls = folder / "scontrol-calls"
+    if comm.Get_rank() == 0:
+        (folder / "bin").mkdir(parents=True)
+        scontrol = folder / "bin" / "scontrol"
+        scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+        scontrol.chmod(0o755)
+    comm.Barrier()
+    os.environ.update(SLURM_JOB_ID="4242", SLURM_NTASKS=str(comm.Get_size()), SLURM_JOB_NAME="train",
+                      PATH=f"{folder / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    stopped = trainer(4, default_root_dir=folder, callbacks=[SignalRankOneInStepTwo()], accumulate_grad_batches=2)
+    try:
+        stopped.fit(Regression())
+        exit_code = None
+    except SystemExit as stop:
+        exit_code = stop.code
+    handler_after = signal.getsignal(signal.SIGUSR1)
+    comm.Barrier()
+    resumed, module = trainer(4, default_root_dir=folder, accumulate_grad_batches=2), Regression()
+    resumed.fit(module)
+    weights = trained_weights(module, resumed)
+    report = {"requeue_exit_codes": comm.allgather(exit_code), "requeue_stopped_after": comm.allgather(stopped.global_step),
+              "requeue_handler_restored": comm.allgather(handler_after is signal.SIG_DFL),
+              "requeue_files": sorted(path.name for path in folder.glob("hpc_ckpt_*")),
+              "requeue_resumed_global_step": resumed.global_step}
+    if comm.Get_rank() == 0:
+        report["requeue_calls"] = calls.read_text().splitlines() if calls.exists() else []
+        report["requeue_resumed_difference"] = max_difference(weights, expected)
+    return report
+
+
 def main(out_path: str, checkpoint_dir: str) -> None:
     comm = MPI.COMM_WORLD
     report, finals, strategies = {}, {}, {}
@@ -277,6 +332,8 @@ def main(out_path: str, checkpoint_dir: str) -> None:
     if comm.Get_rank() == 0:
         report["compressed_difference"] = max_difference(near, exact)
         report["compressed_scale"] = max(float(t.abs().max()) for t in exact.values())
+    report.update(requeued_after_a_signal(checkpoint_dir))
+    report["stopped_with_checkpoint"] = STOPPED_WITH_CHECKPOINT
     if comm.Get_rank() == 0:
         with open(out_path, "w") as out:
             json.dump(report, out)
