@@ -85,7 +85,7 @@ def requeue() -> str:
         return "not a SLURM job, so nothing is requeued: run it again to resume from that file"
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        failure = done.stderr.strip() or f"exit {done.returncode}" if done.returncode else None
+        failure = (done.stderr.strip() or f"exit {done.returncode}") if done.returncode else None
     except FileNotFoundError:
         failure = "scontrol not found"
     if failure:

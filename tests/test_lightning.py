@@ -320,3 +320,44 @@ def assert_trains_as_one_process(result: dict) -> None:
     for loss, reference in zip(result["losses"], result["reference_losses"]):
         assert abs(loss - reference) <= 16 * eps * reference + largest_gradient * parameters ** 0.5 * weights_bound
     assert result["reference_losses"][-1] < result["reference_losses"][0] - 0.1  # it learns: every update shows
+
+
+def test_the_requeue_follows_slurms_environment_and_says_when_scontrol_fails(tmp_path, monkeypatch):
+    """lightning_requeue.py in this process: which signal a run asks to be requeued on (the Trainer's
+    SLURMEnvironment plugin's, a batch job's default, none where auto-requeue is off or the signal is handled
+    already), and what rank 0 says where the job cannot be requeued."""
+    import signal
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    from fsdp_mpi.lightning_requeue import requeue, requeue_signal
+
+    def asked(plugin=None):
+        return requeue_signal(SimpleNamespace(_accelerator_connector=SimpleNamespace(_cluster_environment_flag=plugin)))
+
+    for name in ("SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert asked() is None  # not a batch job, and no plugin
+    assert asked(SLURMEnvironment(requeue_signal=signal.SIGUSR2)) == signal.SIGUSR2
+    assert asked(SLURMEnvironment(auto_requeue=False)) is None
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert asked() == signal.SIGUSR1  # as Lightning detects a batch job, without building its environment
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")
+    assert asked() is None
+    monkeypatch.delenv("SLURM_NTASKS")  # built with it, Lightning's environment would refuse srun's --ntasks
+    usual = SLURMEnvironment()
+    assert asked(usual) == signal.SIGUSR1
+    monkeypatch.setattr(signal, "getsignal", lambda number: signal.SIG_IGN)  # the experiments ignore it
+    assert asked(usual) is None
+
+    assert requeue().startswith("not a SLURM job, so nothing is requeued")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/sh\necho "requeue of $2 not allowed" >&2\nexit 1\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert requeue() == ("could not requeue job 77_3 (requeue of 77_3 not allowed; #SBATCH --requeue allows it): "
+                         "submit the job again, and it resumes from that file")
