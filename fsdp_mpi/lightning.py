@@ -264,6 +264,7 @@ class FSDPMPIStrategy(ParallelStrategy):
         self.keeps_going = False  # set by fit_elastic: every optimizer step ends in the ranks' agreement
         self._shards_to_load: Path | None = None  # a directory checkpoint whose shards load after sharding
         self._requeue: RequeueAfterTheStep | None = None  # SLURM's auto-requeue, while a fit trains
+        self.requeue_saves = None  # set by fit_elastic: a requeue saves where it resumes (else Lightning's hpc file)
 
     # ------------------------------------------------------------- where and how many
 
@@ -301,7 +302,7 @@ class FSDPMPIStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         """Lightning's SLURM auto-requeue, where its SLURMEnvironment asks for it: after an optimizer step, the same
         on every rank (lightning_requeue.py)."""
-        self._requeue = RequeueAfterTheStep.added_to(self.lightning_module.trainer, self.comm)
+        self._requeue = RequeueAfterTheStep.added_to(self.lightning_module.trainer, self.comm, self.requeue_saves)
 
     def on_exception(self, exception: BaseException) -> None:
         """Lightning calls this with what ended fit(): a lost rank is said plainly (then the exception ends the

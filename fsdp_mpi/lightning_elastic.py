@@ -91,6 +91,12 @@ class _StepCheckpoints(Callback):
                                   self.started_on)
             self.saved = trainer.global_step
 
+    def save_now(self, trainer) -> Path:
+        """The Trainer saved at this step (collective; once per step), where the next ``fit_elastic`` resumes: a
+        SLURM requeue's checkpoint (lightning_requeue.py), so that the requeued job loses no step."""
+        self._save(trainer)
+        return self.directory.root / f"step-{trainer.global_step:08d}"
+
 
 def fit_elastic(build: Callable[[Communicator], tuple], checkpoint_dir: str | Path, checkpoint_every: int, *,
                 comm: Communicator | None = None, grow_back: bool = False, hosts_file: str | Path | None = None,
@@ -150,5 +156,7 @@ def _built(build: Callable[[Communicator], tuple], comm: Communicator, directory
                         f"it is given (its strategy: {type(strategy).__name__})")
     strategy.keeps_going = True
     strategy.state_dict_type = "sharded"
-    trainer.callbacks.append(_StepCheckpoints(directory, every, started_on))
+    checkpoints = _StepCheckpoints(directory, every, started_on)
+    trainer.callbacks.append(checkpoints)
+    strategy.requeue_saves = checkpoints.save_now
     return _Fit(comm, trainer, module, datamodule)

@@ -14,6 +14,9 @@ This callback does the same work safely:
 - at the end of each optimizer step the ranks agree whether any of them noted it (one scalar reduction);
 - if one did, every rank saves after that step, rank 0 requeues, and the run ends with ``STOPPED_WITH_CHECKPOINT``.
 
+It saves where the requeued job resumes: Lightning's ``hpc_ckpt_N.ckpt``, or under ``fit_elastic`` that loop's own
+checkpoint directory (``FSDPMPIStrategy.requeue_saves``), which the next ``fit_elastic`` resumes from.
+
 As in Lightning, a signal that something else already handles (a user's handler, the experiments') is left to it.
 """
 
@@ -21,6 +24,8 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+from typing import Callable
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -46,16 +51,19 @@ class RequeueAfterTheStep(Callback):
     """Saves, requeues and ends the run after the first optimizer step whose end finds the requeue signal noted on
     some rank. The strategy adds it as training starts (``added_to``) and ``close``s it at teardown."""
 
-    def __init__(self, comm: Communicator, number: signal.Signals, callbacks: list):
-        self.comm, self.callbacks = comm, callbacks
+    def __init__(self, comm: Communicator, number: signal.Signals, callbacks: list, save: Callable[..., Path]):
+        self.comm, self.callbacks, self.save = comm, callbacks, save
         self.stop = StopSignals((number,)).install()
         callbacks.append(self)
 
     @classmethod
-    def added_to(cls, trainer, comm: Communicator) -> "RequeueAfterTheStep | None":
-        """The callback, among `trainer`'s, where the run asks for auto-requeue (``requeue_signal``)."""
+    def added_to(cls, trainer, comm: Communicator,
+                 save: Callable[..., Path] | None = None) -> "RequeueAfterTheStep | None":
+        """The callback, among `trainer`'s, where the run asks for auto-requeue (``requeue_signal``). `save`: how
+        the Trainer is saved where the requeued job resumes (collective; the path saved): Lightning's
+        ``hpc_ckpt_N.ckpt`` by default, ``fit_elastic``'s checkpoint directory under it."""
         number = requeue_signal(trainer)
-        return None if number is None else cls(comm, number, trainer.callbacks)
+        return None if number is None else cls(comm, number, trainer.callbacks, save or save_for_lightnings_resume)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.automatic_optimization and trainer.fit_loop.epoch_loop._should_accumulate():
@@ -63,8 +71,7 @@ class RequeueAfterTheStep(Callback):
         received = self.stop.agreed(self.comm.all_reduce_max_float)
         if received is None:
             return
-        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
-        trainer.save_checkpoint(path)
+        path = self.save(trainer)
         if self.comm.rank == 0:
             print(f"fsdp_mpi.lightning: {received.name} after optimizer step {trainer.global_step}: saved {path}; "
                   f"{requeue()} (exit code {STOPPED_WITH_CHECKPOINT})", file=sys.stderr, flush=True)
@@ -74,6 +81,13 @@ class RequeueAfterTheStep(Callback):
         """The signal handled as before, and the callback out of the Trainer's."""
         self.stop.uninstall()
         self.callbacks.remove(self)
+
+
+def save_for_lightnings_resume(trainer) -> Path:
+    """``hpc_ckpt_N.ckpt`` in the Trainer's root folder, which a Trainer of the requeued job resumes from by itself."""
+    path = Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+    trainer.save_checkpoint(path)
+    return path
 
 
 def requeue() -> str:

@@ -103,6 +103,11 @@ def test_lightning_trainer_with_fsdp_mpi_matches_one_process_resumes_and_mixes_p
     assert report["requeue_files"] == ["hpc_ckpt_1.ckpt"] and report["requeue_calls"] == ["requeue 4242"]
     assert report["requeue_handler_restored"] == [True, True]
     assert report["requeue_resumed_global_step"] == 4 and report["requeue_resumed_difference"] == 0.0
+    # The same under fit_elastic: the requeue's checkpoint is fit_elastic's own, at the step of the stop (its
+    # periodic saves come every 3 steps), so the requeued job's fit_elastic loses no step, and ends bit for bit.
+    assert report["elastic_requeue_exit_codes"] == [3, 3] and report["elastic_requeue_latest"] == "step-00000002"
+    assert report["elastic_requeue_calls"] == ["requeue 4242"] * 2
+    assert report["elastic_requeue_resumed_global_step"] == 4 and report["elastic_requeue_resumed_difference"] == 0.0
 
 
 class RunsCodeWhenUnpickled:

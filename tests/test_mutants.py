@@ -492,6 +492,8 @@ MUTANTS = {
         "fsdp_mpi/lightning_requeue.py",
         "        if pl_module.automatic_optimization and trainer.fit_loop.epoch_loop._should_accumulate():",
         "        if False:", [LIGHTNING]),
+    "under fit_elastic a requeue saves Lightning's own file, so the requeued job repeats steps": (
+        "fsdp_mpi/lightning_elastic.py", "    strategy.requeue_saves = checkpoints.save_now\n", "", [LIGHTNING]),
     "every rank asks scontrol to requeue the job under Lightning": (
         "fsdp_mpi/lightning_requeue.py", "        if self.comm.rank == 0:", "        if True:", [LIGHTNING]),
     "a rank that stopped with its checkpoint dies of the SIGTERM that srun sends as the first rank exits": (

@@ -253,6 +253,38 @@ def requeued_after_a_signal(root: str) -> dict:
     if comm.Get_rank() == 0:
         report["requeue_calls"] = calls.read_text().splitlines() if calls.exists() else []
         report["requeue_resumed_difference"] = max_difference(weights, expected)
+    return {**report, **requeued_under_fit_elastic(folder, expected)}
+
+
+def requeued_under_fit_elastic(folder: Path, expected: dict) -> dict:
+    """The same under ``fit_elastic`` saving every 3 steps (here, where MPI cannot report a lost rank, it fits as
+    usual): the requeue's checkpoint is fit_elastic's, at the step of the stop, and the next ``fit_elastic``
+    resumes from it: what fit ended with, the directory's latest checkpoint, the resumed run's last step and its
+    weights' difference from the run never stopped."""
+    from fsdp_mpi.lightning_elastic import fit_elastic
+
+    comm = MPI.COMM_WORLD
+    checkpoints = folder / "elastic"  # and the Trainers' root: the folder above holds the hpc file of the run before
+
+    def build(on, signalled: bool):
+        return (trainer(4, FSDPMPIStrategy(auto_wrap_policy={Block}, comm=on), default_root_dir=checkpoints,
+                        accumulate_grad_batches=2, callbacks=[SignalRankOneInStepTwo()] if signalled else []),
+                Regression())
+
+    try:
+        fit_elastic(lambda on: build(on, True), checkpoints, 3)
+        exit_code = None
+    except SystemExit as stop:
+        exit_code = stop.code
+    comm.Barrier()
+    latest = (checkpoints / "latest").read_text().strip()
+    fitted = fit_elastic(lambda on: build(on, False), checkpoints, 3)
+    weights = trained_weights(fitted.lightning_module, fitted)
+    report = {"elastic_requeue_exit_codes": comm.allgather(exit_code), "elastic_requeue_latest": latest,
+              "elastic_requeue_resumed_global_step": fitted.global_step}
+    if comm.Get_rank() == 0:
+        report["elastic_requeue_resumed_difference"] = max_difference(weights, expected)
+        report["elastic_requeue_calls"] = (folder / "scontrol-calls").read_text().splitlines()  # both cases'
     return report
 
 
