@@ -75,6 +75,7 @@ class _StepCheckpoints(Callback):
     def __init__(self, directory: CheckpointDirectory, every: int, started_on: int):
         self.directory, self.every, self.started_on = directory, every, started_on
         self.saved = -1  # the step last saved: a step's micro-batches each end a batch
+        self.saved_at: Path | None = None  # where this callback saved it
 
     def on_train_start(self, trainer, module) -> None:
         if self.directory.latest() is None:
@@ -87,15 +88,15 @@ class _StepCheckpoints(Callback):
 
     def _save(self, trainer) -> None:
         if trainer.global_step != self.saved:
-            self.directory.save_by(trainer.global_step, lambda path: trainer.save_checkpoint(path, weights_only=False),
-                                  self.started_on)
+            self.saved_at = self.directory.save_by(
+                trainer.global_step, lambda path: trainer.save_checkpoint(path, weights_only=False), self.started_on)
             self.saved = trainer.global_step
 
     def save_now(self, trainer) -> Path:
         """The Trainer saved at this step (collective; once per step), where the next ``fit_elastic`` resumes: a
         SLURM requeue's checkpoint (lightning_requeue.py), so that the requeued job loses no step."""
         self._save(trainer)
-        return self.directory.root / f"step-{trainer.global_step:08d}"
+        return self.saved_at
 
 
 def fit_elastic(build: Callable[[Communicator], tuple], checkpoint_dir: str | Path, checkpoint_every: int, *,
