@@ -141,8 +141,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has ended; only its parent has not collected it yet
-        return stat.read().split(") ")[-1][0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie has ended; only its parent has not collected it yet
+            return stat.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:  # collected meanwhile
+        return False
 
 
 @pytest.mark.parametrize("value, seconds", [("", 600.0), ("0", 0.0), ("2.5", 2.5)])

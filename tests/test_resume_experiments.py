@@ -57,7 +57,11 @@ class Started:
         """The ranks' processes: hydra starts each in a session of its own, so they are found as descendants."""
         found, parents = [], [self.process.pid]
         while parents:
-            for task in Path(f"/proc/{parents.pop()}/task").glob("*"):
+            try:
+                tasks = list(Path(f"/proc/{parents.pop()}/task").iterdir())
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # ended meanwhile
+            for task in tasks:
                 try:
                     children = [int(pid) for pid in (task / "children").read_text().split()]
                     parents += children
@@ -77,8 +81,7 @@ class Started:
             return self.process.wait(timeout=timeout)
         finally:
             if self.process.poll() is None:
-                for pid in self.rank_pids():
-                    os.kill(pid, signal.SIGKILL)
+                self.signal_ranks(signal.SIGKILL)
                 self.process.kill()
 
     def output(self) -> str:
