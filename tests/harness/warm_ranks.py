@@ -26,6 +26,7 @@ Nothing of the repository is imported by the servers (the mutants run copies of 
 code of the script's own checkout.
 """
 
+import contextlib
 import gc
 import json
 import os
@@ -88,8 +89,12 @@ def start_rank(script_and_args: list[str]) -> None:  # [script, args...] or ["-m
         connection.close()
         _start_cold(script_and_args)
     child = answer["pid"]
+    def forward(number, _frame):
+        with contextlib.suppress(ProcessLookupError):  # the child ended; its end is on its way to us
+            os.kill(child, number)
+
     for forwarded in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
-        signal.signal(forwarded, lambda number, _frame: os.kill(child, number))
+        signal.signal(forwarded, forward)
     ended = json.loads(replies.readline() or '{"signal": 9}')  # the server gone: as if killed
     if "signal" in ended:
         if ended["signal"] not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, nor reset
