@@ -35,6 +35,7 @@ MIXED = "tests/test_mixed_precision.py"
 ONE_RANK = "tests/test_comm.py::test_one_rank_makes_no_mpi_call"
 UNUSED = "tests/test_equivalence.py::test_parameters_that_no_rank_used_get_no_gradient"
 STEP_IN_BACKWARD = "tests/test_equivalence.py::test_the_optimizer_stepped_inside_backward_makes_the_same_step_as_after_it"
+EVERY_MODEL = "tests/test_equivalence.py::test_every_model_trains_as_on_one_process[2]"
 ENTRY_POINTS = "tests/test_equivalence.py::test_any_entry_point_gathers_what_it_needs_and_matches_one_process"
 FAMILIES = "tests/test_equivalence.py::test_a_layer_run_several_times_and_frozen_parts_train_as_on_one_process"
 HOST_MEMORY = "tests/test_memory.py::test_freed_host_memory_is_kept_for_reuse_unless_turned_off"
@@ -496,6 +497,15 @@ MUTANTS = {
         "fsdp_mpi/lightning_elastic.py", "    strategy.requeue_saves = checkpoints.save_now\n", "", [LIGHTNING]),
     "every rank asks scontrol to requeue the job under Lightning": (
         "fsdp_mpi/lightning_requeue.py", "        if self.comm.rank == 0:", "        if True:", [LIGHTNING]),
+    "offloaded, a step inside backward reads its gradient before it has come home": (
+        "fsdp_mpi/loop/step_in_backward.py", "        handle.gradient.wait_for_arrival()\n", "", [STEP_IN_BACKWARD]),
+    "offloaded, a second reduction meets the first on the host before either has come home": (
+        "fsdp_mpi/sharding/flat_gradient.py",
+        "        if self.shard_grad is not None or any(view.grad is not None for view in views):",
+        "        if False:", [EVERY_MODEL]),
+    "offloaded, backward ends before the gradients have come home": (
+        "fsdp_mpi/sharding/lifecycle.py", "                handle.gradient.wait_for_arrival()  #", "                #",
+        [EVERY_MODEL]),
     "a rank that stopped with its checkpoint dies of the SIGTERM that srun sends as the first rank exits": (
         "fsdp_mpi/loop/stop_signals.py", "            signal.signal(stop_signal, signal.SIG_IGN)", "            pass",
         [STOPPED_BY_A_SIGNAL]),

@@ -52,3 +52,10 @@ def test_offload_pins_and_copies_only_where_units_compute_on_a_gpu():
     assert kept.shard_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     shard = offloaded.zeros(5, torch.float32, torch.device("cpu"))
     assert shard.device.type == "cpu" and not shard.is_pinned() and shard.tolist() == [0.0] * 5
+    # Nothing pinned, nothing to overlap: a gradient comes home at once (cast to the shard's dtype), and a
+    # shard goes to the compute dtype as .to() takes it; no stream is made.
+    from fsdp_mpi.sharding.offload import _COPY_STREAMS, on_device
+    home, wait = offloaded.copy_home(torch.tensor([0.5, 1.5], dtype=torch.bfloat16), shard)
+    assert home.dtype == torch.float32 and home.tolist() == [0.5, 1.5] and wait() is None
+    assert on_device(shard, torch.device("cpu"), torch.bfloat16).dtype == torch.bfloat16 and not _COPY_STREAMS
+    assert not torch.cuda.is_initialized()

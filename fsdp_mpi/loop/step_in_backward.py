@@ -127,16 +127,21 @@ class HandleSteps:
     def _step(self, handle: FlatParamHandle) -> None:
         self._stepped.add(handle)
         if self._thread is None:
-            self._step_views(self._views[handle])
+            self._step_handle(handle)
             _clear_gradient(handle)  # its memory is free for the rest of backward
         else:
-            self._running.append(self._thread.submit(self._step_views, self._views[handle]))
+            self._running.append(self._thread.submit(self._step_handle, handle))
 
     def _wait(self) -> None:
         """Joins the steps on the thread; one that failed raises here, in backward's thread."""
         running, self._running = self._running, []
         for future in running:
             future.result()
+
+    def _step_handle(self, handle: FlatParamHandle) -> None:
+        """Steps `handle`'s views once its gradient has come home (on the thread, the thread waits for it)."""
+        handle.gradient.wait_for_arrival()
+        self._step_views(self._views[handle])
 
     def _step_views(self, views: set[int]) -> None:
         """``optimizer.step()`` with each param group cut down to the parameters in `views` (ids)."""

@@ -23,6 +23,7 @@ from fsdp_mpi.communication.comm import Communicator
 from fsdp_mpi.communication.compression import (Codec, compressed_all_gather, compressed_all_reduce_sum_,
                                                  compressed_reduce_scatter_sum, start_compressed_all_gather)
 from fsdp_mpi.communication.machinery.in_flight import InFlight
+from fsdp_mpi.sharding.offload import on_device
 
 
 # ----------------------------------------------------------------- gathers: full (W * S,) <- every rank's shard (S,)
@@ -42,8 +43,8 @@ class LocalGather:
 
 
 class PlainGather:
-    """The shard cast to the compute dtype and moved to the compute device (`full`'s: where it is offloaded),
-    then all-gathered."""
+    """The shard cast to the compute dtype and moved to the compute device (`full`'s: where it is offloaded,
+    ``offload.on_device``), then all-gathered."""
 
     communicates = True
 
@@ -51,10 +52,10 @@ class PlainGather:
         self.comm = comm
 
     def into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
-        self.comm.all_gather_into(full, shard.to(full.device, full.dtype), unit)
+        self.comm.all_gather_into(full, on_device(shard, full.device, full.dtype), unit)
 
     def start_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
-        return self.comm.start_all_gather_into(full, shard.to(full.device, full.dtype), unit)
+        return self.comm.start_all_gather_into(full, on_device(shard, full.device, full.dtype), unit)
 
 
 class CompressedGather:
@@ -66,10 +67,11 @@ class CompressedGather:
         self.comm, self.codec = comm, codec
 
     def into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
-        compressed_all_gather(self.comm, full, shard.to(full.device), self.codec, unit)
+        compressed_all_gather(self.comm, full, on_device(shard, full.device, shard.dtype), self.codec, unit)
 
     def start_into(self, full: torch.Tensor, shard: torch.Tensor, unit: str) -> InFlight:
-        return start_compressed_all_gather(self.comm, full, shard.to(full.device), self.codec, unit)
+        return start_compressed_all_gather(self.comm, full, on_device(shard, full.device, shard.dtype), self.codec,
+                                           unit)
 
 
 def choose_gather(comm: Communicator, codec: Codec | None) -> LocalGather | PlainGather | CompressedGather:

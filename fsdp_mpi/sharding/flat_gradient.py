@@ -12,6 +12,7 @@ a parameter that no rank used keeps ``.grad`` None, as in one process
 import torch
 
 from fsdp_mpi.sharding.host_memory import BorrowedBuffer
+from fsdp_mpi.sharding.offload import nothing_to_wait_for
 
 
 class FlatGradient:
@@ -46,6 +47,9 @@ class FlatGradient:
         self.reduced_in_graph = False
         self._left_out_of_graph: list[tuple[int, torch.Tensor]] = []
         self._pending = None  # an asynchronous reduce-scatter: wait() returns its shard_grad
+        # Waits until the last reduced gradient copied home (offloaded, from a GPU) is there: the copies of one
+        # handle go in order, so the last one's wait covers those before it (offload.copy_home).
+        self.wait_for_arrival = nothing_to_wait_for
         self.full_buffer: BorrowedBuffer | None = None  # where backward assembles the full gradient (handle sets)
 
     def _give_back_full_gradient(self) -> None:
@@ -117,6 +121,7 @@ class FlatGradient:
             full_grad.add_(kept)
         shard_grad = self._averaged(self.reduction.reduce_scatter(full_grad.to(self.reduce_dtype), handle.unit_name))
         shard_grad = self._home(shard_grad)
+        self.wait_for_arrival()  # read below, and by the graph
         self._left_out_of_graph = [(index, piece.clone()) for index, (piece, before, now)
                                    in enumerate(zip(shard_grad.split(handle.shard_pieces), used_since_reduction,
                                                     used))
@@ -141,8 +146,10 @@ class FlatGradient:
 
     def _home(self, shard_grad: torch.Tensor) -> torch.Tensor:
         """A reduced gradient shard where and as the shard is kept: copied to host memory where offloaded, cast
-        to the shard's dtype (a no-op where it is both already)."""
-        return shard_grad.to(self.handle.shard.device, self.handle.shard.dtype)
+        to the shard's dtype (a no-op where it is both already). From a GPU the copy may still be on its way:
+        read it only after ``wait_for_arrival()``."""
+        home, self.wait_for_arrival = self.handle.offload.copy_home(shard_grad, self.handle.shard)
+        return home
 
     def _averaged(self, shard_grad: torch.Tensor) -> torch.Tensor:
         """A reduce-scattered gradient summed over the replicas too and, unless backward scaled it, divided."""
@@ -155,6 +162,8 @@ class FlatGradient:
         """Adds a reduced gradient to what the sharded views still hold, then exposes it through them."""
         views, pieces = self.handle.sharded_views, self.handle.shard_pieces
         shard_grad = self._home(shard_grad)
+        if self.shard_grad is not None or any(view.grad is not None for view in views):
+            self.wait_for_arrival()  # what is held meets the new gradient on the host: both must be there
         self.release_cleared_by_user()
         if self.shard_grad is None:
             self.shard_grad = shard_grad

@@ -71,7 +71,7 @@ class FlatParamHandle(FlatLayout):
                  compression: Compression | None = None, offload: CPUOffload | None = None):
         first = params[0][0]
         self.compute_device = torch.device(device if device is not None else first.device)
-        offload = offload or CPUOffload()
+        self.offload = offload = offload or CPUOffload()
         self.comm = comm
         self.replicas = replicas
         self.unit_name = unit_name

@@ -303,6 +303,7 @@ class ShardedUnit:
                     handle.gradient.reduce()
                 handle.gradient.awaiting = False
                 handle.gradient.give_gradients_left_out_of_graph()
+                handle.gradient.wait_for_arrival()  # offloaded from a GPU: the copies home have landed
             unit._to_idle()
         if self.requires_gradient_sync:
             self._drop_gradients_no_rank_used()

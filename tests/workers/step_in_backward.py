@@ -7,7 +7,8 @@ same batches: one with ``optimizer.step()`` after backward (whose equivalence wi
 one process the other workers prove), one inside ``step_in_backward``. Stepping a
 handle at a time must be the same step: after every step the parameters and the
 optimizer's state are equal to the bit, and the stepped model's gradients are
-cleared. Variants: inline and on a thread of its own, offloaded, accumulated under
+cleared. Variants: inline and on a thread of its own, offloaded (its gradients coming home as late as from
+a GPU: ``late_arrivals.py``), accumulated under
 ``no_sync()``, with the reduce-scatter asynchronous, NO_SHARD (every rank a
 replica), in bf16, with a frozen layer, compiled whole (the graph's handles then
 step at the end of backward), with a scheduler, and with the for-loop, foreach and
@@ -23,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 from common import output_path, same_state, take_device_argument, write_json
+from late_arrivals import ArrivingLate
 from torch import nn
 from unused_parameters import STEPS, Branchy, Experts, StaticBranchy, backward, compile_afresh
 
@@ -30,6 +32,7 @@ from fsdp_mpi import (Communicator, CPUOffload, FullyShardedDataParallel, MixedP
                       ShardingStrategy, clip_grad_norm_, step_in_backward)
 
 OFFLOAD = {"cpu_offload": CPUOffload(offload_params=True)}
+LATE = {"cpu_offload": ArrivingLate}  # on the CPU, copies home that land as late as from a GPU (one per model)
 BF16 = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}
 
 
@@ -44,12 +47,12 @@ class Variant(NamedTuple):
 
 VARIANTS = {
     "inline": Variant("sync", {}, "adamw_for_loop"),
-    "thread_offloaded": Variant("sync", OFFLOAD, "adamw_foreach", on_host_thread=True),
-    "no_sync_fused": Variant("no_sync", OFFLOAD, "adamw_fused"),
+    "thread_offloaded": Variant("sync", LATE, "adamw_foreach", on_host_thread=True),
+    "no_sync_fused": Variant("no_sync", LATE, "adamw_fused"),
     "async_sgd": Variant("sync", {"async_reduce_scatter": True, "backward_prefetch": True}, "sgd",
                          on_host_thread=True),
     "no_shard": Variant("sync", {"sharding_strategy": ShardingStrategy.NO_SHARD}, "adamw_for_loop"),
-    "bf16_offloaded": Variant("sync", {**OFFLOAD, **BF16}, "adamw_fused"),
+    "bf16_offloaded": Variant("sync", {**LATE, **BF16}, "adamw_fused"),
     "frozen_part": Variant("sync", {}, "adamw_for_loop", frozen=True),
     "compiled_no_sync": Variant("no_sync", {}, "adamw_fused", compiled=True),  # StaticBranchy: uses by step only
 }
@@ -71,6 +74,7 @@ def make_optimizer(kind: str, model: nn.Module):
 def wrap(reference: nn.Module, comm: Communicator, options: dict,
          device: torch.device | None = None) -> FullyShardedDataParallel:
     """A sharded copy of `reference` (on the CPU: the wrapper places it, offloaded or not, on `device`)."""
+    options = {name: value() if value is ArrivingLate else value for name, value in options.items()}
     return FullyShardedDataParallel(copy.deepcopy(reference), comm=comm, device=device,
                                     auto_wrap_policy=ModuleWrapPolicy({nn.Sequential, Experts}), **options)
 
