@@ -74,7 +74,9 @@ of in two levels (``FSDP_MPI_TWO_LEVEL=0``).
 in host memory (``CPUOffload(offload_params=True)``; the experiments'
 ``--cpu-offload``): the device holds only the unit that computes, and the
 optimizer steps on the CPU; ``torch-fsdp+offload`` is FSDP2's counterpart
-(``CPUOffloadPolicy``).
+(``CPUOffloadPolicy``). ``fsdp-mpi+offload+sync_copies`` makes the copies between
+the two memories ones the host waits for (``FSDP_MPI_OFFLOAD_STREAMS=0``), not
+on streams of their own: what the streams save.
 ``fsdp-mpi+step_in_backward`` steps the optimizer inside backward, each unit as
 its gradient is final (``fsdp_mpi.step_in_backward``; offloaded from a GPU, on a
 host thread overlapped with the rest of backward); in 32 or bf16-mixed.

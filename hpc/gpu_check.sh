@@ -53,7 +53,8 @@
 #       # gradients and optimizer state in host memory), the same with the optimizer stepped inside backward on a
 #       # host thread, and torch FSDP2 with CPUOffloadPolicy; peak GPU MB and step s. Named only, about 6 minutes
 #   FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh offload-two-ranks
-#       # the same offloaded runs on 2 ranks sharing the GPU, FSDP2 through the fsdp_mpi backend. Named only
+#       # the same offloaded runs on 2 ranks sharing the GPU, FSDP2 through the fsdp_mpi backend, and fsdp-mpi's
+#       # with the copies the host waits for (+sync_copies: what the copy streams save). Named only
 #   FSDP_MPI_GPU_CHECK_DRY=1 FSDP_MPI_GPU_CHECK_QUICK=1 bash hpc/gpu_check.sh seed-report compiled-whole
 #       # prints each step's name and command line instead of running it (installs nothing, needs no GPU): what a
 #       # loan will run, read before it starts. tests/test_gpu_check.py holds every command to its script's parser
@@ -294,7 +295,7 @@ fi
 if [[ "$only" == *" offload-two-ranks "* ]]; then
     run offload-two-ranks 420 $PY experiments/bench.py --device cuda --seq-len 1024 --steps 3 --warmup 1 --rounds 1 \
         --ranks 2 --model gpt2-xl --batch-size 4 --out "$out/offload-two-ranks.csv" \
-        --strategies fsdp-mpi+offload:bf16-mixed,fsdp-mpi+offload+step_in_backward:bf16-mixed,torch-fsdp+offload+backend=fsdp_mpi:bf16-mixed
+        --strategies fsdp-mpi+offload:bf16-mixed,fsdp-mpi+offload+sync_copies:bf16-mixed,fsdp-mpi+offload+step_in_backward:bf16-mixed,fsdp-mpi+offload+step_in_backward+sync_copies:bf16-mixed,torch-fsdp+offload+backend=fsdp_mpi:bf16-mixed
 fi
 
 # The collectives at 256 MiB: through the node's shared device memory, through MPI (staged), raw MPI on host.

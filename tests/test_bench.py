@@ -152,6 +152,7 @@ BAD_ARGUMENTS = [  # each refused before anything is launched
     (["--strategies", "ddp+comm=int8"], "unknown strategy 'ddp+comm=int8'"),
     (["--strategies", "ddp+offload"], "unknown strategy 'ddp+offload'"),  # fsdp-mpi's and FSDP2's only
     (["--strategies", "ddp+step_in_backward"], "unknown strategy 'ddp+step_in_backward'"),
+    (["--strategies", "fsdp-mpi+sync_copies"], "'fsdp-mpi+sync_copies': sync_copies changes the copies of an offloaded"),
     (["--strategies", "fsdp-mpi+step_in_backward:16-mixed"], "step_in_backward trains in 32 or bf16-mixed"),
     (["--strategies", "fsdp-mpi+comm=int4"], "each one of none, bf16, int8"),
     (["--strategies", "ddp@x"], "the rank count after @ must be a number"),
@@ -192,22 +193,22 @@ def test_bad_arguments_are_refused_with_their_reason(capsys):
 
 def test_flat_through_mpi_and_backend_set_their_variables_and_arguments_for_the_run(monkeypatch):
     """fsdp-mpi+flat runs with FSDP_MPI_TWO_LEVEL=0 (groups spanning nodes in one flat ring), +mpi with
-    FSDP_MPI_NODE_TRANSPORT=0; a plain fsdp-mpi run with neither. ddp+backend=fsdp_mpi passes the worker
-    ``--backend fsdp_mpi`` and nothing else of its own; plain ddp ``--backend auto``."""
+    FSDP_MPI_NODE_TRANSPORT=0, +offload+sync_copies with FSDP_MPI_OFFLOAD_STREAMS=0; a plain fsdp-mpi run with
+    none. ddp+backend=fsdp_mpi passes the worker ``--backend fsdp_mpi`` and nothing else of its own; plain ddp
+    ``--backend auto``."""
     import bench
     launched = []
     monkeypatch.setattr(bench.subprocess, "run", lambda command, env, **_: launched.append((command, env)) or
                         subprocess.CompletedProcess(command, 1, "", "stopped here"))
     args = bench.arguments(["--strategies", "fsdp-mpi"])[0]
-    for spec in ("fsdp-mpi", "fsdp-mpi+flat", "fsdp-mpi+mpi", "ddp+backend=fsdp_mpi", "ddp"):
+    for spec in ("fsdp-mpi", "fsdp-mpi+flat", "fsdp-mpi+mpi", "fsdp-mpi+offload+sync_copies", "ddp+backend=fsdp_mpi",
+                 "ddp"):
         bench.run_one(spec, 4, args)
-    settings = [{name: env.get(name) for name in ("FSDP_MPI_TWO_LEVEL", "FSDP_MPI_NODE_TRANSPORT")}
-                for _, env in launched]
-    assert settings[:3] == [{"FSDP_MPI_TWO_LEVEL": None, "FSDP_MPI_NODE_TRANSPORT": None},
-                            {"FSDP_MPI_TWO_LEVEL": "0", "FSDP_MPI_NODE_TRANSPORT": None},
-                            {"FSDP_MPI_TWO_LEVEL": None, "FSDP_MPI_NODE_TRANSPORT": "0"}]
+    names = ("FSDP_MPI_TWO_LEVEL", "FSDP_MPI_NODE_TRANSPORT", "FSDP_MPI_OFFLOAD_STREAMS")
+    settings = [tuple(env.get(name) for name in names) for _, env in launched]
+    assert settings[:4] == [(None, None, None), ("0", None, None), (None, "0", None), (None, None, "0")]
     worker_options = [dict(zip(command[command.index("--strategy")::2], command[command.index("--strategy") + 1::2]))
-                      for command, _ in launched[3:]]
+                      for command, _ in launched[4:]]
     assert [(options["--strategy"], options["--backend"], options["--overlap"]) for options in worker_options] == \
         [("ddp", "fsdp_mpi", ""), ("ddp", "auto", "")]
 

@@ -60,6 +60,20 @@ def test_each_rank_makes_a_cuda_context_on_its_own_gpu_only(tmp_path):
     assert json.loads(out.read_text())["cuda/no CUDA context on another rank's GPU"]
 
 
+@pytest.mark.parametrize("streams", ["1", "0"])
+def test_offloaded_copies_leave_the_host_free_while_the_gpu_computes(tmp_path, streams):
+    """workers/offload_streams.py: a shard to the device and a gradient home behind a busy compute stream. On
+    streams of their own the host returns before the GPU is done, the gradient landing in pinned memory; with
+    FSDP_MPI_OFFLOAD_STREAMS=0 it waits. The values arrive either way."""
+    out = tmp_path / "offload-streams.json"
+    check_ok(run_mpi("offload_streams.py", 1, out, timeout=120,
+                     env={**FIRST_GPU, "FSDP_MPI_OFFLOAD_STREAMS": streams}))
+    found = json.loads(out.read_text())
+    assert found["to_the_device_copied"] and found["home_copied"], found
+    on_streams = [found["to_the_device_left_the_host_free"], found["home_left_the_host_free"], found["home_pinned"]]
+    assert on_streams == [streams == "1"] * 3, found
+
+
 def test_the_node_transports_edges_on_the_gpu(tmp_path):
     """workers/node_edges.py with 4 ranks sharing the first GPU: 3 ranks with a sum on a side stream, HYBRID_SHARD
     with both groups on device memory at once, the slots given back and counted, the current device kept, and

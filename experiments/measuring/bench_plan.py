@@ -25,10 +25,12 @@ THROUGH_MPI = "mpi"  # the node's ranks exchange through MPI, not the memory the
 FLAT = "flat"  # a group spanning nodes goes through one flat ring, not in two levels
 OFFLOAD = "offload"  # shards, gradients and optimizer state in host memory: fsdp-mpi's CPUOffload, FSDP2's policy
 STEP_IN_BACKWARD = "step_in_backward"  # fsdp-mpi's optimizer steps each unit inside backward (step_in_backward)
+SYNC_COPIES = "sync_copies"  # offloaded, copies the host waits for instead of on streams of their own
 SAMPLE_DROPOUT = "sample_dropout"  # dropout drawn per sample (fsdp_mpi.use_sample_dropout), as the experiments train
-VARIABLES = {THROUGH_MPI: {"FSDP_MPI_NODE_TRANSPORT": "0"}, FLAT: {"FSDP_MPI_TWO_LEVEL": "0"}}  # set for the run
+VARIABLES = {THROUGH_MPI: {"FSDP_MPI_NODE_TRANSPORT": "0"}, FLAT: {"FSDP_MPI_TWO_LEVEL": "0"},  # set for the run
+             SYNC_COPIES: {"FSDP_MPI_OFFLOAD_STREAMS": "0"}}
 # fsdp-mpi's alone; a sharding strategy (fsdp-mpi+NO_SHARD) replaces --sharding-strategy for that run
-FSDP_MPI_SWITCHES = (*OVERLAP, *SHARDING_STRATEGIES, THROUGH_MPI, FLAT, OFFLOAD, STEP_IN_BACKWARD)
+FSDP_MPI_SWITCHES = (*OVERLAP, *SHARDING_STRATEGIES, THROUGH_MPI, FLAT, OFFLOAD, STEP_IN_BACKWARD, SYNC_COPIES)
 COMPRESSION = "comm="  # comm=WEIGHTS[/GRADIENTS]: --comm-compression's, for training's COMPRESSING strategies
 BACKEND = "backend="  # backend=NAME: torch.distributed's, one of training's BACKENDS (auto: leave it out)
 
@@ -91,6 +93,8 @@ def check_spec(spec: Spec, item: str, device: str) -> None:
         raise PlanError(f"{spec.base} is benchmarked on the CPU only; on a GPU compare plain, fsdp-mpi and torch-fsdp")
     if spec.precision not in PRECISIONS:
         raise PlanError(f"{item!r}: the precision after : must be one of {', '.join(PRECISIONS)}")
+    if SYNC_COPIES in spec.options and OFFLOAD not in spec.options:
+        raise PlanError(f"{item!r}: sync_copies changes the copies of an offloaded run; add +offload")
     if STEP_IN_BACKWARD in spec.options and spec.precision == "16-mixed":
         raise PlanError(f"{item!r}: fp16's loss scaling would have to skip steps taken inside backward already; "
                         "step_in_backward trains in 32 or bf16-mixed")

@@ -41,9 +41,12 @@ HYBRID_GROUP_SIZE = Setting("FSDP_MPI_HYBRID_GROUP_SIZE", "the node's ranks",
 REUSE_HOST_MEMORY = Setting("FSDP_MPI_REUSE_HOST_MEMORY", "1",
                             "0: gathered parameters and full gradients take new host memory each time, not "
                             "buffers kept for reuse (on by default: they come back every step)", True)
+OFFLOAD_STREAMS = Setting("FSDP_MPI_OFFLOAD_STREAMS", "1",
+                          "0: offloaded from a GPU, shards go to the device and gradients come home by copies the "
+                          "host waits for, not on streams of their own (to measure what those save)", True)
 
 SETTINGS = (CUDA_AWARE, FORCE_STAGING, NODE_TRANSPORT, TWO_LEVEL, EMULATED_NODE_SIZE, TIMEOUT, VERIFY,
-            HYBRID_GROUP_SIZE, REUSE_HOST_MEMORY)
+            HYBRID_GROUP_SIZE, REUSE_HOST_MEMORY, OFFLOAD_STREAMS)
 
 # How collectives are cut, per rank: not settings of the environment, but defaults of the transports, kept here
 # with the others. A Communicator can change its own (the tests cut messages small to exercise the chunking).

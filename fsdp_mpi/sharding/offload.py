@@ -30,13 +30,16 @@ direction has a stream of its own, ordered by events, as FSDP2's offload does:
 On one rank there is no gather to wait for the copy to the device (a unit's
 weights are the shard cast into the gathered buffer, ``collectives.LocalGather``),
 and nothing would keep the host from writing the shard under a copy in flight:
-that copy stays synchronous.
+that copy stays synchronous. ``FSDP_MPI_OFFLOAD_STREAMS=0`` makes every copy so,
+to measure what the streams save (bench.py's ``+sync_copies``).
 """
 
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from fsdp_mpi.communication.settings import OFFLOAD_STREAMS, read_flag
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class CPUOffload:
         is there: the gradient's readers call it before they read. From a GPU into pinned host memory the copy
         runs behind the reduction on the stream home, and the wait is for that copy only; elsewhere the copy is
         made at once and the wait does nothing."""
-        if not (shard_grad.is_cuda and shard.device.type == "cpu" and shard.is_pinned()):
+        if not (shard_grad.is_cuda and shard.device.type == "cpu" and shard.is_pinned() and read_flag(OFFLOAD_STREAMS)):
             return shard_grad.to(shard.device, shard.dtype), nothing_to_wait_for
         stream = _copy_stream(shard_grad.device, "home")
         reduced = torch.cuda.Event()
@@ -93,7 +96,7 @@ def on_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) ->
     """`tensor` (a shard) on `device` in `dtype`, for a gather. From pinned host memory to a GPU it is copied on
     the stream to the device, which waits for nothing (the host has finished with the shard), and the current
     stream waits for the copy: the host does not. Elsewhere ``tensor.to(device, dtype)``."""
-    if not (device.type == "cuda" and tensor.device.type == "cpu" and tensor.is_pinned()):
+    if not (device.type == "cuda" and tensor.device.type == "cpu" and tensor.is_pinned() and read_flag(OFFLOAD_STREAMS)):
         return tensor.to(device, dtype)
     stream = _copy_stream(device, "to the device")
     with torch.cuda.stream(stream):
