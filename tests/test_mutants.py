@@ -505,7 +505,7 @@ MUTANTS = {
         "        if False:", [EVERY_MODEL]),
     "offloaded, backward ends before the gradients have come home": (
         "fsdp_mpi/sharding/lifecycle.py", "                handle.gradient.wait_for_arrival()  #", "                #",
-        [EVERY_MODEL]),
+        [STEP_IN_BACKWARD]),
     "a rank that stopped with its checkpoint dies of the SIGTERM that srun sends as the first rank exits": (
         "fsdp_mpi/loop/stop_signals.py", "            signal.signal(stop_signal, signal.SIG_IGN)", "            pass",
         [STOPPED_BY_A_SIGNAL]),
