@@ -47,8 +47,8 @@ class FlatGradient:
         self.reduced_in_graph = False
         self._left_out_of_graph: list[tuple[int, torch.Tensor]] = []
         self._pending = None  # an asynchronous reduce-scatter: wait() returns its shard_grad
-        # Waits until the last reduced gradient copied home (offloaded, from a GPU) is there: the copies of one
-        # handle go in order, so the last one's wait covers those before it (offload.copy_home).
+        # Waits until the last reduced gradient copied home (offloaded, from a GPU) is there: the copies home go
+        # in order on one stream, so the last one's wait covers this handle's earlier ones (offload.copy_home).
         self.wait_for_arrival = nothing_to_wait_for
         self.full_buffer: BorrowedBuffer | None = None  # where backward assembles the full gradient (handle sets)
 

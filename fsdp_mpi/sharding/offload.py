@@ -76,7 +76,7 @@ class CPUOffload:
         is there: the gradient's readers call it before they read. From a GPU into pinned host memory the copy
         runs behind the reduction on the stream home, and the wait is for that copy only; elsewhere the copy is
         made at once and the wait does nothing."""
-        if not (shard_grad.is_cuda and shard.device.type == "cpu" and shard.is_pinned() and read_flag(OFFLOAD_STREAMS)):
+        if not _on_copy_streams(shard, shard_grad.device):
             return shard_grad.to(shard.device, shard.dtype), nothing_to_wait_for
         stream = _copy_stream(shard_grad.device, "home")
         reduced = torch.cuda.Event()
@@ -96,7 +96,7 @@ def on_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) ->
     """`tensor` (a shard) on `device` in `dtype`, for a gather. From pinned host memory to a GPU it is copied on
     the stream to the device, which waits for nothing (the host has finished with the shard), and the current
     stream waits for the copy: the host does not. Elsewhere ``tensor.to(device, dtype)``."""
-    if not (device.type == "cuda" and tensor.device.type == "cpu" and tensor.is_pinned() and read_flag(OFFLOAD_STREAMS)):
+    if not _on_copy_streams(tensor, device):
         return tensor.to(device, dtype)
     stream = _copy_stream(device, "to the device")
     with torch.cuda.stream(stream):
@@ -105,6 +105,12 @@ def on_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) ->
     current.wait_stream(stream)
     moved.record_stream(current)  # allocated on the copy's stream, used on this one
     return moved.to(dtype)
+
+
+def _on_copy_streams(host: torch.Tensor, device: torch.device) -> bool:
+    """Whether copies between `host` and `device` run on the copy streams: pinned host memory and a GPU (a copy
+    from pageable memory cannot overlap anything), unless ``FSDP_MPI_OFFLOAD_STREAMS=0``."""
+    return device.type == "cuda" and host.device.type == "cpu" and host.is_pinned() and read_flag(OFFLOAD_STREAMS)
 
 
 def nothing_to_wait_for() -> None:
