@@ -5,6 +5,9 @@
 - async_reduce_scatter leaves a unit's reduction running while backward goes on, one at most.
 - activation checkpointing runs each block's layers again in backward.
 - forced staging sends every collective through host buffers; chunking splits large messages.
+
+With the argument ``cold`` (ranks started cold, test_switches.py), only the eager steps, and which compilers
+they loaded: none.
 """
 
 import sys
@@ -60,8 +63,8 @@ class Counting:
         setattr(self.cls, self.method, self.original)
 
 
-def main(comm: Communicator) -> dict:
-    report = {}
+def eager_steps(comm: Communicator, report: dict) -> dict:
+    """The switches of plain eager steps: which units stay gathered, prefetching, asynchronous reductions."""
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         model = build(comm, strategy)
         loss = step(model, comm)
@@ -91,10 +94,11 @@ def main(comm: Communicator) -> dict:
             loss.backward()
         report[f"async_{asynchronous}_running_at_each_reduction"] = reductions.seen
         report[f"async_{asynchronous}_running_after_backward"] = running()
+    return report
 
-    # Until here plain eager steps: the compiler not loaded (torch's checkpoint, below, loads it).
-    report["compiler_loaded"] = [name for name in ("torch._dynamo", "torch._inductor") if name in sys.modules]
 
+def main(comm: Communicator) -> dict:
+    report = eager_steps(comm, {})
     # Activation checkpointing: each block's attention runs once in forward, once more in backward, where the
     # re-run finds its unit gathered for backward: no collective more than without checkpointing.
     for checkpointing in (False, True):
@@ -120,6 +124,13 @@ def main(comm: Communicator) -> dict:
     return report
 
 
+def compilers_loaded_by_eager_steps(comm: Communicator) -> dict:
+    """Plain eager steps load no compiler (torch's checkpoint, in `main`, does): in a rank started cold."""
+    eager_steps(comm, {})
+    return {"compiler_loaded": [name for name in ("torch._dynamo", "torch._inductor") if name in sys.modules]}
+
+
 if __name__ == "__main__":
     communicator = Communicator()
-    write_json(output_path(), main(communicator))
+    cold = sys.argv[2:] == ["cold"]
+    write_json(output_path(), compilers_loaded_by_eager_steps(communicator) if cold else main(communicator))
