@@ -9,6 +9,7 @@ the timeline's bounds, the ring formula, and refusals of bad input.
 """
 
 import csv
+import dataclasses
 import random
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import sys
 import pytest
 
 from measuring.costmodel import (Collective, Layout, Link, MeasuredNetwork, Profile, RingNetwork, Unit, collectives,
-                                 predict)
+                                 node_link_bytes, predict)
 from measuring.profiling import load_profile
 from mpi_launch import REPO_ROOT, check_ok, child_env, experiments_launcher, mpiexec, python_command
 
@@ -88,6 +89,39 @@ def test_ring_formula():
     assert network.seconds(reduce) == pytest.approx(2 * ((p - 1) * 5e-6 + (p - 1) / p * size / 10e9))
     gather = Collective("forward", "all_gather", "u", size, p, spans_nodes=False)
     assert network.seconds(gather) == pytest.approx((p - 1) * 1e-6 + (p - 1) / p * size / 100e9)
+
+
+def test_each_node_sends_the_closed_form_bytes_over_its_link_in_two_levels_and_in_one_ring():
+    """The bytes a node sends across its link for one collective over every rank of 2 nodes x 2 (p = 4, n = 2,
+    k = 2) of a buffer of S bytes, from how each route moves it. The cluster test measures the same on the
+    emulated links (test_cluster.py); this is the arithmetic alone."""
+    size = 4096  # a multiple of 4 fp32 elements per rank: no padding of the all-reduce
+    layout = Layout("FULL_SHARD", nodes=2, ranks_per_node=2)
+    link = lambda operation, levels, widened=1.0: node_link_bytes(
+        Collective("backward", operation, "u", size, 4, spans_nodes=True, widened=widened, levels=levels), layout)
+    # Two levels: across the nodes, k groups of one rank per node, each with 1/k of the buffer; in a group of
+    # n = 2 a rank sends the other node (n - 1) / n of its piece, so a node sends (n - 1) / n = 1/2 of S; an
+    # all-reduce is a reduce-scatter then an all-gather, twice that; a reduce-scatter of bf16 sums in fp32.
+    assert link("all_gather", (2, 2)) == size / 2
+    assert link("reduce_scatter", (2, 2), widened=2.0) == size
+    assert link("all_reduce", (2, 2)) == size
+    # One flat ring of 4: each node's last rank sends the next node all but the block of the rank it sends to,
+    # (p - 1) / p = 3/4 of S; a pairwise reduce-scatter sends each of a node's k ranks' blocks for the other
+    # node's k ranks straight there, k (p - k) / p = S.
+    assert link("all_gather", None) == 3 * size / 4
+    assert link("reduce_scatter", None) == size
+
+
+def test_compressed_weights_travel_as_one_byte_codes_and_a_scale_per_block():
+    """An int8 gather of a unit moves a byte per element and one fp32 scale per block of 256, bf16 two bytes,
+    what the compression tests count on the ranks (test_compression.py)."""
+    profile = small_profile(root_numel=1000, block_numel=520, blocks=1)  # shards of 500 and 260 on 2 ranks
+    gathers = lambda form: [c.bytes for c in collectives(dataclasses.replace(profile, weight_format=form),
+                                                         Layout("FULL_SHARD", nodes=1, ranks_per_node=2))
+                            if c.phase == "forward"]
+    assert gathers("int8") == [2 * (500 + 4 * 2), 2 * (260 + 4 * 2)]  # 500 and 260 elements: 2 blocks each
+    assert gathers("bf16") == [2 * 2 * 500, 2 * 2 * 260]
+    assert gathers("none") == [2 * 4 * 500, 2 * 4 * 260]
 
 
 def test_overlap_lies_between_the_longer_lane_and_the_serial_sum():
