@@ -87,6 +87,27 @@ def test_gpt2_quantized_and_bf16_keep_the_loss_and_shrink_as_expected(gpt2_run, 
     assert float(rows["int8"]["size_mb"]) == pytest.approx((4 * stored - 3 * linear_weights) / mib, abs=1e-4)
 
 
+@pytest.mark.one_rank
+def test_int8_stores_each_blocks_linear_weights_in_a_byte_and_keeps_the_tied_head():
+    """eval.py's int8 form of a gpt2-tiny, in this process (the test above sees the same through a saved run):
+    every Linear of the blocks (Conv1D made Linear) holds 1-byte weights, and the lm_head tied to the embedding
+    stays the fp32 table. How little the loss moves is the test above's (QUANTIZED_LOSS_CHANGE)."""
+    import eval
+    import torch
+    from fsdp_mpi_models.gpt2 import Conv1D, GPT2LMHeadModel, gpt2_config
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny")).eval()
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, Conv1D))
+    fp32_bytes = eval.weight_bytes(model)
+    quantized = eval.quantized_int8(model)
+    assert eval.weight_bytes(quantized) == fp32_bytes - 3 * linear_weights
+    assert quantized.lm_head.weight is quantized.transformer.wte.weight
+    with torch.no_grad():
+        logits = quantized(torch.randint(0, model.config.vocab_size, (2, 32)))[0]
+    assert logits.shape[:2] == (2, 32) and bool(logits.isfinite().all())
+
+
 def test_timings_are_ordered_percentiles_of_enough_passes(gpt2_run, tmp_path):
     model_dir, _ = gpt2_run
     for row in evaluate(model_dir, tmp_path, 1, "--precisions", "fp32"):
