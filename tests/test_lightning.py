@@ -255,19 +255,26 @@ def test_a_lost_rank_is_said_plainly_to_end_a_trainer_unless_fit_elastic_drives_
 
 
 @pytest.mark.open_mpi
-def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host(tmp_path):
-    """FULL_SHARD on 2 emulated nodes of 2 ranks, no slot to spare, a checkpoint every 2 steps: node 1's ranks
-    die as step 3 starts; the 2 survivors build the Trainer again and resume the step-2 checkpoint; once a host
-    is added to the hosts file (after step 4) the run grows back to 4 ranks at the next step's agreement,
-    resuming the step-4 checkpoint. Every step's loss, and the final weights, are plain torch's in one process."""
-    run, result = fit_elastic_run(tmp_path, "FULL_SHARD", "localhost:6")
+@pytest.mark.parametrize("strategy, shard_groups", [("FULL_SHARD", [4, 4, 2, 2, 4, 4]),
+                                                    ("HYBRID_SHARD", [2] * 6)],  # a group per node
+                         ids=["FULL_SHARD", "HYBRID_SHARD"])
+def test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host(strategy, shard_groups,
+                                                                                       tmp_path):
+    """FULL_SHARD, or HYBRID_SHARD (a shard group per node, the nodes replicas of each other), on 2 emulated nodes
+    of 2 ranks, no slot to spare, a checkpoint every 2 steps: node 1's ranks die as step 3 starts; the 2
+    survivors build the Trainer again and resume the step-2 checkpoint (fit_elastic resumes from checkpoints
+    only, HYBRID_SHARD's whole replica too); once a host is added to the hosts file (after step 4) the run grows
+    back to 4 ranks at the next step's agreement, resuming the step-4 checkpoint. Every step's loss, and the
+    final weights, are plain torch's in one process."""
+    run, result = fit_elastic_run(tmp_path, strategy, "localhost:6")
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert [line.split(". Noticed")[0].split(", in ")[0] for line in result["recoveries"]] == [
         "lost rank(s) 2, 3 of the job (4 training before); 2 rank(s) go on from the latest checkpoint at optimizer "
         "step 2",
         "hosts were added: grown back from 2 to 4 rank(s), newcomers in rank(s) 2, 3, going on from the latest "
         "checkpoint at optimizer step 4"]
-    assert result["ranks"] == result["shard_groups"] == [4, 4, 2, 2, 4, 4]  # each step's, as last taken
+    assert result["ranks"] == [4, 4, 2, 2, 4, 4]  # each step's, as last taken
+    assert result["shard_groups"] == shard_groups
     assert_trains_as_one_process(result)
 
 

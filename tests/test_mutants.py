@@ -580,7 +580,7 @@ GROW_BACK = "tests/test_elastic.py::test_hybrid_shard_grows_back_after_each_loss
 GROW_INTO_ADDED_HOSTS = ("tests/test_elastic.py::"
                          "test_a_node_lost_whole_with_no_free_slot_goes_on_shrunk_and_grows_back_once_a_host_is_added")
 LIGHTNING_ELASTIC = ("tests/test_lightning.py::"
-                     "test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host")
+                     "test_fit_elastic_goes_on_shrunk_after_a_lost_node_and_grows_back_into_an_added_host[FULL_SHARD]")
 LIGHTNING_REFUSED_GROWTH = ("tests/test_lightning.py::"
                             "test_fit_elastic_goes_on_after_a_loss_while_it_rebuilds_and_after_a_growth_that_cannot_start")
 ULFM_MUTANTS = {
