@@ -99,9 +99,9 @@ def test_each_node_sends_the_closed_form_bytes_over_its_link_in_two_levels_and_i
     layout = Layout("FULL_SHARD", nodes=2, ranks_per_node=2)
     link = lambda operation, levels, widened=1.0: node_link_bytes(
         Collective("backward", operation, "u", size, 4, spans_nodes=True, widened=widened, levels=levels), layout)
-    # Two levels: across the nodes, k groups of one rank per node, each with 1/k of the buffer; in a group of
-    # n = 2 a rank sends the other node (n - 1) / n of its piece, so a node sends (n - 1) / n = 1/2 of S; an
-    # all-reduce is a reduce-scatter then an all-gather, twice that; a reduce-scatter of bf16 sums in fp32.
+    # Two levels: across the nodes, k groups of one rank per node, each exchanging 1/k of the buffer; in a group
+    # of n = 2 a rank sends the other node (n - 1) / n of its group's 1/k, so a node's k ranks send (n - 1) / n =
+    # 1/2 of S; an all-reduce is a reduce-scatter then an all-gather, twice that; bf16 sums travel in fp32.
     assert link("all_gather", (2, 2)) == size / 2
     assert link("reduce_scatter", (2, 2), widened=2.0) == size
     assert link("all_reduce", (2, 2)) == size
