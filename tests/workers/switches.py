@@ -63,8 +63,9 @@ class Counting:
         setattr(self.cls, self.method, self.original)
 
 
-def eager_steps(comm: Communicator, report: dict) -> dict:
+def eager_steps(comm: Communicator) -> dict:
     """The switches of plain eager steps: which units stay gathered, prefetching, asynchronous reductions."""
+    report = {}
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         model = build(comm, strategy)
         loss = step(model, comm)
@@ -98,7 +99,7 @@ def eager_steps(comm: Communicator, report: dict) -> dict:
 
 
 def main(comm: Communicator) -> dict:
-    report = eager_steps(comm, {})
+    report = eager_steps(comm)
     # Activation checkpointing: each block's attention runs once in forward, once more in backward, where the
     # re-run finds its unit gathered for backward: no collective more than without checkpointing.
     for checkpointing in (False, True):
@@ -126,7 +127,7 @@ def main(comm: Communicator) -> dict:
 
 def compilers_loaded_by_eager_steps(comm: Communicator) -> dict:
     """Plain eager steps load no compiler (torch's checkpoint, in `main`, does): in a rank started cold."""
-    eager_steps(comm, {})
+    eager_steps(comm)
     return {"compiler_loaded": [name for name in ("torch._dynamo", "torch._inductor") if name in sys.modules]}
 
 
