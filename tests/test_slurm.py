@@ -112,12 +112,13 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(tm
     """The warning is sent as `#SBATCH --signal=B:USR1@120` sends it (to the batch script, which passes it
     on), but by `scancel --batch --signal=USR1` once epoch 0 is done: SLURM's own timer is only accurate
     to about a minute.
-    The requeued job's two-minute start delay is cut to 3 s so that the test need not wait for it.
+    The requeued job's two-minute start delay is cut to 3 s so that the test need not wait for it. Epochs of
+    100 steps: the warning reaches the run a few steps into epoch 1 (5 here), long before that epoch ends.
     """
     results, checkpoints, output = tmp_path / "results", tmp_path / "checkpoints", tmp_path / "job.out"
     job = job_id(subprocess.run(
         ["sbatch", "--parsable", "--ntasks=2", "--cpus-per-task=1", "--time=10", f"--output={output}",
-         "hpc/run_gpt2_cpu.sbatch", "--epochs", "2", "--steps-per-epoch", "300", "--batch-size", "4", "--seq-len", "32",
+         "hpc/run_gpt2_cpu.sbatch", "--epochs", "2", "--steps-per-epoch", "100", "--batch-size", "4", "--seq-len", "32",
          "--val-steps", "2",
          "--out-dir", str(results)],
         cwd=REPO_ROOT, env=job_environment("mpiexec", CHECKPOINT_DIR=str(checkpoints)),
