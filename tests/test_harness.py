@@ -1,5 +1,6 @@
 """The test harness's own rules (conftest.py), which every other test relies on."""
 
+import importlib.util
 import json
 import mmap
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from mpi_launch import child_env, experiments_launcher, run_mpi, warm_launcher
 from warm_ranks import CLIENT as WARM_CLIENT
+from warm_ranks import Load
 
 STARTS_CUDA = '''
 import torch
@@ -112,10 +114,11 @@ from pathlib import Path
 
 warm = "torch" in sys.modules  # a cold rank has imported nothing yet
 compiler = "torch._dynamo" in sys.modules
+lightning = "lightning.pytorch" in sys.modules
 from mpi4py import MPI
 
 rank = MPI.COMM_WORLD.Get_rank()
-report = {"warm": warm, "compiler": compiler, "hash": hash("fsdp_mpi"), "folder": os.getcwd(), "argv": sys.argv[1:],
+report = {"warm": warm, "compiler": compiler, "lightning": lightning, "hash": hash("fsdp_mpi"), "folder": os.getcwd(), "argv": sys.argv[1:],
           "interpreter_argv": sys.orig_argv,
           "program": sys.argv[0], "first_on_path": sys.path[0]}
 Path(sys.argv[1], f"{rank}.json").write_text(json.dumps(report))
@@ -124,9 +127,43 @@ sys.exit(int(sys.argv[2]) if rank == 1 else 0)
 '''
 
 
+LIGHTNING_INSTALLED = importlib.util.find_spec("lightning") is not None
+
+# A module that reads its settings as tqdm does (a walk through every variable's name and value, for those of a
+# prefix), lists the variables' names, and reads one setting by name.
+READS_AT_LOAD = '''
+import os
+
+WALKED = {name: value for name, value in os.environ.items() if name.startswith("TQDM_")}
+LISTED = [name for name in os.environ if name.startswith("FSSPEC_")]
+SETTING = os.environ.get("WARM_RANKS_SETTING")
+'''
+NOTES_FSSPEC = "import json, sys; from warm_ranks import Load; print(json.dumps(sorted(Load(['fsspec']).looked_up)))"
+
+
+def test_a_server_notes_the_variables_read_by_name_as_it_loads_not_those_a_walk_passes(tmp_path, monkeypatch):
+    """What makes a rank start cold (harness/warm_ranks.py: Load): a variable a module read by name as the server
+    loaded it, set otherwise for the rank; not one that a walk through every variable only passed (a rank's own
+    folder, its shell's variables), which would start every rank cold; fsspec's walk (imported by Lightning, the
+    servers' third module) included."""
+    (tmp_path / "reads_at_load.py").write_text(READS_AT_LOAD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("WARM_RANKS_SETTING", "1")
+    loaded = Load(["reads_at_load"])
+    assert loaded.looked_up == {"WARM_RANKS_SETTING"}
+    assert loaded.read_alike({**os.environ, "PWD": str(tmp_path), "OLDPWD": "/"})
+    assert not loaded.read_alike({**os.environ, "WARM_RANKS_SETTING": "2"})
+    assert not loaded.read_alike({**os.environ, "TQDM_MININTERVAL": "5"})  # READ_AT_LOAD's prefix
+    if importlib.util.find_spec("fsspec") is None:
+        return
+    noted = subprocess.run([sys.executable, "-c", NOTES_FSSPEC], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).parent / "harness", env={**os.environ, "PWD": str(tmp_path)})
+    assert "PWD" not in json.loads(noted.stdout) and "FSSPEC_CONFIG_DIR" in json.loads(noted.stdout)
+
+
 def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_path):
-    """Under MPICH, Open MPI and Intel MPI, a launched rank is forked from a server that imported torch and its
-    compiler: both are loaded before its first line, it runs in the launch's folder with the script's folder first
+    """Under MPICH, Open MPI and Intel MPI, a launched rank is forked from a server that imported torch, its
+    compiler and Lightning (where installed): all are loaded before its first line, it runs in the launch's folder with the script's folder first
     on sys.path and its arguments (sys.orig_argv too), two ranks hash strings apart (as cold ranks do), and the job
     ends with the exit status the script gave; a rank whose GLIBC_TUNABLES (read by the C library) or
     TORCHINDUCTOR_CACHE_DIR (looked up by torch's compiler as it loads) differ from the servers' starts cold."""
@@ -142,7 +179,8 @@ def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_p
         result = run_mpi(script, 2, out, exit_status, env=differing, cwd=tmp_path)
         assert result.returncode == exit_status, result.stderr[-2000:]
         reports = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
-        assert [(report["warm"], report["compiler"]) for report in reports] == [(not differing,) * 2] * 2
+        assert [(report["warm"], report["compiler"], report["lightning"]) for report in reports] == [
+            (not differing, not differing, LIGHTNING_INSTALLED and not differing)] * 2
         assert {report["folder"] for report in reports} == {str(tmp_path)}
         assert {report["first_on_path"] for report in reports} == {str(script.parent)}
         assert reports[0]["argv"] == [str(out), str(exit_status)]

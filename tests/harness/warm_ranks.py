@@ -2,14 +2,16 @@
 
 A rank of a test job spends 3-5 s of this machine's time importing torch before its first line of work (a job
 of 3 ranks on 2 cores, 6 s), and 1.3-1.9 s more where it makes its first torch optimizer, whose methods load
-torch's compiler (dynamo, and sympy with it); the suite starts several hundred jobs. Here a server imports both
-once, and mpiexec starts this file, as a client, in place of the rank's script (``mpi_launch.python_command``).
-The client hands the server its standard streams, the descriptor through which Hydra (MPICH's launcher) talks
-to the rank (``PMI_FD``; Open MPI's rank finds its launcher's daemon through its environment alone), its
-environment, folder and arguments; the server forks the rank,
-which runs the script as ``python script args`` would. The client stays the launcher's process: it passes
-signals on to the rank and ends as the rank ends, with its exit status or killed by the same signal; killed
-itself, its rank is killed.
+torch's compiler (dynamo, and sympy with it); a rank of the Lightning strategy's tests or the experiments'
+lightning-* strategies about 3 s more importing Lightning; the suite starts several hundred jobs. Here a server
+imports them once (Lightning where installed: its import also adds two warning filters, one that hides torch
+FSDP1's FutureWarning on ``state_dict_type``, which every warm rank then has), and mpiexec starts this file, as
+a client, in place of the rank's script (``mpi_launch.python_command``). The client hands the server its
+standard streams, the descriptor through which Hydra (MPICH's launcher) talks to the rank (``PMI_FD``; Open
+MPI's rank finds its launcher's daemon through its environment alone), its environment, folder and arguments;
+the server forks the rank, which runs the script as ``python script args`` would. The client stays the
+launcher's process: it passes signals on to the rank and ends as the rank ends, with its exit status or killed
+by the same signal; killed itself, its rank is killed.
 
 Where a warm rank could differ from a cold one, the client execs ``python script`` itself: no server, a
 launcher other than the Hydras of MPICH and Intel MPI and Open MPI's (``mpi_launch.warm_launcher`` decides), or an
@@ -28,6 +30,7 @@ code of the script's own checkout.
 
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import select
@@ -40,12 +43,15 @@ import tempfile
 from pathlib import Path
 
 SOCKETS_ENV = "FSDP_MPI_WARM_RANKS"  # the servers' sockets, os.pathsep-separated; "0": every rank starts cold
-PRELOADED = ("torch", "torch._dynamo")  # the second: what torch.optim.Optimizer's first construction loads
+# The second: what torch.optim.Optimizer's first construction loads. The third, where installed: what a rank of
+# the Lightning strategy's, Lightning's own or the experiments' lightning-* strategies imports first (3 s).
+PRELOADED = ("torch", "torch._dynamo", *(["lightning.pytorch"] if importlib.util.find_spec("lightning") else []))
 # Read by the loader, the C libraries or torch while they load: a rank whose value differs starts cold, as does
 # one whose value differs for a variable that Python code looked up while the server imported PRELOADED (``Load``).
 # (PYTHONHASHSEED: the servers' own; a rank that sets it starts cold.)
 READ_AT_LOAD = ("GLIBC_TUNABLES", "LD_", "MALLOC_", "OMP_", "MKL_", "KMP_", "PYTHONMALLOC", "PYTHONOPTIMIZE",
-                "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "TORCH_", "TQDM_")
+                "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "TORCH_", "TQDM_", "FSSPEC_")
+WALKERS = {("fsspec.config", "set_conf_env")}  # (module, function): see Load
 _HEADER = struct.Struct("!Q")
 CLIENT = os.path.abspath(__file__)  # what mpiexec starts in place of `python script args`
 
@@ -156,15 +162,20 @@ def serve(path: str) -> None:
 class Load:
     """The server's import of `modules`, and what of its environment it read: the variables that Python code
     looked up in ``os.environ`` meanwhile (by ``[]``, ``get``, ``in`` or ``os.getenv``: torch's and its
-    compiler's settings, sympy's, the temporary folder), which modules read as they load and keep. A module
-    that goes through every variable for those it wants (tqdm, imported by torch, for its TQDM_ settings) is
-    named in READ_AT_LOAD instead: noting every variable it passes would start every rank cold."""
+    compiler's settings, sympy's, Lightning's rank variables, the temporary folder), which modules read as they
+    load and keep. A function that goes through every variable for those it wants is a walker: what it reads is
+    not noted, and its module's prefix is named in READ_AT_LOAD instead (noting every variable it passes would
+    start every rank cold). tqdm's, imported by torch, walks ``os.environ.items()`` for its TQDM_ settings (the
+    lookups then come from the items' ``__iter__``); fsspec's ``set_conf_env``, imported by Lightning, copies
+    ``dict(os.environ)`` for its FSSPEC_ ones (WALKERS)."""
 
     def __init__(self, modules):
         self.before, self.looked_up, look_up = dict(os.environ), set(), os._Environ.__getitem__
 
         def noting(environment, name):
-            if sys._getframe(1).f_code.co_name != "__iter__":  # not a walk through every variable (above)
+            caller = sys._getframe(1)
+            if caller.f_code.co_name != "__iter__" and (caller.f_globals.get("__name__"),
+                                                         caller.f_code.co_name) not in WALKERS:
                 self.looked_up.add(name)
             return look_up(environment, name)
 
