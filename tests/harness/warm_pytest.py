@@ -12,6 +12,7 @@ per line on its stdout ({returncode}, or {timed_out}). A run's output goes to it
 """
 
 import gc
+import importlib.util
 import json
 import os
 import signal
@@ -23,7 +24,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 OWN_FOLDERS = tuple(str(REPO / folder) + os.sep for folder in ("fsdp_mpi", "models", "experiments", "tests"))
-PRELOADED = ("torch", "torch._dynamo", "numpy", "pytest")  # what every mutant's run would import first, slowly
+# What every mutant's run would import first, slowly; and Lightning, where installed, which a run of the Lightning
+# strategy's tests imports (3 s).
+PRELOADED = ("torch", "torch._dynamo", "numpy", "pytest",
+             *(["lightning.pytorch"] if importlib.util.find_spec("lightning") else []))
 
 
 class WarmPytest:
