@@ -189,8 +189,8 @@ def test_a_node_that_loses_its_link_is_named_by_the_watchdog_within_its_timeout(
 
 # ----------------------------------------------------------------- SLURM on the nodes
 
-# Epochs of 100 steps (0.04 s each here): the warning sent once epoch 0 ends stops the run 5 steps into epoch 1,
-# long before it ends; the lost-node test below keeps 80 steps for its reaction in the same way.
+# Epochs of 100 steps (0.04 s each here): the warning sent once epoch 0 ends stops the run a few steps into epoch 1
+# (2-10 here), long before it ends; the lost-node test below keeps 80 steps for its reaction in the same way.
 TINY = ["--epochs", "2", "--steps-per-epoch", "100", "--batch-size", "4", "--seq-len", "32", "--val-steps", "2"]
 
 

@@ -118,9 +118,8 @@ lightning = "lightning.pytorch" in sys.modules
 from mpi4py import MPI
 
 rank = MPI.COMM_WORLD.Get_rank()
-report = {"warm": warm, "compiler": compiler, "lightning": lightning, "hash": hash("fsdp_mpi"), "folder": os.getcwd(), "argv": sys.argv[1:],
-          "interpreter_argv": sys.orig_argv,
-          "program": sys.argv[0], "first_on_path": sys.path[0]}
+report = {"warm": warm, "compiler": compiler, "lightning": lightning, "hash": hash("fsdp_mpi"), "folder": os.getcwd(),
+          "argv": sys.argv[1:], "interpreter_argv": sys.orig_argv, "program": sys.argv[0], "first_on_path": sys.path[0]}
 Path(sys.argv[1], f"{rank}.json").write_text(json.dumps(report))
 MPI.COMM_WORLD.Barrier()
 sys.exit(int(sys.argv[2]) if rank == 1 else 0)
@@ -138,7 +137,7 @@ WALKED = {name: value for name, value in os.environ.items() if name.startswith("
 LISTED = [name for name in os.environ if name.startswith("FSSPEC_")]
 SETTING = os.environ.get("WARM_RANKS_SETTING")
 '''
-NOTES_FSSPEC = "import json, sys; from warm_ranks import Load; print(json.dumps(sorted(Load(['fsspec']).looked_up)))"
+NOTES_FSSPEC = "import json; from warm_ranks import Load; print(json.dumps(sorted(Load(['fsspec']).looked_up)))"
 
 
 def test_a_server_notes_the_variables_read_by_name_as_it_loads_not_those_a_walk_passes(tmp_path, monkeypatch):
@@ -163,9 +162,9 @@ def test_a_server_notes_the_variables_read_by_name_as_it_loads_not_those_a_walk_
 
 def test_launched_ranks_start_warm_hash_apart_and_end_as_their_script_does(tmp_path):
     """Under MPICH, Open MPI and Intel MPI, a launched rank is forked from a server that imported torch, its
-    compiler and Lightning (where installed): all are loaded before its first line, it runs in the launch's folder with the script's folder first
-    on sys.path and its arguments (sys.orig_argv too), two ranks hash strings apart (as cold ranks do), and the job
-    ends with the exit status the script gave; a rank whose GLIBC_TUNABLES (read by the C library) or
+    compiler and Lightning (where installed): all are loaded before its first line, it runs in the launch's folder
+    with the script's folder first on sys.path and its arguments (sys.orig_argv too), two ranks hash strings apart
+    (as cold ranks do), and the job ends with the exit status the script gave; a rank whose GLIBC_TUNABLES (read by the C library) or
     TORCHINDUCTOR_CACHE_DIR (looked up by torch's compiler as it loads) differ from the servers' starts cold."""
     if warm_launcher() is None:
         pytest.skip("this launcher's ranks start cold (harness/mpi_launch.py: warm_launcher)")

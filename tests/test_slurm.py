@@ -113,7 +113,7 @@ def test_a_job_warned_before_its_time_limit_checkpoints_requeues_and_finishes(tm
     on), but by `scancel --batch --signal=USR1` once epoch 0 is done: SLURM's own timer is only accurate
     to about a minute.
     The requeued job's two-minute start delay is cut to 3 s so that the test need not wait for it. Epochs of
-    100 steps: the warning reaches the run a few steps into epoch 1 (5 here), long before that epoch ends.
+    100 steps: the warning reaches the run a few steps into epoch 1 (2-10 here), long before that epoch ends.
     """
     results, checkpoints, output = tmp_path / "results", tmp_path / "checkpoints", tmp_path / "job.out"
     job = job_id(subprocess.run(
